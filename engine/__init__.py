@@ -1,0 +1,11 @@
+"""decider's scoring core: load a Qwen3.5-family model, prepare question schemas once, score states fast.
+
+Knows nothing of Kafka.  See `SchemaEngine` for the request path and `engine.reference.score_full` for the oracle.
+"""
+from engine.errors import InputError, ModelLoadError
+from engine.loader import Engine
+from engine.prompt import MAX_OPTIONS, QWEN_CHAT, ChatTemplate
+from engine.schema_engine import PreparedSchema, SchemaEngine, TokenizedState
+
+__all__ = ["Engine", "SchemaEngine", "PreparedSchema", "TokenizedState", "MAX_OPTIONS", "ChatTemplate", "QWEN_CHAT",
+           "InputError", "ModelLoadError"]

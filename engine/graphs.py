@@ -1,0 +1,73 @@
+"""CUDA graphs of the scoring step, one per (schema, batch bucket, length bucket), sharing one memory pool.
+
+Like vLLM's graph manager: fixed buckets, warm-up on a side stream, capture largest first (so smaller graphs reuse
+the pool's blocks), replay after copying inputs into the static buffers, and slice the static output.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+TS_BUCKETS = (32, 48, 64, 96, 128, 160, 192, 256, 384, 512, 768, 1024, 1536, 2048)
+"""Suffix lengths graphs are captured for; longer suffixes run eagerly."""
+B_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128)
+"""Requests per graph; larger batches are split into chunks of the largest."""
+
+
+def bucket(n: int, buckets: tuple[int, ...]) -> int | None:
+    """The smallest bucket >= n, or None past the largest."""
+    return next((b for b in buckets if b >= n), None)
+
+
+@dataclass
+class CapturedStep:
+    graph: torch.cuda.CUDAGraph
+    inputs: tuple[torch.Tensor, ...]      # static input buffers, filled before each replay
+    output: torch.Tensor                  # static output, valid until the next replay of any graph in the pool
+    keep: object                          # tensors the graph reads that nothing else holds (positions, masks)
+
+    def replay(self, *values: torch.Tensor) -> torch.Tensor:
+        for buf, val in zip(self.inputs, values):
+            buf.copy_(val, non_blocking=True)
+        self.graph.replay()
+        return self.output
+
+
+class GraphCache:
+    """Captured steps by key; `stats` counts captures and replays."""
+
+    def __init__(self, pool):
+        self.pool = pool
+        self.steps: dict[tuple, CapturedStep] = {}
+        self.stats = {"captures": 0, "replays": 0}
+
+    def run(self, key: tuple, inputs: tuple[torch.Tensor, ...], build: Callable[[], tuple[Callable, object]]):
+        """Replay the step for `key` on `inputs`, capturing it first if needed.
+
+        build() -> (fn, keep): fn(*static_inputs) -> output, closed over whatever `keep` holds.
+        """
+        step = self.steps.get(key)
+        if step is None:
+            step = self.steps[key] = self.capture(inputs, *build())
+        self.stats["replays"] += 1
+        return step.replay(*inputs)
+
+    def capture(self, example: tuple[torch.Tensor, ...], fn: Callable, keep: object) -> CapturedStep:
+        static = tuple(x.clone() for x in example)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):          # warm-up: lazy inits and autotuning happen outside the capture
+            for _ in range(2):
+                fn(*static)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = fn(*static)
+        self.stats["captures"] += 1
+        return CapturedStep(graph, static, out, keep)
+
+    def drop(self, schema_id: int) -> None:
+        for key in [k for k in self.steps if k[0] == schema_id]:
+            del self.steps[key]

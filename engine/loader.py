@@ -1,0 +1,151 @@
+"""Loading a model of the Qwen3.5 family from a local Hugging Face directory."""
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+
+from engine.errors import ModelLoadError
+from engine.prompt import MAX_OPTIONS, label_token_ids
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_MODEL_TYPES = ("qwen3_5_text", "qwen3_5")
+"""Text checkpoints, and the published multimodal ones whose language model is loaded alone."""
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+_DEFAULT_DTYPE = {"cpu": "float32", "cuda": "bfloat16"}
+
+
+class Engine:
+    """A loaded model on one device: the transformers module, its tokenizer, and the option-label read-out.
+
+    Attributes: `model` (Qwen3_5ForCausalLM), `core` (its decoder), `cfg` (text config), `tok`, `dev`, `dtype`,
+    `W` ([MAX_OPTIONS, hidden]: the unembedding rows of the labels " A".." H"), `label_ids`, `pool` (the CUDA-graph
+    memory pool, None on CPU), `use_graphs`, `model_id`.
+    """
+
+    def __init__(self, model, tok, model_id: str, use_graphs: bool | None = None):
+        self.model = model.eval()
+        self.core = model.model
+        self.cfg = model.config
+        self.tok = tok
+        self.model_id = model_id
+        p = next(model.parameters())
+        self.dev, self.dtype = p.device, p.dtype
+        self.label_ids = label_token_ids(tok)
+        self.W = model.lm_head.weight[self.label_ids].detach().clone()          # [MAX_OPTIONS, hidden]
+        self.pool = torch.cuda.graph_pool_handle() if self.dev.type == "cuda" else None
+        self.use_graphs = (self.dev.type == "cuda") if use_graphs is None else (use_graphs and self.dev.type == "cuda")
+
+    @classmethod
+    def load(cls, model_dir: str | Path, device: str = "cpu", dtype: str | None = None,
+             use_graphs: bool | None = None) -> "Engine":
+        """Load a local HF directory of the Qwen3.5 family onto `device` ("cpu", "cuda", "cuda:N").
+
+        dtype: "float32" | "bfloat16" | "float16"; default float32 on CPU, bfloat16 on CUDA.
+        Raises ModelLoadError (a ValueError) naming what is missing or unsupported.
+        """
+        from transformers import AutoTokenizer
+
+        model_dir = Path(model_dir)
+        dev = _device(device)
+        torch_dtype = _dtype(dtype or _DEFAULT_DTYPE[dev.type])
+        text_cfg = read_text_config(model_dir)
+        if not any((model_dir / f).exists() for f in _TOKENIZER_FILES):
+            raise ModelLoadError(f"{model_dir}: no tokenizer (expected one of {', '.join(_TOKENIZER_FILES)})")
+        tok = AutoTokenizer.from_pretrained(model_dir)
+        model = build_model(text_cfg, load_weights(model_dir), dev, torch_dtype)
+        log.info("loaded %s on %s (%s): %d layers", model_dir, dev, torch_dtype, text_cfg.num_hidden_layers)
+        return cls(model, tok, model_id=model_dir.name, use_graphs=use_graphs)
+
+
+def read_text_config(model_dir: Path):
+    """The Qwen3.5 text config of a model directory, or ModelLoadError."""
+    from transformers import Qwen3_5TextConfig
+
+    if not model_dir.is_dir():
+        raise ModelLoadError(f"{model_dir}: model directory does not exist")
+    cfg_file = model_dir / "config.json"
+    if not cfg_file.exists():
+        raise ModelLoadError(f"{model_dir}: missing config.json (not a Hugging Face model directory)")
+    try:
+        raw = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"{cfg_file}: not valid JSON ({e})") from None
+    model_type = raw.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ModelLoadError(f"{model_dir}: model_type {model_type!r} is not supported; decider runs the Qwen3.5 "
+                             f"hybrid family ({', '.join(SUPPORTED_MODEL_TYPES)})")
+    if model_type == "qwen3_5":
+        raw = {**raw.get("text_config", {}), "tie_word_embeddings": raw.get("tie_word_embeddings", False)}
+    raw.pop("model_type", None)
+    return Qwen3_5TextConfig(**raw)
+
+
+def load_weights(model_dir: Path) -> dict[str, torch.Tensor]:
+    """All tensors of the directory's safetensors files, with multimodal checkpoints' keys mapped to the text model's."""
+    from safetensors.torch import load_file
+
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{model_dir}: no *.safetensors weight files")
+    state = {}
+    for f in files:
+        for key, t in load_file(f).items():
+            key = key.replace("model.language_model.", "model.")
+            if key.startswith(("model.visual.", "mtp.")):
+                continue
+            state[key] = t
+    return state
+
+
+def build_model(text_cfg, state: dict[str, torch.Tensor], dev: torch.device, dtype: torch.dtype):
+    """A Qwen3_5ForCausalLM holding `state`; ModelLoadError if weights are missing or misshapen."""
+    from transformers import Qwen3_5ForCausalLM
+
+    if "lm_head.weight" not in state and text_cfg.tie_word_embeddings:
+        state["lm_head.weight"] = state.get("model.embed_tokens.weight")
+    with torch.device("meta"):
+        model = Qwen3_5ForCausalLM(text_cfg)
+    expected = {k for k in model.state_dict()}
+    missing = sorted(expected - state.keys())
+    if missing:
+        raise ModelLoadError(f"weights missing for {len(missing)} parameters, e.g. {missing[:3]}")
+    try:
+        model.load_state_dict({k: state[k] for k in expected}, assign=True, strict=True)
+    except RuntimeError as e:
+        raise ModelLoadError(f"weights do not fit the config: {str(e).splitlines()[0]}") from None
+    model.tie_weights()
+    _materialize_buffers(model, text_cfg)
+    return model.to(device=dev, dtype=dtype).eval()
+
+
+def _materialize_buffers(model, text_cfg) -> None:
+    # Non-persistent buffers (the RoPE frequencies) are not in the checkpoint: rebuild them off the meta device.
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextRotaryEmbedding
+
+    model.model.rotary_emb = Qwen3_5TextRotaryEmbedding(text_cfg)
+
+
+def _device(device: str) -> torch.device:
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ModelLoadError(f"device {device!r}: expected cpu, cuda or cuda:N") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ModelLoadError(f"device {device!r}: CUDA is not available on this machine")
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+    elif dev.type != "cpu":
+        raise ModelLoadError(f"device {device!r}: expected cpu, cuda or cuda:N")
+    return dev
+
+
+def _dtype(name: str) -> torch.dtype:
+    table = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if name not in table:
+        raise ModelLoadError(f"dtype {name!r}: expected one of {', '.join(table)}")
+    return table[name]

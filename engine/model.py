@@ -1,0 +1,203 @@
+"""The Qwen3.5 hybrid forward, written for scoring against a cached prefix.
+
+transformers' modules hold the weights (names match the checkpoint: `model.layers.N.linear_attn.in_proj_qkv`, ...) and
+compute norms, projections, RoPE and MLPs; this file owns the order of operations and the layer states, so that:
+
+- a *prefix pass* (one prefix, batch 1) returns each layer's state: K/V (after RoPE) for full-attention layers, the
+  last K-1 conv inputs and the recurrent state for Gated DeltaNet layers (`PrefixState`);
+- a *suffix pass* continues R x P rows from P shared prefixes without writing to them and without copying the prefix
+  K/V into every row: suffix queries attend to the prefix keys through one batched product per layer.
+
+Rows are ordered r * P + p: request r, prefix p (P = 1 packed, P = n_questions independent).  Rows are right-padded;
+everything here is causal, so padding after a row's last real token never reaches that row's slots.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from transformers.activations import ACT2FN
+from transformers.models.qwen3_5.modeling_qwen3_5 import apply_rotary_pos_emb
+
+from engine.kernels import gated_delta_rule
+
+
+@dataclass
+class PrefixState:
+    """Read-only layer states of P prefixes (right-padded to the longest, `tpmax` tokens)."""
+    lengths: list[int]
+    k: dict[int, torch.Tensor] = field(default_factory=dict)      # layer -> [P, Hkv, tpmax, D]
+    v: dict[int, torch.Tensor] = field(default_factory=dict)      # layer -> [P, Hkv, tpmax, D]
+    conv: dict[int, torch.Tensor] = field(default_factory=dict)   # layer -> [P, C, K-1]
+    rec: dict[int, torch.Tensor] = field(default_factory=dict)    # layer -> [P, Hv, Dk, Dv]
+    key_bias: torch.Tensor | None = None                          # [P, tpmax]: 0 on a prefix's tokens, -inf past its end
+
+    @property
+    def P(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def tpmax(self) -> int:
+        return max(self.lengths)
+
+    @property
+    def nbytes(self) -> int:
+        tensors = [*self.k.values(), *self.v.values(), *self.conv.values(), *self.rec.values(), self.key_bias]
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+    @staticmethod
+    def stack(parts: list["PrefixState"]) -> "PrefixState":
+        """One state for several single prefixes: K/V right-padded to the longest; the key bias hides the padding."""
+        lengths = [p.lengths[0] for p in parts]
+        tpmax = max(lengths)
+        pad = lambda t: F.pad(t, (0, 0, 0, tpmax - t.shape[2]))
+        out = PrefixState(lengths=lengths)
+        for name in ("k", "v"):
+            getattr(out, name).update({i: torch.cat([pad(getattr(p, name)[i]) for p in parts]) for i in parts[0].k})
+        for name in ("conv", "rec"):
+            getattr(out, name).update({i: torch.cat([getattr(p, name)[i] for p in parts]) for i in getattr(parts[0], name)})
+        dev = next(iter(parts[0].rec.values())).device if parts[0].rec else "cpu"
+        bias = torch.zeros(len(parts), tpmax, device=dev)
+        for j, n in enumerate(lengths):
+            bias[j, n:] = float("-inf")
+        out.key_bias = bias
+        return out
+
+
+class _PrefixRecorder:
+    """Context of a prefix pass: no previous state; keeps every layer's final state."""
+
+    def __init__(self, length: int):
+        self.state = PrefixState(lengths=[length])
+
+    def conv_prev(self, i, x):
+        return None
+
+    def rec_prev(self, i):
+        return None
+
+    def keep(self, kind: str, i: int, t: torch.Tensor) -> None:
+        getattr(self.state, kind)[i] = t.detach().clone()
+
+    def attend(self, i, q, k, v, scale):
+        self.keep("k", i, k)
+        self.keep("v", i, v)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+
+
+class SuffixContext:
+    """Context of a suffix pass over R * P rows continuing `prefix`; build it once per (R, T) shape (graphs keep it)."""
+
+    def __init__(self, prefix: PrefixState, R: int, T: int, device):
+        self.prefix, self.R, self.P, self.T = prefix, R, prefix.P, T
+        lengths = torch.tensor(prefix.lengths, device=device)
+        self.positions = (lengths.repeat(R)[:, None] + torch.arange(T, device=device)[None, :]).contiguous()   # [B, T]
+        causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()
+        self.self_bias = torch.zeros(T, T, device=device).masked_fill(~causal, float("-inf"))                # [T, T]
+
+    def _rows(self, t: torch.Tensor) -> torch.Tensor:
+        # [P, ...] -> [R * P, ...] in row order r * P + p
+        return t.expand(self.R, *t.shape[1:]) if self.P == 1 else t.repeat(self.R, *([1] * (t.dim() - 1)))
+
+    def conv_prev(self, i, x):
+        return self._rows(self.prefix.conv[i]).to(x.dtype)
+
+    def rec_prev(self, i):
+        return self._rows(self.prefix.rec[i]).contiguous()
+
+    def keep(self, kind, i, t):
+        pass   # the prefix is read-only: a suffix pass never writes state back
+
+    def attend(self, i, q, k, v, scale):
+        """q: [B, Hq, T, D]; k, v: [B, Hkv, T, D] (this suffix). Softmax over [own prefix keys | causal suffix keys]."""
+        R, P, T = self.R, self.P, self.T
+        B, Hq, _, D = q.shape
+        Hkv = k.shape[1]
+        G = Hq // Hkv
+        kp, vp = self.prefix.k[i], self.prefix.v[i]                                       # [P, Hkv, Tp, D]
+        Tp = kp.shape[2]
+        # queries of every row that continues prefix p, as one matrix per (p, kv head): no per-row prefix copies
+        qp = q.reshape(R, P, Hkv, G * T, D).permute(1, 2, 0, 3, 4).reshape(P, Hkv, R * G * T, D)
+        s_pre = (qp @ kp.transpose(-1, -2)).float() * scale + self.prefix.key_bias[:, None, None, :]   # [P,Hkv,R*G*T,Tp]
+        s_pre = s_pre.view(P, Hkv, R, G * T, Tp).permute(2, 0, 1, 3, 4).reshape(B, Hkv, G * T, Tp)
+        qs = q.reshape(B, Hkv, G * T, D)
+        s_self = (qs @ k.transpose(-1, -2)).float() * scale                                # [B, Hkv, G*T, T]
+        s_self = (s_self.view(B, Hkv, G, T, T) + self.self_bias).view(B, Hkv, G * T, T)
+        a = torch.softmax(torch.cat([s_pre, s_self], -1), -1).to(q.dtype)
+        a_pre, a_self = a.split([Tp, T], -1)
+        a_pre = a_pre.view(R, P, Hkv, G * T, Tp).permute(1, 2, 0, 3, 4).reshape(P, Hkv, R * G * T, Tp)
+        o_pre = (a_pre @ vp).view(P, Hkv, R, G * T, D).permute(2, 0, 1, 3, 4).reshape(B, Hkv, G * T, D)
+        out = o_pre + a_self @ v                                                           # [B, Hkv, G*T, D]
+        return out.reshape(B, Hq, T, D)
+
+
+class HybridForward:
+    """Runs the decoder layers of a transformers `Qwen3_5ForCausalLM` with explicit layer states."""
+
+    def __init__(self, causal_lm):
+        self.core = causal_lm.model
+        self.cfg = causal_lm.config
+        dev = next(causal_lm.parameters()).device
+        self.delta_rule, self.delta_rule_name = gated_delta_rule(dev.type)
+
+    @torch.no_grad()
+    def prefix(self, ids: list[int]) -> PrefixState:
+        """Run one prefix (batch 1) and return its layer states."""
+        dev = self.core.embed_tokens.weight.device
+        x = torch.tensor([ids], device=dev)
+        rec = _PrefixRecorder(len(ids))
+        self.layers(x, torch.arange(len(ids), device=dev)[None], rec)
+        return rec.state
+
+    def layers(self, ids: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
+        """ids, positions: [B, T] -> hidden states [B, T, hidden] before the final norm."""
+        h = self.core.embed_tokens(ids)
+        cos, sin = self.core.rotary_emb(h, positions[None].expand(3, -1, -1))
+        for i, layer in enumerate(self.core.layers):
+            x = layer.input_layernorm(h)
+            if layer.block_type == "linear_attention":
+                x = self._gated_delta_net(layer.linear_attn, x, i, ctx)
+            else:
+                x = self._attention(layer.self_attn, x, cos, sin, i, ctx)
+            h = h + x
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return h
+
+    def _attention(self, attn, x, cos, sin, i, ctx):
+        B, T, _ = x.shape
+        D = attn.head_dim
+        q, gate = torch.chunk(attn.q_proj(x).view(B, T, -1, 2 * D), 2, dim=-1)             # [B, T, Hq, D] each
+        gate = gate.reshape(B, T, -1)
+        q = attn.q_norm(q).transpose(1, 2)                                                 # [B, Hq, T, D]
+        k = attn.k_norm(attn.k_proj(x).view(B, T, -1, D)).transpose(1, 2)                  # [B, Hkv, T, D]
+        v = attn.v_proj(x).view(B, T, -1, D).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        out = ctx.attend(i, q, k, v, attn.scaling)                                         # [B, Hq, T, D]
+        out = out.transpose(1, 2).reshape(B, T, -1) * torch.sigmoid(gate)
+        return attn.o_proj(out)
+
+    def _gated_delta_net(self, lin, x, i, ctx):
+        B, T, _ = x.shape
+        K = lin.conv_kernel_size
+        qkv = lin.in_proj_qkv(x).transpose(1, 2)                                            # [B, C, T]
+        prev = ctx.conv_prev(i, qkv)
+        full = F.pad(qkv, (K - 1, 0)) if prev is None else torch.cat([prev, qkv], -1)     # [B, C, K-1+T]
+        ctx.keep("conv", i, full[:, :, -(K - 1):])
+        qkv = ACT2FN[lin.activation](F.conv1d(full, lin.conv1d.weight, groups=lin.conv_dim)).transpose(1, 2)
+        q, k, v = torch.split(qkv, [lin.key_dim, lin.key_dim, lin.value_dim], dim=-1)
+        q = q.reshape(B, T, -1, lin.head_k_dim)
+        k = k.reshape(B, T, -1, lin.head_k_dim)
+        v = v.reshape(B, T, -1, lin.head_v_dim)
+        beta = lin.in_proj_b(x).sigmoid()
+        g = -lin.A_log.float().exp() * F.softplus(lin.in_proj_a(x).float() + lin.dt_bias)
+        if lin.num_v_heads > lin.num_k_heads:
+            rep = lin.num_v_heads // lin.num_k_heads
+            q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
+        out, final = self.delta_rule(q, k, v, g=g, beta=beta, initial_state=ctx.rec_prev(i),
+                                     output_final_state=isinstance(ctx, _PrefixRecorder), use_qk_l2norm_in_kernel=True)
+        if final is not None:
+            ctx.keep("rec", i, final)
+        z = lin.in_proj_z(x)
+        out = lin.norm(out.reshape(-1, lin.head_v_dim), z.reshape(-1, lin.head_v_dim)).reshape(B, T, -1)
+        return lin.out_proj(out)

@@ -1,0 +1,151 @@
+"""The schema-first prompt layout.
+
+A prompt is cut in two at the point where the state enters:
+
+    prefix (depends only on the questions; computed once per schema and cached)
+        [chat head] instructions, then every question with its lettered options
+    suffix (per state; the only part run per request)
+        "Context:" <state> [chat tail] "Answer 1:" "Answer 2:" ...   <- one answer slot per question
+
+An answer slot is the last token of its "Answer i:" piece: the model's next-token distribution there, read over the
+option-label tokens " A", " B", ..., is the answer.  Slots never contain an answer, so no question's answer can leak
+into another's.  Pieces are tokenized separately and concatenated as ids, so slot positions are exact and the
+oracle (`engine.reference`) runs the very same ids.
+
+Long states are truncated to `max_ctx_tokens` keeping their END: streams carry log windows, transcripts and event
+histories whose most recent part is what a decision is about; a marker token sequence ("…") says text was cut.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from engine.errors import InputError
+
+MAX_OPTIONS = 8
+"""Options per question at most: the read-out has one unembedding row per label A..H."""
+
+CHAT_SPECIAL_TOKENS = ["<|im_start|>", "<|im_end|>"]
+INSTRUCTIONS = ("You will read a situation and answer multiple-choice questions about it. "
+                "Answer each question with the letter of one option.\n\n")
+TRUNCATION_MARK = "…"
+DEFAULT_MAX_CTX_TOKENS = 1536
+
+
+def option_label(i: int) -> str:
+    """The letter that names option i (0 -> "A")."""
+    return chr(ord("A") + i)
+
+
+@dataclass(frozen=True)
+class Question:
+    text: str
+    options: tuple[str, ...]
+    temperature: float = 1.0
+    id: str | None = None
+
+
+@dataclass(frozen=True)
+class ChatTemplate:
+    """The wrapping of a chat-tuned model: `head` opens the user turn, `tail` closes it and opens the answer turn."""
+    head: str
+    tail: str
+
+
+QWEN_CHAT = ChatTemplate(head="<|im_start|>user\n",
+                         tail="<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n")
+
+
+def parse_questions(questions: Any) -> list[Question]:
+    """Validate user question dicts ({"question", "options", optional "temperature" and "id"}) into Questions.
+
+    Raises ValueError naming the question and the problem.
+    """
+    if isinstance(questions, (str, bytes)) or not isinstance(questions, Sequence):
+        raise InputError("questions: expected a list of {'question': str, 'options': [str, ...]} objects")
+    if not questions:
+        raise InputError("questions: the schema has no questions")
+    return [_parse_question(i, q) for i, q in enumerate(questions)]
+
+
+def _parse_question(i: int, q: Any) -> Question:
+    where = f"question {i + 1}"
+    if not isinstance(q, dict):
+        raise InputError(f"{where}: expected an object with 'question' and 'options', got {type(q).__name__}")
+    text = q.get("question")
+    if not isinstance(text, str) or not text.strip():
+        raise InputError(f"{where}: 'question' must be a non-empty string")
+    options = q.get("options")
+    if isinstance(options, (str, bytes)) or not isinstance(options, Sequence):
+        raise InputError(f"{where} ({text!r}): 'options' must be a list of strings")
+    if not 2 <= len(options) <= MAX_OPTIONS:
+        raise InputError(f"{where} ({text!r}): has {len(options)} options; between 2 and {MAX_OPTIONS} are allowed")
+    if not all(isinstance(o, str) and o.strip() for o in options):
+        raise InputError(f"{where} ({text!r}): every option must be a non-empty string")
+    dupes = sorted({o for o in options if options.count(o) > 1})
+    if dupes:
+        raise InputError(f"{where} ({text!r}): duplicate options {dupes}")
+    return Question(text=text.strip(), options=tuple(options), temperature=check_temperature(q.get("temperature", 1.0), where),
+                    id=q.get("id"))
+
+
+def check_temperature(t: Any, where: str = "temperature") -> float:
+    """A positive finite float, or ValueError."""
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < float(t) < float("inf"):
+        raise InputError(f"{where}: temperature must be a positive number, got {t!r}")
+    return float(t)
+
+
+def build_schema_first(questions: Sequence[Question], chat: ChatTemplate | None = None) -> str:
+    """The prefix text: optional chat head, the instructions, then each question with lettered options."""
+    blocks = []
+    numbered = len(questions) > 1
+    for n, q in enumerate(questions, 1):
+        title = f"Question {n}: {q.text}" if numbered else f"Question: {q.text}"
+        opts = "\n".join(f"{option_label(j)}. {o}" for j, o in enumerate(q.options))
+        blocks.append(f"{title}\n{opts}\n\n")
+    return (chat.head if chat else "") + INSTRUCTIONS + "".join(blocks)
+
+
+def schema_prefix_ids(tok, questions: Sequence[Question], chat: ChatTemplate | None = None) -> list[int]:
+    """Token ids of the prefix for these questions."""
+    return _encode(tok, build_schema_first(questions, chat))
+
+
+def answer_pieces(n_slots: int) -> list[str]:
+    """The text of each answer slot: "Answer:" for a single-question row, else "Answer 1:", "\\nAnswer 2:", ..."""
+    if n_slots == 1:
+        return ["Answer:"]
+    return [("" if i == 1 else "\n") + f"Answer {i}:" for i in range(1, n_slots + 1)]
+
+
+def schema_suffix_ids(tok, context: str, n_slots: int, max_ctx_tokens: int = DEFAULT_MAX_CTX_TOKENS,
+                      chat: ChatTemplate | None = None) -> tuple[list[int], list[int], bool]:
+    """Suffix ids for one state: -> (ids, slot positions within ids, truncated?)."""
+    ctx = _encode(tok, context)
+    truncated = len(ctx) > max_ctx_tokens
+    if truncated:
+        mark = _encode(tok, TRUNCATION_MARK)
+        ctx = mark + ctx[len(ctx) - max(max_ctx_tokens - len(mark), 0):]
+    ids = _encode(tok, "Context:\n") + ctx + _encode(tok, "\n\n" + (chat.tail if chat else ""))
+    slots = []
+    for piece in answer_pieces(n_slots):
+        ids += _encode(tok, piece)
+        slots.append(len(ids) - 1)
+    return ids, slots, truncated
+
+
+def label_token_ids(tok) -> list[int]:
+    """The token id of " A" .. " H" (the labels as they follow "Answer i:"); ValueError if one is not a single token."""
+    ids = []
+    for i in range(MAX_OPTIONS):
+        piece = _encode(tok, " " + option_label(i))
+        if len(piece) != 1:
+            raise InputError(f"tokenizer: option label {' ' + option_label(i)!r} is {len(piece)} tokens, not 1; "
+                             "this tokenizer is not of a supported family")
+        ids.append(piece[0])
+    return ids
+
+
+def _encode(tok, text: str) -> list[int]:
+    return tok.encode(text, add_special_tokens=False)

@@ -1,0 +1,34 @@
+"""From hidden states at the answer slots to option probabilities, without ever forming full-vocabulary logits."""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from engine.prompt import MAX_OPTIONS
+
+
+def fill_ids(rows: Sequence[Sequence[int]], B: int, T: int, pad: int, pin: bool = False) -> torch.Tensor:
+    """[B, T] int64 ids: row i holds rows[i] then `pad`; rows past len(rows) are all `pad` (unused bucket slots)."""
+    ids = torch.full((B, T), pad, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, :len(r)] = torch.as_tensor(r, dtype=torch.long)
+    return ids.pin_memory() if pin else ids
+
+
+def option_mask(n_options: Sequence[int]) -> torch.Tensor:
+    """[n, MAX_OPTIONS] bool: True for the options a question has."""
+    return torch.arange(MAX_OPTIONS)[None, :] < torch.as_tensor(list(n_options))[:, None]
+
+
+def read_slots(hidden: torch.Tensor, flat_slots: torch.Tensor, norm, W: torch.Tensor, inv_temp: torch.Tensor,
+               mask: torch.Tensor) -> torch.Tensor:
+    """hidden: [B, T, H] before the final norm; flat_slots: [S] indices into B*T; inv_temp: [S, 1]; mask: [S, MAX_OPTIONS].
+
+    -> [S, MAX_OPTIONS] float32 probabilities; options a question lacks are exactly 0.
+    The final norm and the label projection run on the S slot rows only.
+    """
+    hs = hidden.reshape(-1, hidden.shape[-1]).index_select(0, flat_slots)            # [S, H]
+    logits = F.linear(norm(hs), W).float() * inv_temp                                # [S, MAX_OPTIONS]
+    return torch.softmax(logits.masked_fill(~mask, float("-inf")), -1)

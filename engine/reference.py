@@ -1,0 +1,70 @@
+"""The correctness oracle: the schema-first layout run as one plain transformers forward, no cache.
+
+Every prompt is prefix + suffix ids concatenated (the same ids `SchemaEngine` runs), through
+`Qwen3_5ForCausalLM.model` with its own masks and kernels; logits come from the full `lm_head` and are then indexed
+at the label tokens.  It shares nothing with the cached path but the prompt layout and the temperature rule.  It is
+also the baseline cost model of a server that recomputes the whole prompt for every state.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from engine.errors import InputError
+from engine.prompt import (DEFAULT_MAX_CTX_TOKENS, MAX_OPTIONS, ChatTemplate, check_temperature, parse_questions,
+                           schema_prefix_ids, schema_suffix_ids)
+
+
+@torch.no_grad()
+def score_full(eng, questions: Sequence[dict], states: Sequence[str], independent: bool = False, temperature=None,
+               chat: ChatTemplate | None = None, max_ctx_tokens: int = DEFAULT_MAX_CTX_TOKENS,
+               batch_size: int = 16) -> list[torch.Tensor]:
+    """-> one [n_questions, MAX_OPTIONS] float32 CPU tensor per state, like `SchemaEngine.score`."""
+    qs = parse_questions(questions)
+    if isinstance(states, str) or not isinstance(states, Sequence) or not states:
+        raise InputError("states: expected a non-empty list of strings")
+    temps = _temperatures(qs, temperature)
+    groups = [[q] for q in qs] if independent else [qs]
+    prompts, slots = [], []          # one prompt per (state, group); slots as (prompt index, position, question)
+    for s in states:
+        if not isinstance(s, str):
+            raise InputError(f"state must be a string, got {type(s).__name__}")
+        for g in groups:
+            pre = schema_prefix_ids(eng.tok, g, chat=chat)
+            suf, pos, _ = schema_suffix_ids(eng.tok, s, len(g), max_ctx_tokens, chat=chat)
+            slots += [(len(prompts), len(pre) + p) for p in pos]
+            prompts.append(pre + suf)
+    hidden = _last_hidden_at(eng, prompts, slots, batch_size)                       # [S, H]
+    logits = eng.model.lm_head(hidden).float()[:, eng.label_ids]                    # [S, MAX_OPTIONS]
+    nq = len(qs)
+    n_opts = torch.tensor([len(q.options) for q in qs]).repeat(len(states))
+    mask = torch.arange(MAX_OPTIONS)[None, :] < n_opts[:, None]
+    t = torch.tensor(temps, dtype=torch.float32).repeat(len(states))[:, None]
+    probs = torch.softmax((logits.cpu() / t).masked_fill(~mask, float("-inf")), -1)
+    return list(probs.view(len(states), nq, MAX_OPTIONS).unbind(0))
+
+
+def _last_hidden_at(eng, prompts: list[list[int]], slots: list[tuple[int, int]], batch_size: int) -> torch.Tensor:
+    """Final-norm hidden states at each (prompt, position), running prompts in right-padded batches."""
+    out = []
+    pad = eng.tok.pad_token_id
+    for start in range(0, len(prompts), batch_size):
+        batch = prompts[start:start + batch_size]
+        T = max(map(len, batch))
+        ids = torch.tensor([p + [pad] * (T - len(p)) for p in batch], device=eng.dev)
+        # Right padding needs no mask: every layer is causal, so pad tokens after a prompt never reach its positions.
+        hs = eng.core(input_ids=ids, use_cache=False).last_hidden_state
+        want = [(i - start, pos) for i, pos in slots if start <= i < start + len(batch)]
+        out.append(hs[[b for b, _ in want], [p for _, p in want]])
+    return torch.cat(out)
+
+
+def _temperatures(qs, temperature) -> list[float]:
+    if temperature is None:
+        return [q.temperature for q in qs]
+    if isinstance(temperature, (list, tuple)):
+        if len(temperature) != len(qs):
+            raise InputError(f"temperature: {len(temperature)} values for a schema with {len(qs)} questions")
+        return [check_temperature(t) for t in temperature]
+    return [check_temperature(temperature)] * len(qs)
