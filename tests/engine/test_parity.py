@@ -1,0 +1,71 @@
+"""The cached path equals the full-forward oracle (tiny model, CPU float32)."""
+import pytest
+import torch
+
+from engine import MAX_OPTIONS
+from engine.reference import score_full
+
+from .conftest import make_questions, make_states
+
+ATOL = 1e-4          # on probabilities; measured ~1e-5 (the chunked delta rule splits at other points)
+ALL_OPTION_COUNTS = list(range(2, MAX_OPTIONS + 1))
+
+
+def assert_valid(probs: torch.Tensor, n_options: list[int]) -> None:
+    assert torch.allclose(probs.sum(-1), torch.ones(probs.shape[:-1]), atol=1e-5)
+    for q, k in enumerate(n_options):
+        assert (probs[..., q, k:] == 0).all(), "options past a question's count must be exactly 0"
+        assert (probs[..., q, :k] > 0).all()
+
+
+@pytest.mark.parametrize("independent", [False, True], ids=["packed", "independent"])
+@pytest.mark.parametrize("batch", [1, 5, 70])
+def test_cached_equals_oracle(eng, se, independent, batch):
+    qs = make_questions(ALL_OPTION_COUNTS, temperatures=[0.5, 1.0, 2.0, 0.8, 1.3, 1.0, 0.3])
+    states = make_states(batch, seed=batch)
+    h = se.prepare(qs, independent=independent)
+    got = torch.stack(se.score(h, states))
+    want = torch.stack(score_full(eng, qs, states, independent=independent))
+    assert got.shape == (batch, len(qs), MAX_OPTIONS)
+    assert (got - want).abs().max().item() < ATOL
+    assert_valid(got, ALL_OPTION_COUNTS)
+
+
+def test_probabilities_depend_on_the_state(se):
+    """Guards the tiny model's usefulness for parity: a cache bug must move probabilities visibly."""
+    h = se.prepare(make_questions([2, 4]))
+    a, b = se.score(h, ["the box was damaged and nobody answered", "login failed latency spike"])
+    assert (a - b).abs().max().item() > 1e-2
+
+
+def test_explicit_temperatures_override_the_schema(eng, se):
+    qs = make_questions([3, 4], temperatures=[0.5, 2.0])
+    states = make_states(4, seed=7)
+    h = se.prepare(qs)
+    for t in (0.25, [3.0, 0.7]):
+        got = torch.stack(se.score(h, states, temperature=t))
+        want = torch.stack(score_full(eng, qs, states, temperature=t))
+        assert (got - want).abs().max().item() < ATOL
+    sharp, flat = se.score(h, states[:1], temperature=0.1)[0], se.score(h, states[:1], temperature=10.0)[0]
+    assert sharp[0].max() > flat[0].max()
+
+
+def test_chat_template_layout(eng):
+    from engine import QWEN_CHAT, SchemaEngine
+
+    se_chat = SchemaEngine(eng, chat=QWEN_CHAT)
+    qs = make_questions([2, 5])
+    states = make_states(6, seed=3)
+    got = torch.stack(se_chat.score(se_chat.prepare(qs), states))
+    want = torch.stack(score_full(eng, qs, states, chat=QWEN_CHAT))
+    assert (got - want).abs().max().item() < ATOL
+
+
+def test_truncated_states_match_the_oracle(eng, se):
+    qs = make_questions([2, 3])
+    states = make_states(3, seed=11, max_words=200)
+    h = se.prepare(qs)
+    assert any(se.tokenize(h, s, max_ctx_tokens=40).truncated for s in states)
+    got = torch.stack(se.score(h, states, max_ctx_tokens=40))
+    want = torch.stack(score_full(eng, qs, states, max_ctx_tokens=40))
+    assert (got - want).abs().max().item() < ATOL
