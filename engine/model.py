@@ -65,11 +65,8 @@ class PrefixState:
         return out
 
 
-class _PrefixRecorder:
-    """Context of a prefix pass: no previous state; keeps every layer's final state."""
-
-    def __init__(self, length: int):
-        self.state = PrefixState(lengths=[length])
+class CausalContext:
+    """Context of a whole-prompt pass with no cache: plain causal attention, no state kept (the `full_fast` path)."""
 
     def conv_prev(self, i, x):
         return None
@@ -77,13 +74,26 @@ class _PrefixRecorder:
     def rec_prev(self, i):
         return None
 
+    def keep(self, kind, i, t):
+        pass
+
+    def attend(self, i, q, k, v, scale):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+
+
+class _PrefixRecorder(CausalContext):
+    """Context of a prefix pass: a causal pass that keeps every layer's final state."""
+
+    def __init__(self, length: int):
+        self.state = PrefixState(lengths=[length])
+
     def keep(self, kind: str, i: int, t: torch.Tensor) -> None:
         getattr(self.state, kind)[i] = t.detach().clone()
 
     def attend(self, i, q, k, v, scale):
         self.keep("k", i, k)
         self.keep("v", i, v)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        return super().attend(i, q, k, v, scale)
 
 
 class SuffixContext:

