@@ -1,0 +1,7 @@
+"""decider's Kafka side: the exactly-once stream processor, its CLI and the embedded development broker.
+
+Modules, one concern each: ``config`` (the frozen per-process configuration), ``exceptions``,
+``kafka_clients`` (client settings and topic admin), ``schema_table``, ``batcher``, ``scorer`` (the
+engine's GPU thread and prepared-schema budget), ``transactions`` (the exactly-once commit),
+``dead_letters``, ``loop`` (the processor), ``cli``, ``embedded_broker`` and ``demo``.
+"""

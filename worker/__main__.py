@@ -1,0 +1,5 @@
+"""``python -m worker ...`` is the ``decider`` command."""
+
+from worker.cli import main
+
+main()

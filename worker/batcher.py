@@ -1,0 +1,145 @@
+"""Micro-batching: states gathered per schema into the open *cycle*, which becomes one transaction.
+
+A batch closes at ``max_batch`` states or ``max_wait`` after its first state, whichever comes first.
+Kafka offsets are a per-partition watermark, so output must be committed in input order: when the
+first batch of a cycle closes, every other open batch (states of other schemas, interleaved in the
+same partitions) is scored with it and the whole cycle commits as one transaction. States that name a
+schema not seen yet wait in the cycle (up to ``--schema-wait-ms``); the cycle cannot commit past them.
+
+Tokenization starts as each state arrives, on the scorer's tokenizer pool, so by the time a batch
+closes its rows are usually ready and the GPU thread only scores.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from confluent_kafka import TopicPartition
+
+from worker.dead_letters import SourceRecord
+from worker.scorer import BatchJob, Scorer, SchemaKey
+from worker.transactions import OutgoingRecord
+
+
+@dataclass
+class Pending:
+    """One consumed state and what became of it so far."""
+
+    source: SourceRecord
+    state: dict[str, Any] | None = None  # the decoded StateEvent
+    outcome: OutgoingRecord | None = None  # decided without scoring (a dead letter)
+    batch_key: SchemaKey | None = None  # in this batch ...
+    batch_index: int = -1  # ... at this position
+    wait_deadline: float | None = None  # waiting for its schema until this monotonic time
+
+
+@dataclass
+class Batch:
+    """States of one schema version, in arrival order, with their tokenization futures."""
+
+    schema: dict[str, Any]
+    handle: Any  # Future of the prepared schema
+    opened_at: float
+    members: list[Pending] = field(default_factory=list)
+    rows: list[Any] = field(default_factory=list)  # Futures of tokenized rows
+
+    def job(self) -> BatchJob:
+        """What the scorer runs for this batch."""
+        return BatchJob(self.handle, list(self.rows), [m.state["state"] for m in self.members])
+
+
+class Cycle:
+    """Everything consumed since the last commit: the unit of one transaction."""
+
+    def __init__(self) -> None:
+        self.entries: list[Pending] = []  # consume order: output follows input order
+        self.batches: dict[SchemaKey, Batch] = {}
+        self.waiting: list[Pending] = []
+        self.opened_at: float | None = None
+        self._next_offsets: dict[tuple[str, int], int] = {}
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def track(self, pending: Pending, now: float) -> None:
+        """Record that ``pending`` was consumed: it is part of this cycle's transaction and offsets."""
+        if self.opened_at is None:
+            self.opened_at = now
+        self.entries.append(pending)
+        source = pending.source
+        self._next_offsets[(source.topic, source.partition)] = source.offset + 1
+
+    def offsets(self) -> list[TopicPartition]:
+        """The offsets to commit with this cycle: next offset to read, per partition consumed."""
+        return [TopicPartition(topic, partition, offset) for (topic, partition), offset in self._next_offsets.items()]
+
+    def add_to_batch(self, pending: Pending, schema: dict[str, Any], scorer: Scorer, now: float) -> None:
+        """Queue ``pending`` for scoring with ``schema`` (prepared on first sight) and start tokenizing it."""
+        key: SchemaKey = (schema["schema_id"], schema["version"])
+        batch = self.batches.get(key)
+        if batch is None:
+            batch = self.batches[key] = Batch(schema=schema, handle=scorer.acquire(schema), opened_at=now)
+        else:
+            scorer.acquire(schema)  # one pin per state, released when the cycle ends
+        pending.batch_key, pending.batch_index = key, len(batch.members)
+        pending.wait_deadline = None
+        batch.members.append(pending)
+        batch.rows.append(scorer.tokenize(batch.handle, pending.state["state"]))
+
+    def add_waiting(self, pending: Pending, deadline: float) -> None:
+        """Hold ``pending`` until its schema appears or ``deadline`` passes."""
+        pending.wait_deadline = deadline
+        self.waiting.append(pending)
+
+    def due(self, now: float, max_batch: int, max_wait_s: float) -> bool:
+        """Whether the cycle should close now: a batch is full, or a batch (or a lone dead letter) has waited max_wait."""
+        if not self.entries:
+            return False
+        if any(len(b.members) >= max_batch for b in self.batches.values()):
+            return True
+        first = min((b.opened_at for b in self.batches.values()), default=self.opened_at)
+        return now >= first + max_wait_s
+
+    def seconds_until_due(self, now: float, max_wait_s: float) -> float | None:
+        """How long until ``due`` turns true by time alone (None when the cycle is empty)."""
+        if not self.entries:
+            return None
+        first = min((b.opened_at for b in self.batches.values()), default=self.opened_at)
+        return max(0.0, first + max_wait_s - now)
+
+    def take_waiting(self) -> list[Pending]:
+        """Remove and return the states waiting for a schema (the caller routes each one again)."""
+        waiting, self.waiting = self.waiting, []
+        return waiting
+
+    def take_stale(self, latest_version: Callable[[str], int | None], scorer: Scorer) -> list[Pending]:
+        """Remove and return the states of batches whose schema got a new version (or a tombstone) since
+        they arrived, so the caller can route them to the latest version known when the cycle closes."""
+        stale: list[Pending] = []
+        for key in list(self.batches):
+            if latest_version(key[0]) == key[1]:
+                continue
+            batch = self.batches.pop(key)
+            for member in batch.members:
+                scorer.release_pin(key)
+                member.batch_key, member.batch_index = None, -1
+                stale.append(member)
+        return stale
+
+    def jobs(self) -> tuple[list[SchemaKey], list[BatchJob]]:
+        """The scoring work of this cycle, one job per batch."""
+        keys = list(self.batches)
+        return keys, [self.batches[k].job() for k in keys]
+
+    def release_pins(self, scorer: Scorer) -> None:
+        """Let the scorer evict the schemas this cycle held (after commit or when dropped)."""
+        for key, batch in self.batches.items():
+            for _ in batch.members:
+                scorer.release_pin(key)
+
+
+def monotonic() -> float:
+    """The clock batches are timed with."""
+    return time.monotonic()

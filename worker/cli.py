@@ -1,0 +1,268 @@
+"""The ``decider`` command line. Every option also reads a ``DECIDER_*`` environment variable.
+
+Errors a user can fix (unreachable broker, missing topic, bad model path, bad file) print one
+``error: ...`` line and exit non-zero, never a traceback.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Callable, Optional
+
+import typer
+from confluent_kafka import KafkaException
+
+from worker.config import (DEFAULT_DEAD_LETTER_TOPIC, DEFAULT_GROUP, DEFAULT_PROBABILITIES_TOPIC, DEFAULT_SCHEMAS_TOPIC,
+                           DEFAULT_STATES_TOPIC, Topics, WorkerConfig)
+from worker.exceptions import DeciderError, FatalError
+
+app = typer.Typer(
+    name="decider",
+    help="Ask an LLM a fixed set of multiple-choice questions about every event of a Kafka stream, exactly once.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+topics_app = typer.Typer(help="Manage decider's topics.", no_args_is_help=True)
+schema_app = typer.Typer(help="Publish or delete question schemas.", no_args_is_help=True)
+app.add_typer(topics_app, name="topics")
+app.add_typer(schema_app, name="schema")
+
+# ---- shared options -----------------------------------------------------------------------------------------
+BootstrapOpt = typer.Option(..., "-b", "--bootstrap", envvar="DECIDER_BOOTSTRAP", help="Kafka bootstrap servers, host:port[,host:port].")
+StatesTopicOpt = typer.Option(DEFAULT_STATES_TOPIC, "--states-topic", envvar="DECIDER_STATES_TOPIC", help="Topic of state events.")
+SchemasTopicOpt = typer.Option(DEFAULT_SCHEMAS_TOPIC, "--schemas-topic", envvar="DECIDER_SCHEMAS_TOPIC", help="Compacted topic of question schemas.")
+ProbabilitiesTopicOpt = typer.Option(DEFAULT_PROBABILITIES_TOPIC, "--probabilities-topic", envvar="DECIDER_PROBABILITIES_TOPIC", help="Output topic of probability records.")
+DeadLetterTopicOpt = typer.Option(DEFAULT_DEAD_LETTER_TOPIC, "--dead-letter-topic", envvar="DECIDER_DEAD_LETTER_TOPIC", help="Output topic of dead letters.")
+
+
+def friendly_errors(command: Callable) -> Callable:
+    """Turn the worker's named errors and Kafka errors into one line on stderr and an exit code."""
+
+    @functools.wraps(command)
+    def wrapper(*args, **kwargs):
+        try:
+            return command(*args, **kwargs)
+        except FatalError as exc:
+            typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(exc.exit_code) from None
+        except DeciderError as exc:
+            typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(1) from None
+        except KafkaException as exc:
+            typer.echo(f"error: Kafka: {exc.args[0].str() if exc.args else exc}", err=True)
+            raise typer.Exit(4) from None
+
+    return wrapper
+
+
+def _topics(states: str, schemas: str, probabilities: str, dead_letter: str) -> Topics:
+    return Topics(states=states, schemas=schemas, probabilities=probabilities, dead_letter=dead_letter)
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def _stop_on_signals() -> threading.Event:
+    """SIGTERM and SIGINT set the returned flag; the loop then drains and exits cleanly."""
+    stop = threading.Event()
+
+    def request_stop(signum, _frame):
+        logging.getLogger("decider").info("%s received: finishing the open batch and stopping", signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, request_stop)
+    signal.signal(signal.SIGINT, request_stop)
+    return stop
+
+
+# ---- commands -----------------------------------------------------------------------------------------------
+@topics_app.command("create")
+@friendly_errors
+def topics_create(
+    bootstrap: str = BootstrapOpt,
+    partitions: int = typer.Option(4, "--partitions", envvar="DECIDER_PARTITIONS", help="Partitions of the states, probabilities and dead-letter topics (the schemas topic has 1)."),
+    replication_factor: int = typer.Option(1, "--replication-factor", envvar="DECIDER_REPLICATION_FACTOR", help="Replication factor of every topic."),
+    states_topic: str = StatesTopicOpt,
+    schemas_topic: str = SchemasTopicOpt,
+    probabilities_topic: str = ProbabilitiesTopicOpt,
+    dead_letter_topic: str = DeadLetterTopicOpt,
+) -> None:
+    """Create the four topics (idempotent; the schemas topic is compacted)."""
+    from worker.kafka_clients import create_topics
+
+    topics = _topics(states_topic, schemas_topic, probabilities_topic, dead_letter_topic)
+    for name, outcome in create_topics(bootstrap, topics, partitions, replication_factor).items():
+        typer.echo(f"{name}: {outcome}")
+
+
+@schema_app.command("put")
+@friendly_errors
+def schema_put(
+    file: Path = typer.Argument(..., help='Schema file: {"mode": "packed", "questions": [{"id", "question", "options", "temperature"?}, ...]}.'),
+    schema_id: str = typer.Option(..., "--id", envvar="DECIDER_SCHEMA_ID", help="Schema id (the record key)."),
+    version: Optional[int] = typer.Option(None, "--version", help="Explicit version; default: the latest published version + 1."),
+    bootstrap: str = BootstrapOpt,
+    schemas_topic: str = SchemasTopicOpt,
+) -> None:
+    """Publish a question schema as a new version of ID."""
+    from worker.clients import put_schema
+
+    record = put_schema(bootstrap, Topics(schemas=schemas_topic), schema_id, file, version)
+    typer.echo(f"schema {schema_id} version {record['version']} published ({len(record['questions'])} questions)")
+
+
+@schema_app.command("delete")
+@friendly_errors
+def schema_delete(
+    schema_id: str = typer.Option(..., "--id", envvar="DECIDER_SCHEMA_ID", help="Schema id to delete."),
+    bootstrap: str = BootstrapOpt,
+    schemas_topic: str = SchemasTopicOpt,
+) -> None:
+    """Delete a schema (tombstone); later states naming it go to the dead-letter topic."""
+    from worker.clients import delete_schema
+
+    delete_schema(bootstrap, Topics(schemas=schemas_topic), schema_id)
+    typer.echo(f"schema {schema_id} deleted")
+
+
+@app.command("produce")
+@friendly_errors
+def produce(
+    file: Path = typer.Argument(..., help='States file, JSON lines: {"id": "...", "state": "...", "metadata": {...}?} ("-" for stdin).'),
+    schema_id: str = typer.Option(..., "--schema-id", envvar="DECIDER_SCHEMA_ID", help="Schema to ask about every state."),
+    bootstrap: str = BootstrapOpt,
+    states_topic: str = StatesTopicOpt,
+) -> None:
+    """Publish states (keyed by state id) to the states topic."""
+    from worker.clients import produce_states, read_state_lines
+
+    count = produce_states(bootstrap, Topics(states=states_topic), read_state_lines(file, schema_id))
+    typer.echo(f"{count} states published to {states_topic}")
+
+
+@app.command("worker")
+@friendly_errors
+def worker(
+    bootstrap: str = BootstrapOpt,
+    model: str = typer.Option(..., "--model", envvar="DECIDER_MODEL", help="Local Hugging Face model directory (Qwen3.5 family)."),
+    device: str = typer.Option("cpu", "--device", envvar="DECIDER_DEVICE", help="cpu, cuda or cuda:N."),
+    worker_id: str = typer.Option(..., "--worker-id", envvar="DECIDER_WORKER_ID", help="Stable id of this worker; its transactional id derives from it. Restart with the same id after a crash."),
+    group: str = typer.Option(DEFAULT_GROUP, "--group", envvar="DECIDER_GROUP", help="Consumer group shared by the workers."),
+    max_batch: int = typer.Option(32, "--max-batch", envvar="DECIDER_MAX_BATCH", help="A batch closes at this many states..."),
+    max_wait_ms: int = typer.Option(50, "--max-wait-ms", envvar="DECIDER_MAX_WAIT_MS", help="...or this long after its first state."),
+    schema_wait_ms: int = typer.Option(10_000, "--schema-wait-ms", envvar="DECIDER_SCHEMA_WAIT_MS", help="How long a state naming an unknown schema waits before it is dead-lettered."),
+    max_state_chars: int = typer.Option(32_768, "--max-state-chars", envvar="DECIDER_MAX_STATE_CHARS", help="Longer states are dead-lettered (state_too_large)."),
+    schema_memory_mb: float = typer.Option(2048.0, "--schema-memory-mb", envvar="DECIDER_SCHEMA_MEMORY_MB", help="Device memory budget for prepared schemas; least recently used ones are released beyond it."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", envvar="DECIDER_DTYPE", help="float32, bfloat16 or float16 (default: float32 on CPU, bfloat16 on CUDA)."),
+    tokenizer_threads: int = typer.Option(2, "--tokenizer-threads", envvar="DECIDER_TOKENIZER_THREADS", help="Threads tokenizing states off the GPU thread."),
+    transaction_timeout_ms: int = typer.Option(30_000, "--transaction-timeout-ms", envvar="DECIDER_TRANSACTION_TIMEOUT_MS", help="Broker-side timeout of an open transaction."),
+    session_timeout_ms: int = typer.Option(10_000, "--session-timeout-ms", envvar="DECIDER_SESSION_TIMEOUT_MS", help="Consumer group session timeout."),
+    metrics_port: Optional[int] = typer.Option(None, "--metrics-port", envvar="DECIDER_METRICS_PORT", help="Serve Prometheus metrics on this port."),
+    log_level: str = typer.Option("info", "--log-level", envvar="DECIDER_LOG_LEVEL", help="debug, info, warning or error."),
+    states_topic: str = StatesTopicOpt,
+    schemas_topic: str = SchemasTopicOpt,
+    probabilities_topic: str = ProbabilitiesTopicOpt,
+    dead_letter_topic: str = DeadLetterTopicOpt,
+) -> None:
+    """Run the exactly-once stream processor (one per GPU). SIGTERM/SIGINT stop it cleanly."""
+    _setup_logging(log_level)
+    config = WorkerConfig(
+        bootstrap=bootstrap, model_dir=model, worker_id=worker_id, device=device, dtype=dtype, group=group,
+        topics=_topics(states_topic, schemas_topic, probabilities_topic, dead_letter_topic),
+        max_batch=max_batch, max_wait_ms=max_wait_ms, schema_wait_ms=schema_wait_ms, max_state_chars=max_state_chars,
+        schema_memory_mb=schema_memory_mb, tokenizer_threads=tokenizer_threads,
+        transaction_timeout_ms=transaction_timeout_ms, session_timeout_ms=session_timeout_ms, metrics_port=metrics_port,
+    )
+    if not Path(model).is_dir():
+        raise FatalError(f"--model {model}: no such directory", exit_code=2)
+    if metrics_port:
+        from worker.metrics import serve
+
+        serve(metrics_port)
+    from worker.loop import Worker
+
+    Worker(config, stop=_stop_on_signals()).run()
+
+
+@app.command("tail")
+@friendly_errors
+def tail(
+    bootstrap: str = BootstrapOpt,
+    topic: str = typer.Option("probabilities", "--topic", envvar="DECIDER_TAIL_TOPIC", help="probabilities or dead-letter."),
+    as_json: bool = typer.Option(False, "--json", help="One JSON object a line (default: a short human-readable line)."),
+    from_beginning: bool = typer.Option(False, "--from-beginning", help="Start at the oldest record instead of new ones."),
+    max_records: Optional[int] = typer.Option(None, "--max", help="Stop after this many records."),
+    timeout: Optional[float] = typer.Option(None, "--timeout", help="Stop once no new record arrived for this many seconds."),
+    probabilities_topic: str = ProbabilitiesTopicOpt,
+    dead_letter_topic: str = DeadLetterTopicOpt,
+) -> None:
+    """Print committed output records (read_committed: aborted attempts never show)."""
+    from worker import clients
+
+    if topic not in ("probabilities", "dead-letter"):
+        raise FatalError(f"--topic must be probabilities or dead-letter, not {topic!r}", exit_code=2)
+    name = probabilities_topic if topic == "probabilities" else dead_letter_topic
+    for record in clients.tail(bootstrap, name, topic, from_beginning, max_records, timeout):
+        typer.echo(clients.json_line(record) if as_json else _summary(topic, record))
+        sys.stdout.flush()
+
+
+def _summary(topic: str, record: dict) -> str:
+    if "undecodable" in record:
+        return f"(undecodable record at {record['kafka']}: {record['undecodable']})"
+    if topic == "dead-letter":
+        return (f"{record['reason']:<20} state={record.get('state_id')} from {record['source_topic']}[{record['source_partition']}]"
+                f"@{record['source_offset']}: {record['message']}")
+    answers = "  ".join(
+        f"{q['id']}=" + max(zip(q["probabilities"], q["options"]))[1] + f" ({max(q['probabilities']):.2f})" for q in record["questions"]
+    )
+    return f"{record['state_id']}  {record['schema_id']} v{record['schema_version']}  {answers}"
+
+
+@app.command("broker")
+@friendly_errors
+def broker(
+    port: int = typer.Option(9092, "--port", envvar="DECIDER_BROKER_PORT", help="Kafka port to listen on (127.0.0.1)."),
+    data_dir: Optional[str] = typer.Option(None, "--data-dir", envvar="DECIDER_BROKER_DATA_DIR", help="Where the broker keeps its data (default: a temporary directory, deleted on exit)."),
+) -> None:
+    """Run the embedded development broker (noida-db's Kafka) in the foreground; Ctrl-C stops it."""
+    from worker.embedded_broker import EmbeddedBroker
+
+    stop = _stop_on_signals()
+    with EmbeddedBroker(port=port, data_dir=data_dir) as embedded:
+        typer.echo(f"embedded Kafka broker listening on {embedded.bootstrap} (data: {data_dir or 'temporary'}); Ctrl-C stops it")
+        typer.echo(f"next: decider topics create -b {embedded.bootstrap}")
+        while not stop.wait(0.5):
+            if embedded.process.poll() is not None:
+                raise FatalError(f"the broker exited with code {embedded.process.returncode}")
+    typer.echo("broker stopped")
+
+
+@app.command("demo")
+@friendly_errors
+def demo(
+    model: Optional[str] = typer.Option(None, "--model", envvar="DECIDER_MODEL", help="Model directory (default: a tiny random model written to a temp dir: the numbers are meaningless, the pipeline is real)."),
+    port: Optional[int] = typer.Option(None, "--port", help="Port of the embedded broker (default: a free one)."),
+    records_shown: int = typer.Option(3, "--show", help="How many decoded records to print."),
+) -> None:
+    """Run the whole pipeline locally: embedded broker, topics, schema, states, a CPU worker, the records."""
+    from worker.demo import run_demo
+
+    run_demo(model_dir=model, port=port, records_shown=records_shown)
+
+
+def main() -> None:
+    """Entry point of the ``decider`` console script."""
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,143 @@
+"""The CLI's client-side operations: publish schemas and states, read topics back as JSON.
+
+Kept apart from ``cli.py`` so tests and the demo call the same code the commands run.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import time
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+from confluent_kafka import OFFSET_BEGINNING, OFFSET_END, KafkaError, TopicPartition
+
+import schemas
+from worker.config import Topics
+from worker.exceptions import BrokerUnavailableError, ConfigError
+from worker.kafka_clients import plain_producer, reader_consumer, require_topics
+from worker.records import load_schema_file, question_schema_record, state_record_from_json
+from worker.schema_table import SchemaTable
+
+
+def _deliver(producer, what: str) -> None:
+    """Flush ``producer`` and raise if anything was not delivered."""
+    remaining = producer.flush(30)
+    if remaining:
+        raise BrokerUnavailableError(f"{remaining} {what} were not delivered within 30 s; is the broker up?")
+
+
+def put_schema(bootstrap: str, topics: Topics, schema_id: str, path: str | Path, version: int | None = None) -> dict[str, Any]:
+    """Publish the schema file at ``path`` as the next version of ``schema_id``; returns the record."""
+    if not schema_id:
+        raise ConfigError("--id must not be empty")
+    document = load_schema_file(path)
+    require_topics(bootstrap, [topics.schemas])
+    if version is None:
+        table = SchemaTable(bootstrap, topics.schemas)
+        try:
+            table.catch_up()
+            current = table.get(schema_id)
+        finally:
+            table.close()
+        version = max(int(current["version"]), 0) + 1 if current is not None else 1
+    record = question_schema_record(document, schema_id, version)
+    producer = plain_producer(bootstrap)
+    producer.produce(topics.schemas, key=schema_id.encode(), value=schemas.encode_question_schema(record))
+    _deliver(producer, "schema records")
+    return record
+
+
+def delete_schema(bootstrap: str, topics: Topics, schema_id: str) -> None:
+    """Publish a tombstone for ``schema_id``: workers forget it; later states for it are dead-lettered."""
+    if not schema_id:
+        raise ConfigError("--id must not be empty")
+    require_topics(bootstrap, [topics.schemas])
+    producer = plain_producer(bootstrap)
+    producer.produce(topics.schemas, key=schema_id.encode(), value=None)
+    _deliver(producer, "tombstones")
+
+
+def read_state_lines(path: str | Path, schema_id: str) -> list[dict[str, Any]]:
+    """StateEvent records for every non-empty line of a JSON-lines states file ('-' reads stdin)."""
+    import sys
+
+    try:
+        text = sys.stdin.read() if str(path) == "-" else Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"cannot read states file {path}: {exc.strerror}") from exc
+    return [state_record_from_json(line, schema_id, n) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
+
+
+def produce_states(bootstrap: str, topics: Topics, records: Iterable[dict[str, Any]]) -> int:
+    """Publish StateEvent records keyed by state id; returns how many."""
+    require_topics(bootstrap, [topics.states])
+    producer = plain_producer(bootstrap)
+    count = 0
+    for record in records:
+        payload = schemas.encode_state(record)
+        while True:
+            try:
+                producer.produce(topics.states, key=record["state_id"].encode(), value=payload)
+                break
+            except BufferError:
+                producer.poll(0.1)
+        count += 1
+    _deliver(producer, "states")
+    return count
+
+
+def as_json(topic_kind: str, message) -> dict[str, Any]:
+    """A probability record or dead letter as a JSON-ready dict, plus where it was read from."""
+    where = {"topic": message.topic(), "partition": message.partition(), "offset": message.offset()}
+    if topic_kind == "dead-letter":
+        record = schemas.decode_dead_letter(message.value())
+        key, value = record.pop("original_key"), record.pop("original_value")
+        record["original_key"] = None if key is None else key.decode("utf-8", errors="replace")
+        record["original_value_base64"] = None if value is None else base64.b64encode(value).decode("ascii")
+    else:
+        record = schemas.decode_probability(message.value())
+    return {**record, "kafka": where}
+
+
+def tail(
+    bootstrap: str,
+    topic: str,
+    topic_kind: str,
+    from_beginning: bool = False,
+    max_records: int | None = None,
+    idle_timeout_s: float | None = None,
+) -> Iterator[dict[str, Any]]:
+    """Yield records of ``topic`` as a read_committed reader sees them (aborted output never shows).
+
+    Stops after ``max_records``, or once nothing new arrived for ``idle_timeout_s`` seconds.
+    """
+    counts = require_topics(bootstrap, [topic])
+    consumer = reader_consumer(bootstrap)
+    start = OFFSET_BEGINNING if from_beginning else OFFSET_END
+    consumer.assign([TopicPartition(topic, p, start) for p in range(counts[topic])])
+    seen, last_activity = 0, time.monotonic()
+    try:
+        while max_records is None or seen < max_records:
+            message = consumer.poll(0.1)
+            if message is None or message.error() is not None:
+                if message is not None and message.error().code() != KafkaError._PARTITION_EOF:
+                    raise BrokerUnavailableError(f"reading {topic}: {message.error().str()}")
+                if idle_timeout_s is not None and time.monotonic() - last_activity > idle_timeout_s:
+                    return
+                continue
+            last_activity = time.monotonic()
+            try:
+                record = as_json(topic_kind, message)
+            except ValueError as exc:
+                record = {"undecodable": str(exc), "kafka": {"topic": topic, "partition": message.partition(), "offset": message.offset()}}
+            seen += 1
+            yield record
+    finally:
+        consumer.close()
+
+
+def json_line(record: dict[str, Any]) -> str:
+    """One compact JSON line."""
+    return json.dumps(record, separators=(",", ":"), ensure_ascii=False)

@@ -1,0 +1,85 @@
+"""One frozen configuration object per process, built once at the CLI from flags and ``DECIDER_*`` env vars."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from worker.exceptions import ConfigError
+
+DEFAULT_STATES_TOPIC = "decider.states"
+DEFAULT_SCHEMAS_TOPIC = "decider.schemas"
+DEFAULT_PROBABILITIES_TOPIC = "decider.probabilities"
+DEFAULT_DEAD_LETTER_TOPIC = "decider.dead-letter"
+DEFAULT_GROUP = "decider"
+
+
+@dataclass(frozen=True)
+class Topics:
+    """The four topic names; every one is overridable (flag or env var)."""
+
+    states: str = DEFAULT_STATES_TOPIC
+    schemas: str = DEFAULT_SCHEMAS_TOPIC
+    probabilities: str = DEFAULT_PROBABILITIES_TOPIC
+    dead_letter: str = DEFAULT_DEAD_LETTER_TOPIC
+
+    def all(self) -> tuple[str, str, str, str]:
+        """The names in creation order."""
+        return (self.states, self.schemas, self.probabilities, self.dead_letter)
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """Everything ``decider worker`` needs; built once, never mutated."""
+
+    bootstrap: str
+    model_dir: str
+    worker_id: str
+    device: str = "cpu"
+    dtype: str | None = None  # None: float32 on CPU, bfloat16 on CUDA
+    group: str = DEFAULT_GROUP
+    topics: Topics = field(default_factory=Topics)
+    max_batch: int = 32
+    max_wait_ms: int = 50
+    schema_wait_ms: int = 10_000
+    max_state_chars: int = 32_768
+    schema_memory_mb: float = 2048.0
+    tokenizer_threads: int = 2
+    # Kept well under Kafka's default: a worker killed mid-transaction blocks read_committed readers
+    # of its output partitions until the broker aborts the transaction (or the same worker id restarts).
+    transaction_timeout_ms: int = 30_000
+    session_timeout_ms: int = 10_000
+    metrics_port: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.bootstrap:
+            raise ConfigError("no bootstrap servers: pass -b/--bootstrap or set DECIDER_BOOTSTRAP")
+        if not re.fullmatch(r"[A-Za-z0-9._-]+", self.worker_id or ""):
+            raise ConfigError(f"--worker-id {self.worker_id!r} must be non-empty and use only letters, digits, '.', '_', '-'")
+        if self.max_batch < 1:
+            raise ConfigError("--max-batch must be at least 1")
+        for name in ("max_wait_ms", "schema_wait_ms"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= 0")
+        if self.max_state_chars < 1:
+            raise ConfigError("--max-state-chars must be at least 1")
+        if self.schema_memory_mb <= 0:
+            raise ConfigError("--schema-memory-mb must be positive")
+        if not (self.device == "cpu" or re.fullmatch(r"cuda(:\d+)?", self.device)):
+            raise ConfigError(f"--device {self.device!r} must be cpu, cuda or cuda:N")
+
+    @property
+    def transactional_id(self) -> str:
+        """Stable per worker id: a restart with the same --worker-id fences the old instance and
+        aborts its open transaction (the zombie-fencing contract of transactional producers)."""
+        return f"decider.{self.group}.{self.worker_id}"
+
+    @property
+    def resolved_dtype(self) -> str:
+        """The dtype the engine loads the model in."""
+        return self.dtype or ("float32" if self.device == "cpu" else "bfloat16")
+
+    @property
+    def schema_memory_bytes(self) -> int:
+        """Budget for prepared schemas (their prefix caches), in bytes."""
+        return int(self.schema_memory_mb * 1024 * 1024)

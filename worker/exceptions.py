@@ -1,0 +1,51 @@
+"""Named error types of the worker, by what the caller must do about them.
+
+- ``RetriableError``: the same call may succeed if tried again (a broker briefly unavailable).
+- ``AbortableError``: the open transaction is lost; abort it, rewind the consumer to the last
+  committed offsets and process the records again. No output of the aborted attempt is ever visible.
+- ``FatalError``: this process cannot go on (fenced by a newer instance, bad configuration, bad model
+  path); exit non-zero with the message, which is written for a user to act on.
+"""
+
+from __future__ import annotations
+
+
+class DeciderError(Exception):
+    """Base of every error the worker raises on purpose."""
+
+
+class RetriableError(DeciderError):
+    """A transient failure; retry the same operation."""
+
+
+class AbortableError(DeciderError):
+    """The current transaction must be aborted and its input re-read from the committed offsets."""
+
+
+class FatalError(DeciderError):
+    """The process must stop; ``exit_code`` is what the CLI exits with."""
+
+    exit_code: int = 1
+
+    def __init__(self, message: str, exit_code: int | None = None) -> None:
+        super().__init__(message)
+        if exit_code is not None:
+            self.exit_code = exit_code
+
+
+class FencedError(FatalError):
+    """Another process with the same --worker-id (transactional id) took over; this one must stop."""
+
+    exit_code = 3
+
+
+class ConfigError(FatalError):
+    """A flag, environment variable, file or model path is unusable."""
+
+    exit_code = 2
+
+
+class BrokerUnavailableError(FatalError):
+    """No broker answered at the bootstrap address, or a required topic is missing."""
+
+    exit_code = 4

@@ -1,0 +1,139 @@
+"""Kafka client construction and topic administration, with the reason for each non-obvious setting."""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+from confluent_kafka import Consumer, KafkaError, KafkaException, Producer
+from confluent_kafka.admin import AdminClient, NewTopic
+
+from worker.config import Topics, WorkerConfig
+from worker.exceptions import BrokerUnavailableError
+
+# librdkafka logs every failed connection attempt to stderr; the CLI reports unreachable brokers itself.
+_QUIET = {"log_level": 0}
+
+
+def admin_client(bootstrap: str) -> AdminClient:
+    """An admin client for ``bootstrap``."""
+    return AdminClient({"bootstrap.servers": bootstrap, **_QUIET})
+
+
+def check_broker(bootstrap: str, timeout_s: float = 10.0) -> dict:
+    """Return the cluster's topic metadata, or raise ``BrokerUnavailableError`` with a clear message."""
+    try:
+        return admin_client(bootstrap).list_topics(timeout=timeout_s).topics
+    except KafkaException as exc:
+        raise BrokerUnavailableError(
+            f"no Kafka broker answered at {bootstrap} within {timeout_s:.0f} s ({exc.args[0].str()}); "
+            "start one (decider broker, or docker compose up kafka) or fix -b/DECIDER_BOOTSTRAP"
+        ) from exc
+
+
+def require_topics(bootstrap: str, names: Iterable[str], timeout_s: float = 10.0) -> dict[str, int]:
+    """Partition count of each topic in ``names``; ``BrokerUnavailableError`` if any is missing."""
+    topics = check_broker(bootstrap, timeout_s)
+    counts: dict[str, int] = {}
+    missing = []
+    for name in names:
+        meta = topics.get(name)
+        if meta is None or meta.error is not None or not meta.partitions:
+            missing.append(name)
+        else:
+            counts[name] = len(meta.partitions)
+    if missing:
+        raise BrokerUnavailableError(
+            f"topic(s) {', '.join(missing)} do not exist on {bootstrap}; create them with: decider topics create -b {bootstrap}"
+        )
+    return counts
+
+
+def create_topics(bootstrap: str, topics: Topics, partitions: int, replication: int = 1) -> dict[str, str]:
+    """Create the four topics; returns ``{name: "created" | "exists"}``. Idempotent."""
+    check_broker(bootstrap)
+    requests = [
+        NewTopic(topics.states, partitions, replication),
+        # The schema topic is a table: compaction keeps the latest version per schema id (and
+        # tombstones delete). One partition keeps every schema id's history in one ordered log.
+        NewTopic(topics.schemas, 1, replication, config={"cleanup.policy": "compact"}),
+        NewTopic(topics.probabilities, partitions, replication),
+        NewTopic(topics.dead_letter, partitions, replication),
+    ]
+    outcome: dict[str, str] = {}
+    admin = admin_client(bootstrap)  # must outlive the futures: a collected client cancels them
+    for name, future in admin.create_topics(requests, request_timeout=15).items():
+        try:
+            future.result()
+            outcome[name] = "created"
+        except KafkaException as exc:
+            if exc.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:
+                raise BrokerUnavailableError(f"could not create topic {name}: {exc.args[0].str()}") from exc
+            outcome[name] = "exists"
+    return outcome
+
+
+def plain_producer(bootstrap: str) -> Producer:
+    """An idempotent, non-transactional producer for the CLI's schema put / produce commands."""
+    return Producer({
+        "bootstrap.servers": bootstrap,
+        "enable.idempotence": True,  # retries never duplicate or reorder a produced state
+        # Java-client-compatible key hashing, so a state id lands on the same partition whoever produces it.
+        "partitioner": "murmur2_random",
+        "linger.ms": 5,
+        **_QUIET,
+    })
+
+
+def reader_consumer(bootstrap: str, group: str | None = None) -> Consumer:
+    """A read_committed consumer for reading topics whole (the schema table, tail).
+
+    Without a group it never commits: readers assign partitions themselves and keep no position.
+    """
+    config = {
+        "bootstrap.servers": bootstrap,
+        # Only records of committed transactions: aborted attempts of a worker are never shown.
+        "isolation.level": "read_committed",
+        "enable.auto.commit": False,
+        "auto.offset.reset": "earliest",
+        "enable.partition.eof": True,  # tells a reader when it has caught up with a partition
+        "fetch.wait.max.ms": 50,  # these readers are latency-sensitive, never throughput-bound
+        **_QUIET,
+    }
+    # librdkafka requires a group.id even for assign()-only consumers; it is never joined or committed.
+    config["group.id"] = group or "decider-reader-unused"
+    return Consumer(config)
+
+
+def worker_consumer(config: WorkerConfig) -> Consumer:
+    """The states consumer of the exactly-once loop (subscribes through the consumer group)."""
+    return Consumer({
+        "bootstrap.servers": config.bootstrap,
+        "group.id": config.group,
+        # Offsets are committed only inside our transactions (send_offsets_to_transaction).
+        "enable.auto.commit": False,
+        # Never read another producer's aborted output; inputs produced transactionally stay atomic too.
+        "isolation.level": "read_committed",
+        "auto.offset.reset": "earliest",  # a new group scores the whole topic, never skips
+        # Eager (stop-the-world) assignment: on a rebalance every partition is revoked first, so the
+        # callbacks drop all uncommitted work and the new assignment starts from committed offsets.
+        "partition.assignment.strategy": "range",
+        "session.timeout.ms": config.session_timeout_ms,
+        "heartbeat.interval.ms": max(100, config.session_timeout_ms // 5),
+        # Scoring a batch holds the loop for at most seconds; this is the bound on a stuck GPU.
+        "max.poll.interval.ms": 300_000,
+        "fetch.wait.max.ms": 20,
+        **_QUIET,
+    })
+
+
+def transactional_producer(config: WorkerConfig) -> Producer:
+    """The producer whose transactions carry output records, dead letters and input offsets together."""
+    return Producer({
+        "bootstrap.servers": config.bootstrap,
+        # Derived from --worker-id: a restarted worker fences its predecessor and aborts its open transaction.
+        "transactional.id": config.transactional_id,
+        "transaction.timeout.ms": config.transaction_timeout_ms,
+        "partitioner": "murmur2_random",
+        "linger.ms": 2,  # a whole batch is produced at once, then flushed; no point waiting longer
+        **_QUIET,
+    })

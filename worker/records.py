@@ -1,0 +1,173 @@
+"""Conversions between users' JSON files, Avro records and what the engine takes.
+
+Users write JSON (schema files, state lines); topics carry Avro (``schemas``); the engine takes a list
+of ``{"question", "options"}`` dicts. The checks a state must pass before scoring live here too.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+from worker.exceptions import ConfigError
+
+MAX_OPTIONS = 8  # engine.MAX_OPTIONS; repeated here so the CLI can validate files without importing torch
+
+
+def load_schema_file(path: str | Path) -> dict[str, Any]:
+    """Read and validate a user's schema file; ``ConfigError`` with the reason if it is unusable."""
+    try:
+        document = json.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ConfigError(f"cannot read schema file {path}: {exc.strerror}") from exc
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"schema file {path} is not JSON: {exc}") from exc
+    problem = schema_problem(document)
+    if problem:
+        raise ConfigError(f"schema file {path}: {problem}")
+    return document
+
+
+def schema_problem(document: Any) -> str | None:
+    """Why ``document`` (a schema file, or a decoded QuestionSchema record) is unusable, or None."""
+    if not isinstance(document, dict):
+        return "must be a JSON object with a 'questions' list"
+    if document.get("mode", "packed") not in ("packed", "independent"):
+        return f"mode must be 'packed' or 'independent', not {document.get('mode')!r}"
+    questions = document.get("questions")
+    if not isinstance(questions, list) or not questions:
+        return "'questions' must be a non-empty list"
+    seen: set[str] = set()
+    for index, question in enumerate(questions):
+        where = f"question {index}"
+        if not isinstance(question, dict):
+            return f"{where} must be an object"
+        qid = question.get("id")
+        if not isinstance(qid, str) or not qid:
+            return f"{where} needs a non-empty string 'id'"
+        if qid in seen:
+            return f"question id {qid!r} is used twice"
+        seen.add(qid)
+        if not isinstance(question.get("question"), str) or not question["question"].strip():
+            return f"question {qid!r} needs a non-empty 'question' text"
+        options = question.get("options")
+        if not isinstance(options, list) or not all(isinstance(o, str) and o for o in options):
+            return f"question {qid!r} needs 'options', a list of non-empty strings"
+        if not 2 <= len(options) <= MAX_OPTIONS:
+            return f"question {qid!r} has {len(options)} options; 2 to {MAX_OPTIONS} are allowed"
+        if len(set(options)) != len(options):
+            return f"question {qid!r} repeats an option"
+        temperature = question.get("temperature")
+        if temperature is not None and not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
+            return f"question {qid!r} has temperature {temperature!r}; it must be a positive number"
+    return None
+
+
+def question_schema_record(document: dict[str, Any], schema_id: str, version: int) -> dict[str, Any]:
+    """The Avro QuestionSchema record for a validated schema file."""
+    return {
+        "schema_id": schema_id,
+        "version": version,
+        "questions": [
+            {
+                "id": q["id"],
+                "question": q["question"],
+                "options": list(q["options"]),
+                "temperature": None if q.get("temperature") is None else float(q["temperature"]),
+            }
+            for q in document["questions"]
+        ],
+        "mode": document.get("mode", "packed"),
+        "created_at": int(time.time() * 1000),
+    }
+
+
+def engine_questions(schema_record: dict[str, Any]) -> list[dict[str, Any]]:
+    """What ``SchemaEngine.prepare`` takes: ``[{"id", "question", "options", "temperature"?}, ...]`` in schema order."""
+    questions = []
+    for q in schema_record["questions"]:
+        item = {"id": q["id"], "question": q["question"], "options": list(q["options"])}
+        if q.get("temperature") is not None:
+            item["temperature"] = float(q["temperature"])
+        questions.append(item)
+    return questions
+
+
+def state_record_from_json(line: str, schema_id: str, line_number: int) -> dict[str, Any]:
+    """The Avro StateEvent for one line of a user's states file."""
+    try:
+        item = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"line {line_number} is not JSON: {exc}") from exc
+    if not isinstance(item, dict) or not isinstance(item.get("id"), str) or not isinstance(item.get("state"), str):
+        raise ConfigError(f'line {line_number} must be an object with string "id" and "state"')
+    metadata = item.get("metadata")
+    if metadata is not None:
+        if not isinstance(metadata, dict):
+            raise ConfigError(f'line {line_number}: "metadata" must be an object')
+        metadata = {str(k): v if isinstance(v, str) else json.dumps(v) for k, v in metadata.items()}
+    return {
+        "state_id": item["id"],
+        "schema_id": schema_id,
+        "state": item["state"],
+        "event_time": int(item.get("event_time") or time.time() * 1000),
+        "metadata": metadata,
+    }
+
+
+def state_problem(record: dict[str, Any]) -> str | None:
+    """Why a decoded StateEvent cannot be scored (``invalid_fields``), or None."""
+    for name in ("state_id", "schema_id"):
+        if not record.get(name, "").strip():
+            return f"{name} is empty"
+    if not record.get("state", "").strip():
+        return "state text is empty"
+    return None
+
+
+def probability_record(
+    state: dict[str, Any],
+    schema_record: dict[str, Any],
+    probabilities: list[list[float]],
+    model_id: str,
+    source: tuple[str, int, int],
+    worker_id: str,
+    truncated: bool = False,
+) -> dict[str, Any]:
+    """The Avro ProbabilityRecord for one scored state; ``probabilities`` is per question, per option."""
+    topic, partition, offset = source
+    return {
+        "state_id": state["state_id"],
+        "schema_id": schema_record["schema_id"],
+        "schema_version": schema_record["version"],
+        "model_id": model_id,
+        "questions": [
+            {"id": q["id"], "options": list(q["options"]), "probabilities": [float(p) for p in probs]}
+            for q, probs in zip(schema_record["questions"], probabilities)
+        ],
+        "source_topic": topic,
+        "source_partition": partition,
+        "source_offset": offset,
+        "event_time": state.get("event_time"),
+        "scored_at": int(time.time() * 1000),
+        "truncated": truncated,
+        "worker_id": worker_id,
+        "metadata": state.get("metadata"),
+    }
+
+
+def probabilities_problem(probabilities: list[list[float]], n_options: list[int]) -> str | None:
+    """Why engine output is unfit to publish (wrong shape, non-finite, not a distribution), or None."""
+    if len(probabilities) != len(n_options):
+        return f"engine returned {len(probabilities)} questions, expected {len(n_options)}"
+    for index, (row, count) in enumerate(zip(probabilities, n_options)):
+        if len(row) != count:
+            return f"question {index}: engine returned {len(row)} probabilities for {count} options"
+        if not all(math.isfinite(p) and p >= 0 for p in row):
+            return f"question {index}: non-finite or negative probabilities {row}"
+        if abs(sum(row) - 1.0) > 1e-3:
+            return f"question {index}: probabilities sum to {sum(row):.6f}, not 1"
+    return None

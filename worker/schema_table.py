@@ -1,0 +1,133 @@
+"""The schema table: the whole compacted schema topic, read by every worker as a key -> latest value map.
+
+Read outside the consumer group (every partition assigned from the beginning, no offsets committed):
+each worker needs every schema, not a share of them. Last write wins per key, as compaction would
+leave it, and a tombstone (null value) deletes the key. The table keeps consuming while the worker
+runs; ``catch_up()`` reads to the current end of the topic, so a schema published before a state was
+consumed is known when that state's batch closes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, TopicPartition
+
+import schemas
+from worker.exceptions import BrokerUnavailableError
+from worker.kafka_clients import reader_consumer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Change:
+    """One applied schema-topic record: ``record`` None means the id was deleted."""
+
+    schema_id: str
+    record: dict[str, Any] | None
+
+
+class BrokenSchema(dict):
+    """A schema-topic value that is present but unusable (undecodable or invalid); states naming it are
+    dead-lettered as ``schema_unpreparable`` with ``problem`` as the message."""
+
+    def __init__(self, schema_id: str, version: int, problem: str) -> None:
+        super().__init__(schema_id=schema_id, version=version, questions=[], mode="packed")
+        self.problem = problem
+
+
+class SchemaTable:
+    """Latest QuestionSchema record per schema id, kept current from the schema topic."""
+
+    def __init__(self, bootstrap: str, topic: str, consumer: Consumer | None = None) -> None:
+        self._topic = topic
+        self._consumer = consumer or reader_consumer(bootstrap)
+        metadata = self._consumer.list_topics(topic, timeout=10).topics.get(topic)
+        if metadata is None or metadata.error is not None or not metadata.partitions:
+            raise BrokerUnavailableError(f"schema topic {topic} does not exist; create it with: decider topics create -b {bootstrap}")
+        self._partitions = [TopicPartition(topic, p, OFFSET_BEGINNING) for p in sorted(metadata.partitions)]
+        self._consumer.assign(self._partitions)
+        self._latest: dict[str, dict[str, Any]] = {}
+        self._broken_versions = 0  # pseudo-versions for broken records, so each one differs from the last
+
+    def get(self, schema_id: str) -> dict[str, Any] | None:
+        """The latest record for ``schema_id`` (a ``BrokenSchema`` if unusable), or None if unknown/deleted."""
+        return self._latest.get(schema_id)
+
+    def ids(self) -> list[str]:
+        """Schema ids currently in the table."""
+        return sorted(self._latest)
+
+    def poll(self, max_records: int = 500) -> list[Change]:
+        """Apply whatever the topic has ready now, without waiting; returns what changed."""
+        changes: list[Change] = []
+        for message in self._consumer.consume(max_records, timeout=0):
+            change = self._apply(message)
+            if change is not None:
+                changes.append(change)
+        return changes
+
+    def catch_up(self, timeout_s: float = 5.0) -> list[Change]:
+        """Read until every partition's position reaches the end it had when called."""
+        deadline = time.monotonic() + timeout_s
+        ends = {}
+        for tp in self._partitions:
+            _low, high = self._consumer.get_watermark_offsets(TopicPartition(tp.topic, tp.partition), timeout=timeout_s, cached=False)
+            ends[tp.partition] = high
+        changes: list[Change] = []
+        while not self._reached(ends):
+            if time.monotonic() > deadline:
+                log.warning("schema topic %s: could not catch up within %.1f s", self._topic, timeout_s)
+                break
+            for message in self._consumer.consume(500, timeout=0.05):
+                change = self._apply(message)
+                if change is not None:
+                    changes.append(change)
+        return changes
+
+    def _reached(self, ends: dict[int, int]) -> bool:
+        positions = self._consumer.position([TopicPartition(self._topic, p) for p in ends])
+        # A negative position means nothing was fetched yet; that is only "reached" for an empty partition.
+        return all((tp.offset if tp.offset >= 0 else 0) >= ends[tp.partition] for tp in positions)
+
+    def _apply(self, message) -> Change | None:
+        if message.error() is not None:
+            if message.error().code() != KafkaError._PARTITION_EOF:
+                log.warning("schema topic: %s", message.error().str())
+            return None
+        key = message.key().decode("utf-8", errors="replace") if message.key() is not None else None
+        if key is None:
+            log.warning("schema topic %s offset %d has no key; ignored", self._topic, message.offset())
+            return None
+        if message.value() is None:
+            self._latest.pop(key, None)
+            log.info("schema %s deleted (tombstone)", key)
+            return Change(key, None)
+        record = self._decode(key, message)
+        self._latest[key] = record
+        return Change(key, record)
+
+    def _decode(self, key: str, message) -> dict[str, Any]:
+        where = f"schema topic {self._topic} partition {message.partition()} offset {message.offset()}"
+        try:
+            record = schemas.decode_question_schema(message.value())
+        except ValueError as exc:
+            return self._broken(key, f"{where} is not a valid QuestionSchema: {exc}")
+        if record["schema_id"] != key:
+            return self._broken(key, f"{where}: key {key!r} but schema_id {record['schema_id']!r}")
+        # Question-level checks (option counts, duplicates, temperatures) are the engine's: a schema it
+        # rejects in prepare() dead-letters its states as schema_unpreparable, with the engine's message.
+        return record
+
+    def _broken(self, key: str, problem: str, version: int | None = None) -> BrokenSchema:
+        log.warning("%s", problem)
+        self._broken_versions -= 1
+        return BrokenSchema(key, version if version is not None else self._broken_versions, problem)
+
+    def close(self) -> None:
+        """Close the consumer."""
+        self._consumer.close()

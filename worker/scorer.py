@@ -1,0 +1,227 @@
+"""The worker's side of the engine: one GPU thread, a tokenizer pool, and prepared schemas within a budget.
+
+The device is used from one thread only (``decider-gpu``, a single-thread executor, which is the GPU lock):
+schema preparation and scoring are queued there. Tokenization is CPU work and runs on a small pool, so the
+next batch is tokenized while the current one is on the GPU. Nothing here reaches inside tensors: the
+engine's ``score_lists`` hands back plain Python floats.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from worker.records import engine_questions, probabilities_problem
+
+log = logging.getLogger(__name__)
+
+SchemaKey = tuple[str, int]  # (schema id, version)
+
+# Test-only fault injection: a state whose text contains this marker fails inside the scoring step, as a
+# device failure on one state would (an out-of-memory on one huge state). Nothing on CPU fails per state
+# naturally, and the isolation path (batch fails -> each state alone -> only the bad one dead-lettered)
+# must still be exercised end to end. Unset in production.
+FAULT_ENV = "DECIDER_FAULT_INJECT_SCORING"
+
+
+class InjectedFault(RuntimeError):
+    """Raised for a state carrying the fault-injection marker."""
+
+
+@dataclass
+class _Entry:
+    future: Future
+    pins: int = 0
+    nbytes: int = 0
+
+
+@dataclass
+class ScoredState:
+    """Outcome for one state: probabilities (per question, per option), or a dead-letter reason and message."""
+
+    probabilities: list[list[float]] | None = None
+    truncated: bool = False
+    reason: str | None = None  # a dead_letters.Reason value when scoring did not happen
+    error: str | None = None
+
+
+@dataclass
+class BatchJob:
+    """One schema's batch: its prepared-handle future and, per state, the tokenization future and text."""
+
+    handle: Future
+    rows: list[Future]
+    texts: list[str]
+
+
+@dataclass
+class SchemaCacheStats:
+    """Counters shown by the demo and exported as metrics."""
+
+    prepared: int = 0
+    evicted: int = 0
+    failed: int = 0
+    held_bytes: int = 0
+    keys: list[SchemaKey] = field(default_factory=list)
+
+
+class Scorer:
+    """Owns the ``SchemaEngine``: prepares schemas on first use, tokenizes off the GPU thread, scores batches.
+
+    ``memory_budget`` bounds the bytes held by prepared schemas (``PreparedSchema.nbytes``); when a new one
+    does not fit, the least recently used schemas that no pending state still needs are released.
+    """
+
+    def __init__(self, schema_engine: Any, memory_budget: int, tokenizer_threads: int = 2) -> None:
+        self._se = schema_engine
+        self._budget = memory_budget
+        self._gpu = ThreadPoolExecutor(max_workers=1, thread_name_prefix="decider-gpu")
+        self._tokenizers = ThreadPoolExecutor(max_workers=max(1, tokenizer_threads), thread_name_prefix="decider-tok")
+        self._lock = threading.Lock()  # guards _entries between the main thread and the GPU thread
+        self._entries: OrderedDict[SchemaKey, _Entry] = OrderedDict()
+        self.stats = SchemaCacheStats()
+        self._fault_marker = os.environ.get(FAULT_ENV) or None
+
+    # ---- prepared schemas ------------------------------------------------------------------------------------
+    def acquire(self, schema_record: dict[str, Any]) -> Future:
+        """A future of the prepared handle for this schema version, prepared on first sight; pins it
+        against eviction until ``release_pin``. The future fails with the engine's ValueError if the
+        schema cannot be prepared (the failure is remembered: no retry per state)."""
+        key: SchemaKey = (schema_record["schema_id"], schema_record["version"])
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                questions = engine_questions(schema_record)
+                independent = schema_record.get("mode") == "independent"
+                entry = _Entry(self._gpu.submit(self._prepare, key, questions, independent))
+                self._entries[key] = entry
+            entry.pins += 1
+            self._entries.move_to_end(key)
+            return entry.future
+
+    def release_pin(self, key: SchemaKey) -> None:
+        """Undo one ``acquire``: a pending state no longer needs this schema."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None and entry.pins > 0:
+                entry.pins -= 1
+
+    def forget(self, schema_id: str, keep_version: int | None = None) -> None:
+        """Release unpinned prepared versions of ``schema_id`` other than ``keep_version`` (new version or
+        tombstone); pinned ones go when the budget needs room."""
+        self._gpu.submit(self._forget, schema_id, keep_version)
+
+    def _prepare(self, key: SchemaKey, questions: list[dict], independent: bool) -> Any:
+        try:
+            handle = self._se.prepare(questions, independent=independent)
+        except Exception:
+            self.stats.failed += 1
+            raise
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None:
+                entry.nbytes = int(handle.nbytes)
+            self.stats.prepared += 1
+            self._evict_to_fit(keep=key)
+        log.info("prepared schema %s v%d: %d questions, %.1f MiB", key[0], key[1], handle.n_questions, handle.nbytes / 2**20)
+        return handle
+
+    def _evict_to_fit(self, keep: SchemaKey) -> None:
+        """Release least recently used, unpinned schemas until the held bytes fit the budget (lock held)."""
+        held = sum(e.nbytes for e in self._entries.values())
+        for key in list(self._entries):
+            if held <= self._budget:
+                break
+            entry = self._entries[key]
+            if key == keep or entry.pins > 0 or not entry.future.done():
+                continue
+            self._drop(key)
+            held -= entry.nbytes
+            self.stats.evicted += 1
+        if held > self._budget:
+            log.warning("prepared schemas hold %.1f MiB, over the %.1f MiB budget: all are in use",
+                        held / 2**20, self._budget / 2**20)
+        self.stats.held_bytes = held
+        self.stats.keys = list(self._entries)
+
+    def _forget(self, schema_id: str, keep_version: int | None) -> None:
+        with self._lock:
+            for key in [k for k, e in self._entries.items() if k[0] == schema_id and k[1] != keep_version and e.pins == 0]:
+                self._drop(key)
+            self.stats.held_bytes = sum(e.nbytes for e in self._entries.values())
+            self.stats.keys = list(self._entries)
+
+    def _drop(self, key: SchemaKey) -> None:
+        entry = self._entries.pop(key)
+        if entry.future.done() and entry.future.exception() is None:
+            self._se.release(entry.future.result())
+
+    # ---- requests --------------------------------------------------------------------------------------------
+    def tokenize(self, handle_future: Future, text: str) -> Future:
+        """A future of the engine's tokenized row for ``text`` (runs on the tokenizer pool)."""
+        return self._tokenizers.submit(lambda: self._se.tokenize(handle_future.result(), text))
+
+    def submit(self, jobs: Sequence[BatchJob]) -> Future:
+        """Score every batch on the GPU thread: a future of, per job, one ``ScoredState`` per state."""
+        return self._gpu.submit(lambda: [self._run_job(job) for job in jobs])
+
+    def _run_job(self, job: BatchJob) -> list[ScoredState]:
+        try:
+            handle = job.handle.result()  # prepared earlier on this same thread: already done
+        except Exception as error:
+            message = f"the engine rejected the schema: {error}"
+            return [ScoredState(reason="schema_unpreparable", error=message) for _ in job.rows]
+        outcomes: list[ScoredState | None] = [None] * len(job.rows)
+        ready: list[int] = []
+        rows: list[Any] = []
+        for index, row_future in enumerate(job.rows):
+            try:
+                rows.append(row_future.result())
+                ready.append(index)
+            except Exception as error:
+                outcomes[index] = ScoredState(reason="scoring_error", error=f"tokenization failed: {error!r}")
+        if ready:
+            texts = [job.texts[i] for i in ready]
+            for index, row, scored in zip(ready, rows, self._score(handle, rows, texts)):
+                scored.truncated = bool(getattr(row, "truncated", False))
+                outcomes[index] = scored
+        return outcomes  # type: ignore[return-value]
+
+    def _score(self, handle: Any, rows: list[Any], texts: list[str]) -> list[ScoredState]:
+        try:
+            return self._checked(handle, self._score_lists(handle, rows, texts))
+        except Exception as batch_error:  # isolate the state that fails: score each one alone
+            log.warning("batch of %d failed (%r); scoring its states one by one", len(rows), batch_error)
+        outcomes = []
+        for row, text in zip(rows, texts):
+            try:
+                outcomes.extend(self._checked(handle, self._score_lists(handle, [row], [text])))
+            except Exception as error:
+                outcomes.append(ScoredState(reason="scoring_error", error=f"{type(error).__name__}: {error}"))
+        return outcomes
+
+    def _score_lists(self, handle: Any, rows: list[Any], texts: list[str]) -> list[list[list[float]]]:
+        if self._fault_marker and any(self._fault_marker in t for t in texts):
+            raise InjectedFault(f"injected scoring fault ({FAULT_ENV})")
+        return self._se.score_lists(handle, rows)
+
+    @staticmethod
+    def _checked(handle: Any, results: list[list[list[float]]]) -> list[ScoredState]:
+        outcomes = []
+        for probabilities in results:
+            problem = probabilities_problem(probabilities, list(handle.n_options))
+            if problem:
+                outcomes.append(ScoredState(reason="scoring_error", error=f"unusable engine output: {problem}"))
+            else:
+                outcomes.append(ScoredState(probabilities=probabilities))
+        return outcomes
+
+    def close(self) -> None:
+        """Stop the threads (queued work is cancelled; the running step finishes)."""
+        self._tokenizers.shutdown(wait=False, cancel_futures=True)
+        self._gpu.shutdown(wait=True, cancel_futures=True)

@@ -1,0 +1,146 @@
+"""The exactly-once commit: output records, dead letters and input offsets in one Kafka transaction.
+
+This module owns every call on the transactional producer. ``commit()`` runs the numbered steps;
+``abort()`` is the single abort path. Callers see three outcomes: success, ``AbortableError``
+(the transaction was aborted: rewind the consumer to its committed offsets and redo the work), or
+``FencedError`` / ``FatalError`` (stop the process).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence, TypeVar
+
+from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
+
+from worker.exceptions import AbortableError, FatalError, FencedError
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# librdkafka reports fencing as _FENCED (its normalized code) or the broker's codes.
+_FENCING_CODES = {KafkaError._FENCED, KafkaError.PRODUCER_FENCED, KafkaError.INVALID_PRODUCER_EPOCH}
+
+
+@dataclass(frozen=True)
+class OutgoingRecord:
+    """One record to publish inside the transaction."""
+
+    topic: str
+    key: bytes | None
+    value: bytes
+
+
+class Transactions:
+    """Runs one transaction at a time on ``producer``, committing ``consumer``'s offsets with it."""
+
+    def __init__(
+        self,
+        producer: Producer,
+        consumer: Consumer,
+        worker_id: str,
+        timeout_s: float = 30.0,
+        retries: int = 5,
+    ) -> None:
+        self._producer = producer
+        self._consumer = consumer
+        self._worker_id = worker_id
+        self._timeout_s = timeout_s
+        self._retries = retries
+        self._open = False
+        self._delivery_errors: list[KafkaError] = []
+
+    def init(self) -> None:
+        """Register the transactional id: fences any older instance with the same --worker-id and
+        aborts whatever transaction it left open, so its partial output never becomes visible."""
+        self._call("init_transactions", lambda: self._producer.init_transactions(self._timeout_s))
+
+    def commit(self, records: Sequence[OutgoingRecord], offsets: Sequence[TopicPartition]) -> None:
+        """Publish ``records`` and commit ``offsets`` (next offset to read, per input partition) atomically."""
+        try:
+            # 1. Begin: nothing produced from here on is visible until step 5 succeeds.
+            self._call("begin_transaction", self._producer.begin_transaction)
+            self._open = True
+            # 2. Produce every output record and dead letter into the transaction.
+            self._delivery_errors.clear()
+            for record in records:
+                self._produce(record)
+            # 3. Flush, then check every delivery report: a lost record must not be committed around.
+            remaining = self._producer.flush(self._timeout_s)
+            if remaining:
+                raise AbortableError(f"{remaining} records were not delivered within {self._timeout_s:.0f} s")
+            if self._delivery_errors:
+                raise AbortableError(f"record delivery failed: {self._delivery_errors[0].str()}")
+            # 4. Send the input offsets with the group metadata, so the group coordinator rejects them
+            #    if this worker is no longer the group's owner of those partitions (zombie fencing).
+            if offsets:
+                metadata = self._consumer.consumer_group_metadata()
+                self._call(
+                    "send_offsets_to_transaction",
+                    lambda: self._producer.send_offsets_to_transaction(list(offsets), metadata, self._timeout_s),
+                )
+            # 5. Commit: records and offsets become visible together, or not at all.
+            self._call("commit_transaction", lambda: self._producer.commit_transaction(self._timeout_s))
+            self._open = False
+        except AbortableError:
+            self.abort()
+            raise
+
+    def abort(self) -> None:
+        """Abort the open transaction, if any. The single abort path; safe to call twice."""
+        if not self._open:
+            return
+        self._open = False
+        self._call("abort_transaction", lambda: self._producer.abort_transaction(self._timeout_s), abortable=False)
+        log.info("transaction aborted")
+
+    def close(self) -> None:
+        """Abort whatever is open and release the producer's queue."""
+        try:
+            self.abort()
+        finally:
+            self._producer.flush(0)
+
+    def _produce(self, record: OutgoingRecord) -> None:
+        while True:
+            try:
+                self._producer.produce(record.topic, key=record.key, value=record.value, on_delivery=self._on_delivery)
+                return
+            except BufferError:
+                # The local queue is full: let deliveries drain, then retry the same record.
+                self._producer.poll(0.05)
+            except KafkaException as exc:
+                self._raise_classified("produce", exc.args[0])
+
+    def _on_delivery(self, error: KafkaError | None, _message) -> None:
+        if error is not None:
+            self._delivery_errors.append(error)
+
+    def _call(self, step: str, action: Callable[[], T], abortable: bool = True) -> T:
+        """Run one transactional API call; retry only what librdkafka marks retriable."""
+        for attempt in range(self._retries + 1):
+            try:
+                return action()
+            except KafkaException as exc:
+                error: KafkaError = exc.args[0]
+                if error.retriable() and not error.fatal() and attempt < self._retries:
+                    log.warning("%s failed (%s), retrying", step, error.str())
+                    time.sleep(min(0.1 * 2**attempt, 2.0))
+                    continue
+                if not abortable and not error.fatal():
+                    raise FatalError(f"{step} failed: {error.str()}") from exc
+                self._raise_classified(step, error)
+        raise AssertionError("unreachable")
+
+    def _raise_classified(self, step: str, error: KafkaError) -> None:
+        if error.code() in _FENCING_CODES or (error.fatal() and "fenc" in error.str().lower()):
+            raise FencedError(
+                f"producer fenced during {step}: another worker started with --worker-id {self._worker_id} "
+                "(same transactional id) and took over; this instance stops. Give each worker a unique --worker-id."
+            )
+        if error.fatal():
+            raise FatalError(f"fatal Kafka error during {step}: {error.str()}")
+        raise AbortableError(f"{step} failed: {error.str()}")
