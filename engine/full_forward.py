@@ -7,17 +7,20 @@ from typing import Sequence
 
 import torch
 
-from engine.model import CausalContext, HybridForward
+from engine.graphs import B_BUCKETS, TS_BUCKETS, GraphCache, bucket
+from engine.model import CausalContext
 from engine.prompt import DEFAULT_MAX_CTX_TOKENS, MAX_OPTIONS, ChatTemplate, parse_questions
 from engine.readout import fill_ids, option_mask, read_slots
 from engine.reference import _temperatures, build_full_prompts
 
 
 class FullPromptScorer:
-    """Scores prepared whole prompts in one padded batch through the engine's own layer loop."""
+    """Scores whole prompts in one right-padded batch through the engine's own layer loop; on CUDA as graphs
+    per (batch bucket, length bucket), like a server would."""
 
-    def __init__(self, eng):
-        self.e, self.fwd = eng, HybridForward(eng.model)
+    def __init__(self, eng, use_graphs: bool = True):
+        self.e, self.fwd = eng, eng.forward
+        self.graphs = GraphCache(eng.pool) if (use_graphs and eng.use_graphs) else None
 
     def prompts(self, questions: Sequence[dict], states: Sequence[str], independent: bool = False,
                 chat: ChatTemplate | None = None, max_ctx_tokens: int = DEFAULT_MAX_CTX_TOKENS):
@@ -28,14 +31,24 @@ class FullPromptScorer:
     @torch.no_grad()
     def score_prompts(self, qs, prompts: list[list[int]], slots: list[tuple[int, int]], temperature=None) -> torch.Tensor:
         """-> [n_states, n_questions, MAX_OPTIONS] float32 on the device."""
-        dev = self.e.dev
-        T = max(map(len, prompts))
-        ids = fill_ids(prompts, len(prompts), T, self.e.tok.pad_token_id).to(dev, non_blocking=True)
-        pos = torch.arange(T, device=dev)[None].expand(len(prompts), -1)
-        hidden = self.fwd.layers(ids, pos, CausalContext())
-        flat = torch.tensor([i * T + p for i, p in slots], device=dev)
+        dev, n, tmax = self.e.dev, len(prompts), max(map(len, prompts))
+        graphed = self.graphs is not None and bucket(tmax, TS_BUCKETS + (4096,)) is not None and n <= B_BUCKETS[-1]
+        B, T = (bucket(n, B_BUCKETS), bucket(tmax, TS_BUCKETS + (4096,))) if graphed else (n, tmax)
         n_states = len(slots) // len(qs)
-        inv_t = (1.0 / torch.tensor(_temperatures(qs, temperature))).repeat(n_states)[:, None].to(dev)
-        mask = option_mask([len(q.options) for q in qs]).repeat(n_states, 1).to(dev)
-        probs = read_slots(hidden, flat, self.e.core.norm, self.e.W, inv_t, mask)
-        return probs.view(n_states, len(qs), MAX_OPTIONS)
+        S = len(slots) * B // n
+        flat = torch.zeros(S, dtype=torch.long)
+        flat[:len(slots)] = torch.tensor([i * T + p for i, p in slots])
+        inv_t = (1.0 / torch.tensor(_temperatures(qs, temperature))).repeat(S // len(qs))[:, None]
+        mask = option_mask([len(q.options) for q in qs]).repeat(S // len(qs), 1)
+        ids = fill_ids(prompts, B, T, self.e.tok.pad_token_id)
+        inputs = tuple(x.to(dev, non_blocking=True) for x in (ids, flat, inv_t, mask))
+        if graphed:
+            probs = self.graphs.run(("full", B, T), inputs, lambda: (self._step, None))
+        else:
+            probs = self._step(*inputs)
+        return probs[:len(slots)].view(n_states, len(qs), MAX_OPTIONS)
+
+    def _step(self, ids, flat, inv_t, mask):
+        pos = torch.arange(ids.shape[1], device=ids.device)[None].expand(ids.shape[0], -1)
+        hidden = self.fwd.layers(ids, pos, CausalContext())
+        return read_slots(hidden, flat, self.fwd.final_norm, self.e.W, inv_t, mask)

@@ -10,8 +10,8 @@ from typing import Callable
 
 import torch
 
-TS_BUCKETS = (32, 48, 64, 96, 128, 160, 192, 256, 384, 512, 768, 1024, 1536, 2048)
-"""Suffix lengths graphs are captured for; longer suffixes run eagerly."""
+TS_BUCKETS = (*range(32, 257, 16), 288, 320, 384, 448, 512, 640, 768, 1024, 1536, 2048)
+"""Suffix lengths graphs are captured for (fine steps where states usually fall: padding is wasted compute);\nlonger suffixes run eagerly."""
 B_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128)
 """Requests per graph; larger batches are split into chunks of the largest."""
 

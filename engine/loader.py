@@ -38,6 +38,15 @@ class Engine:
         self.W = model.lm_head.weight[self.label_ids].detach().clone()          # [MAX_OPTIONS, hidden]
         self.pool = torch.cuda.graph_pool_handle() if self.dev.type == "cuda" else None
         self.use_graphs = (self.dev.type == "cuda") if use_graphs is None else (use_graphs and self.dev.type == "cuda")
+        self._forward = None
+
+    @property
+    def forward(self):
+        """The engine's own layer loop (`engine.model.HybridForward`), built once and shared by every SchemaEngine."""
+        if self._forward is None:
+            from engine.model import HybridForward
+            self._forward = HybridForward(self.model)
+        return self._forward
 
     @classmethod
     def load(cls, model_dir: str | Path, device: str = "cpu", dtype: str | None = None,

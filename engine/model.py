@@ -17,10 +17,9 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
-from transformers.activations import ACT2FN
 from transformers.models.qwen3_5.modeling_qwen3_5 import apply_rotary_pos_emb
 
-from engine.kernels import gated_delta_rule
+from engine.kernels import select_kernels
 
 
 @dataclass
@@ -143,13 +142,39 @@ class SuffixContext:
 
 
 class HybridForward:
-    """Runs the decoder layers of a transformers `Qwen3_5ForCausalLM` with explicit layer states."""
+    """Runs the decoder layers of a transformers `Qwen3_5ForCausalLM` with explicit layer states.
+
+    At construction the projections that read the same input are fused into one GEMM each (attention q|k|v, Gated
+    DeltaNet qkv|z|b|a, MLP gate|up); the modules' own weights become views into the fused matrices, so memory is
+    not doubled and transformers' forward (the oracle) still runs on the same numbers.
+    """
 
     def __init__(self, causal_lm):
         self.core = causal_lm.model
         self.cfg = causal_lm.config
+        self.eps = self.cfg.rms_norm_eps
         dev = next(causal_lm.parameters()).device
-        self.delta_rule, self.delta_rule_name = gated_delta_rule(dev.type)
+        self.k = select_kernels(dev.type)
+        self.delta_rule_name = self.k.name
+        self.w = [self._layer_weights(layer) for layer in self.core.layers]
+        self.final_norm_w = 1.0 + self.core.norm.weight.float()
+
+    @staticmethod
+    def _layer_weights(layer) -> dict:
+        w = {"in_norm": 1.0 + layer.input_layernorm.weight.float(),
+             "post_norm": 1.0 + layer.post_attention_layernorm.weight.float(),
+             "mlp_in": _fuse([layer.mlp.gate_proj, layer.mlp.up_proj])}
+        if layer.block_type == "linear_attention":
+            lin = layer.linear_attn
+            w["in_proj"] = _fuse([lin.in_proj_qkv, lin.in_proj_z, lin.in_proj_b, lin.in_proj_a])
+            w["conv"] = lin.conv1d.weight.detach()[:, 0, :]                                # [C, K]
+            w["neg_A"] = -lin.A_log.detach().float().exp()
+        else:
+            attn = layer.self_attn
+            w["qkv"] = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
+            w["q_norm"] = 1.0 + attn.q_norm.weight.float()
+            w["k_norm"] = 1.0 + attn.k_norm.weight.float()
+        return w
 
     @torch.no_grad()
     def prefix(self, ids: list[int]) -> PrefixState:
@@ -160,54 +185,80 @@ class HybridForward:
         self.layers(x, torch.arange(len(ids), device=dev)[None], rec)
         return rec.state
 
+    def final_norm(self, hs: torch.Tensor) -> torch.Tensor:
+        return self.k.rms_norm(hs, self.final_norm_w, self.eps)
+
     def layers(self, ids: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
         """ids, positions: [B, T] -> hidden states [B, T, hidden] before the final norm."""
         h = self.core.embed_tokens(ids)
         cos, sin = self.core.rotary_emb(h, positions[None].expand(3, -1, -1))
         for i, layer in enumerate(self.core.layers):
-            x = layer.input_layernorm(h)
+            w = self.w[i]
+            x = self.k.rms_norm(h, w["in_norm"], self.eps)
             if layer.block_type == "linear_attention":
-                x = self._gated_delta_net(layer.linear_attn, x, i, ctx)
+                x = self._gated_delta_net(layer.linear_attn, w, x, i, ctx)
             else:
-                x = self._attention(layer.self_attn, x, cos, sin, i, ctx)
+                x = self._attention(layer.self_attn, w, x, cos, sin, i, ctx)
             h = h + x
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            h = h + self._mlp(layer.mlp, w, self.k.rms_norm(h, w["post_norm"], self.eps))
         return h
 
-    def _attention(self, attn, x, cos, sin, i, ctx):
+    def _mlp(self, mlp, w, x):
+        gate, up = F.linear(x, w["mlp_in"]).split(mlp.intermediate_size, dim=-1)
+        return mlp.down_proj(self.k.swiglu(gate, up))
+
+    def _attention(self, attn, w, x, cos, sin, i, ctx):
         B, T, _ = x.shape
         D = attn.head_dim
-        q, gate = torch.chunk(attn.q_proj(x).view(B, T, -1, 2 * D), 2, dim=-1)             # [B, T, Hq, D] each
+        q_dim, kv_dim = attn.q_proj.out_features, attn.k_proj.out_features
+        qg, k, v = F.linear(x, w["qkv"]).split([q_dim, kv_dim, kv_dim], dim=-1)
+        q, gate = torch.chunk(qg.view(B, T, -1, 2 * D), 2, dim=-1)                         # [B, T, Hq, D] each
         gate = gate.reshape(B, T, -1)
-        q = attn.q_norm(q).transpose(1, 2)                                                 # [B, Hq, T, D]
-        k = attn.k_norm(attn.k_proj(x).view(B, T, -1, D)).transpose(1, 2)                  # [B, Hkv, T, D]
-        v = attn.v_proj(x).view(B, T, -1, D).transpose(1, 2)
+        q = self.k.rms_norm(q, w["q_norm"], self.eps).transpose(1, 2)                       # [B, Hq, T, D]
+        k = self.k.rms_norm(k.view(B, T, -1, D), w["k_norm"], self.eps).transpose(1, 2)    # [B, Hkv, T, D]
+        v = v.reshape(B, T, -1, D).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         out = ctx.attend(i, q, k, v, attn.scaling)                                         # [B, Hq, T, D]
         out = out.transpose(1, 2).reshape(B, T, -1) * torch.sigmoid(gate)
         return attn.o_proj(out)
 
-    def _gated_delta_net(self, lin, x, i, ctx):
+    def _gated_delta_net(self, lin, w, x, i, ctx):
         B, T, _ = x.shape
         K = lin.conv_kernel_size
-        qkv = lin.in_proj_qkv(x).transpose(1, 2)                                            # [B, C, T]
-        prev = ctx.conv_prev(i, qkv)
-        full = F.pad(qkv, (K - 1, 0)) if prev is None else torch.cat([prev, qkv], -1)     # [B, C, K-1+T]
-        ctx.keep("conv", i, full[:, :, -(K - 1):])
-        qkv = ACT2FN[lin.activation](F.conv1d(full, lin.conv1d.weight, groups=lin.conv_dim)).transpose(1, 2)
+        H = lin.num_v_heads
+        qkv, z, b, a = F.linear(x, w["in_proj"]).split([lin.conv_dim, lin.value_dim, H, H], dim=-1)
+        ctx.keep("conv", i, _last_inputs(qkv, K - 1))
+        qkv = self.k.causal_conv(qkv, w["conv"], ctx.conv_prev(i, qkv))                    # [B, T, C]
         q, k, v = torch.split(qkv, [lin.key_dim, lin.key_dim, lin.value_dim], dim=-1)
         q = q.reshape(B, T, -1, lin.head_k_dim)
         k = k.reshape(B, T, -1, lin.head_k_dim)
         v = v.reshape(B, T, -1, lin.head_v_dim)
-        beta = lin.in_proj_b(x).sigmoid()
-        g = -lin.A_log.float().exp() * F.softplus(lin.in_proj_a(x).float() + lin.dt_bias)
+        beta = b.sigmoid()
+        g = w["neg_A"] * F.softplus(a.float() + lin.dt_bias)
         if lin.num_v_heads > lin.num_k_heads:
             rep = lin.num_v_heads // lin.num_k_heads
             q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
-        out, final = self.delta_rule(q, k, v, g=g, beta=beta, initial_state=ctx.rec_prev(i),
-                                     output_final_state=isinstance(ctx, _PrefixRecorder), use_qk_l2norm_in_kernel=True)
+        out, final = self.k.delta_rule(q, k, v, g=g, beta=beta, initial_state=ctx.rec_prev(i),
+                                       output_final_state=isinstance(ctx, _PrefixRecorder), use_qk_l2norm_in_kernel=True)
         if final is not None:
             ctx.keep("rec", i, final)
-        z = lin.in_proj_z(x)
-        out = lin.norm(out.reshape(-1, lin.head_v_dim), z.reshape(-1, lin.head_v_dim)).reshape(B, T, -1)
-        return lin.out_proj(out)
+        out = self.k.gated_rms_norm(out.reshape(-1, lin.head_v_dim), z.reshape(-1, lin.head_v_dim), lin.norm.weight,
+                                    lin.norm.variance_epsilon)
+        return lin.out_proj(out.reshape(B, T, -1))
+
+
+def _fuse(linears) -> torch.Tensor:
+    """One weight matrix for several bias-free Linears reading the same input; each module's weight becomes a view."""
+    fused = torch.cat([m.weight.detach() for m in linears])
+    row = 0
+    for m in linears:
+        n = m.weight.shape[0]
+        m.weight.data = fused[row:row + n]
+        row += n
+    return fused
+
+
+def _last_inputs(x: torch.Tensor, n: int) -> torch.Tensor:
+    """[B, T, C] -> [B, C, n]: the last n time steps (zero-padded on the left when T < n), the conv's carried state."""
+    tail = x[:, -n:, :].transpose(1, 2)
+    return F.pad(tail, (n - tail.shape[-1], 0))

@@ -20,7 +20,7 @@ import torch
 
 from engine.errors import InputError
 from engine.graphs import B_BUCKETS, TS_BUCKETS, GraphCache, bucket
-from engine.model import HybridForward, PrefixState, SuffixContext
+from engine.model import PrefixState, SuffixContext
 from engine.prompt import (DEFAULT_MAX_CTX_TOKENS, MAX_OPTIONS, ChatTemplate, Question, check_temperature,
                            parse_questions, schema_prefix_ids, schema_suffix_ids)
 from engine.readout import fill_ids, option_mask, read_slots
@@ -83,7 +83,7 @@ class SchemaEngine:
     def __init__(self, engine, use_graphs: bool = True, chat: ChatTemplate | None = None,
                  max_ctx_tokens: int = DEFAULT_MAX_CTX_TOKENS):
         """chat: wrap prompts in a chat template (`engine.prompt.QWEN_CHAT` for Qwen3.5 instruct models)."""
-        self.e, self.fwd, self.chat, self.max_ctx_tokens = engine, HybridForward(engine.model), chat, max_ctx_tokens
+        self.e, self.fwd, self.chat, self.max_ctx_tokens = engine, engine.forward, chat, max_ctx_tokens
         self.use_graphs = use_graphs and engine.use_graphs
         self.graphs = GraphCache(engine.pool) if engine.dev.type == "cuda" else None
         self._ids = itertools.count()
@@ -209,7 +209,7 @@ class SchemaEngine:
     def _step(self, h: PreparedSchema, ctx: SuffixContext, ids, flat, inv_temp) -> torch.Tensor:
         hidden = self.fwd.layers(ids, ctx.positions, ctx)                                     # [R*P, T, H]
         mask = h.option_mask.repeat(ctx.R, 1)                                                 # [R*nq, MAX_OPTIONS]
-        return read_slots(hidden, flat, self.e.core.norm, self.e.W, inv_temp, mask)
+        return read_slots(hidden, flat, self.fwd.final_norm, self.e.W, inv_temp, mask)
 
     def _graph_fn(self, h: PreparedSchema, R: int, T: int):
         ctx = SuffixContext(h.prefix, R, T, self.e.dev)

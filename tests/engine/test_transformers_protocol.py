@@ -10,7 +10,7 @@ import torch
 import transformers
 from transformers.models.qwen3_5 import modeling_qwen3_5 as m
 
-from engine.model import HybridForward, _PrefixRecorder
+from engine.model import _PrefixRecorder
 
 PINNED = "5.17.0"
 
@@ -45,7 +45,7 @@ def test_module_attributes_the_engine_reads(eng):
 def test_layer_order_reproduces_transformers_forward(eng):
     """The engine's layer loop over a whole prompt equals transformers' own forward (no cache anywhere)."""
     ids = torch.randint(0, eng.cfg.vocab_size, (3, 57), generator=torch.Generator().manual_seed(0))
-    fwd = HybridForward(eng.model)
+    fwd = eng.forward
     with torch.no_grad():
         want = eng.core(input_ids=ids, use_cache=False).last_hidden_state
         rows = []
