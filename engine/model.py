@@ -120,6 +120,28 @@ class SuffixContext:
 
     def attend(self, i, q, k, v, scale):
         """q: [B, Hq, T, D]; k, v: [B, Hkv, T, D] (this suffix). Softmax over [own prefix keys | causal suffix keys]."""
+        if len(set(self.prefix.lengths)) == 1:
+            return self._attend_merged(i, q, k, v, scale)
+        return self._attend_masked(i, q, k, v, scale)
+
+    def _attend_merged(self, i, q, k, v, scale):
+        """Two fused attention calls merged by their log-sum-exps: the prefix part runs every row's queries against
+        the one shared prefix K/V (no copies, no mask), the suffix part is plain causal attention."""
+        R, P, T = self.R, self.P, self.T
+        B, Hq, _, D = q.shape
+        Hkv = k.shape[1]
+        G = Hq // Hkv
+        qp = q.reshape(R, P, Hkv, G * T, D).permute(1, 2, 0, 3, 4).reshape(P, Hkv, R * G * T, D)
+        o_pre, lse_pre = sdpa_with_lse(qp, self.prefix.k[i], self.prefix.v[i], causal=False, scale=scale)
+        o_pre = o_pre.view(P, Hkv, R, G * T, D).permute(2, 0, 1, 3, 4).reshape(B, Hq, T, D)
+        lse_pre = lse_pre.view(P, Hkv, R, G * T).permute(2, 0, 1, 3).reshape(B, Hq, T)
+        kr, vr = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)            # head h reads kv head h // G
+        o_self, lse_self = sdpa_with_lse(q, kr, vr, causal=True, scale=scale)
+        w_pre = torch.sigmoid(lse_pre - lse_self)[..., None]                               # share of the prefix keys
+        return (o_self + (o_pre - o_self) * w_pre).to(q.dtype)
+
+    def _attend_masked(self, i, q, k, v, scale):
+        """Prefixes of unequal lengths (independent mode): explicit scores, padded prefix keys masked out."""
         R, P, T = self.R, self.P, self.T
         B, Hq, _, D = q.shape
         Hkv = k.shape[1]
@@ -135,10 +157,23 @@ class SuffixContext:
         s_self = (s_self.view(B, Hkv, G, T, T) + self.self_bias).view(B, Hkv, G * T, T)
         a = torch.softmax(torch.cat([s_pre, s_self], -1), -1).to(q.dtype)
         a_pre, a_self = a.split([Tp, T], -1)
-        a_pre = a_pre.view(R, P, Hkv, G * T, Tp).permute(1, 2, 0, 3, 4).reshape(P, Hkv, R * G * T, Tp)
+        a_pre = a_pre.reshape(R, P, Hkv, G * T, Tp).permute(1, 2, 0, 3, 4).reshape(P, Hkv, R * G * T, Tp)
         o_pre = (a_pre @ vp).view(P, Hkv, R, G * T, D).permute(2, 0, 1, 3, 4).reshape(B, Hkv, G * T, D)
         out = o_pre + a_self @ v                                                           # [B, Hkv, G*T, D]
         return out.reshape(B, Hq, T, D)
+
+
+def sdpa_with_lse(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused attention that also returns each query's log-sum-exp: -> (out [N, H, M, D], lse [N, H, M] float32)."""
+    M = q.shape[2]
+    if q.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)[:2]
+    elif q.dtype in (torch.bfloat16, torch.float16):
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)[:2]
+    else:
+        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal,
+                                                                          scale=scale)[:2]
+    return out, lse[..., :M].float()
 
 
 class HybridForward:
