@@ -109,6 +109,11 @@ def worker_consumer(config: WorkerConfig) -> Consumer:
     return Consumer({
         "bootstrap.servers": config.bootstrap,
         "group.id": config.group,
+        # Static membership: a worker restarted with the same --worker-id (after a crash or kill -9) takes
+        # its partitions back at once instead of waiting for the dead member's session to expire. A clean
+        # stop leaves the group explicitly (Worker unsubscribes before closing), so its partitions move
+        # to the other workers right away.
+        "group.instance.id": config.worker_id,
         # Offsets are committed only inside our transactions (send_offsets_to_transaction).
         "enable.auto.commit": False,
         # Never read another producer's aborted output; inputs produced transactionally stay atomic too.

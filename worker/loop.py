@@ -118,11 +118,21 @@ class Worker:
         self._emit("stopped", {})
 
     def _close(self) -> None:
-        for action in (self._txns.close, self._consumer.close, self._table.close, self._scorer.close):
+        # A static member does not leave the group on close(); unsubscribing does, so a stopped worker's
+        # partitions go to the others now rather than after session.timeout.ms.
+        for action in (self._txns.close, self._leave_group, self._consumer.close, self._table.close, self._scorer.close):
             try:
                 action()
             except Exception as exc:  # closing is best effort: the transaction is already committed or aborted
                 log.warning("while closing: %r", exc)
+
+    def _leave_group(self) -> None:
+        self._consumer.unsubscribe()
+        # Serve the revoke and let the LeaveGroup request go out before close() tears the client down.
+        deadline = monotonic() + 1.0
+        while self._consumer.assignment() and monotonic() < deadline:
+            self._consumer.poll(0.05)
+        self._consumer.poll(0.2)
 
     # ---- the loop --------------------------------------------------------------------------------------------
     def _step(self) -> None:
@@ -263,6 +273,8 @@ class Worker:
         metrics.TRANSACTIONS.labels("committed").inc()
         metrics.CYCLE_SECONDS.observe(monotonic() - (inflight.cycle.opened_at or monotonic()))
         metrics.PREPARED_BYTES.set(self._scorer.stats.held_bytes)
+        log.debug("committed %d scored, %s dead letters, offsets %s", counts["scored"], counts["dead_letters"],
+                  _names(inflight.cycle.offsets(), with_offsets=True))
         self._emit("committed", {**counts, "commit_ms": (time.perf_counter() - started) * 1000,
                                  "offsets": [(tp.partition, tp.offset) for tp in inflight.cycle.offsets()]})
 
@@ -351,5 +363,5 @@ def _done(value: Any) -> Future:
     return future
 
 
-def _names(partitions: list[TopicPartition]) -> str:
-    return ", ".join(f"{p.topic}[{p.partition}]" for p in partitions) or "nothing"
+def _names(partitions: list[TopicPartition], with_offsets: bool = False) -> str:
+    return ", ".join(f"{p.topic}[{p.partition}]" + (f"@{p.offset}" if with_offsets else "") for p in partitions) or "nothing"

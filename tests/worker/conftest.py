@@ -117,6 +117,7 @@ class Stream:
     workdir: Path
     partitions: int
     workers: list[WorkerProcess] = field(default_factory=list)
+    _producer: Producer | None = None
 
     # ---- inputs ----------------------------------------------------------------------------------------------
     def put_schema(self, schema_id: str, document: dict[str, Any]) -> dict[str, Any]:
@@ -135,9 +136,10 @@ class Stream:
 
     def produce_raw(self, key: bytes | None, value: bytes | None, topic: str | None = None) -> None:
         """Publish arbitrary bytes (bad input) to the states topic (or ``topic``)."""
-        producer = Producer({"bootstrap.servers": self.bootstrap, "partitioner": "murmur2_random"})
-        producer.produce(topic or self.topics.states, key=key, value=value)
-        assert producer.flush(10) == 0
+        if self._producer is None:
+            self._producer = Producer({"bootstrap.servers": self.bootstrap, "partitioner": "murmur2_random"})
+        self._producer.produce(topic or self.topics.states, key=key, value=value)
+        assert self._producer.flush(10) == 0
 
     # ---- workers ---------------------------------------------------------------------------------------------
     def start_worker(self, model_dir: Path, worker_id: str, *extra: str, env: dict[str, str] | None = None) -> WorkerProcess:
@@ -147,7 +149,8 @@ class Stream:
                 "--probabilities-topic", self.topics.probabilities, "--dead-letter-topic", self.topics.dead_letter,
                 "--max-batch", "8", "--max-wait-ms", "50", "--session-timeout-ms", "6000", *extra]
         process_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-        worker = WorkerProcess(args, self.workdir / f"worker-{worker_id}.log", process_env)
+        # One log per start: a restarted worker must not find its predecessor's lines.
+        worker = WorkerProcess(args, self.workdir / f"worker-{worker_id}-{len(self.workers)}.log", process_env)
         self.workers.append(worker)
         return worker
 

@@ -1,0 +1,50 @@
+"""Two workers in one consumer group on a topic with several partitions: every state is scored exactly
+once while one worker stops mid-stream and the other takes over its partitions."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+
+from tests.worker.conftest import QUESTIONS, encode_state, state_texts
+from tests.worker.test_exactly_once import _feed
+
+
+def test_one_worker_stops_mid_stream_and_the_other_takes_its_partitions(stream_factory, model_dir):
+    stream = stream_factory(partitions=4)
+    stream.put_schema("tickets", QUESTIONS)
+    first = stream.start_worker(model_dir, "member-a")
+    second = stream.start_worker(model_dir, "member-b")
+    first.wait_for_log("assigned", timeout_s=90)
+    second.wait_for_log("assigned", timeout_s=90)
+
+    n = 400
+    inputs = [(f"g-{i}", encode_state(f"g-{i}", "tickets", text)) for i, text in enumerate(state_texts(n, seed=7))]
+    fed = threading.Event()
+    feeder = threading.Thread(target=_feed, args=(stream, inputs, fed), kwargs={"pause_s": 0.15}, daemon=True)
+    feeder.start()
+    _wait_for_outputs(stream, 40)
+    assert not fed.is_set(), "the stop must happen while states are still arriving"
+    assert first.stop() == 0, first.log()
+    feeder.join(120)
+
+    probabilities, dead = stream.collect(n, timeout_s=120, settle_s=2.0)
+    assert dead == []
+    counts = Counter(r["state_id"] for r in probabilities)
+    assert not {k: v for k, v in counts.items() if v > 1}, "a state was scored twice"
+    assert set(counts) == {state_id for state_id, _ in inputs}
+    by_worker = Counter(r["worker_id"] for r in probabilities)
+    assert by_worker["member-a"] > 0 and by_worker["member-b"] > 0, by_worker
+    assert "revoked" in second.log() and second.log().count("assigned") >= 2, second.log()
+    assert stream.committed_offsets() == stream.end_offsets()
+    assert second.stop() == 0, second.log()
+
+
+def _wait_for_outputs(stream, at_least: int, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        probabilities, dead = stream.collect(at_least, timeout_s=1.0, settle_s=0)
+        if len(probabilities) + len(dead) >= at_least:
+            return
+    raise AssertionError(f"fewer than {at_least} outputs after {timeout_s} s")
