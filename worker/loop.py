@@ -84,6 +84,7 @@ class Worker:
         topics = self.config.topics
         require_topics(self.config.bootstrap, topics.all())
         engine, self._scorer = load_scorer(self.config)
+        self._scorer.on_event = self._emit
         self._model_id = engine.model_id
         self._emit("model_loaded", {"model_id": engine.model_id, "device": self.config.device})
         self._table = SchemaTable(self.config.bootstrap, topics.schemas)

@@ -14,7 +14,7 @@ import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from worker.records import engine_questions, probabilities_problem
 
@@ -86,6 +86,8 @@ class Scorer:
         self._entries: OrderedDict[SchemaKey, _Entry] = OrderedDict()
         self.stats = SchemaCacheStats()
         self._fault_marker = os.environ.get(FAULT_ENV) or None
+        # Called (from the GPU thread) as on_event("schema_prepared", {...}); the demo prints it.
+        self.on_event: Callable[[str, dict[str, Any]], None] | None = None
 
     # ---- prepared schemas ------------------------------------------------------------------------------------
     def acquire(self, schema_record: dict[str, Any]) -> Future:
@@ -129,6 +131,9 @@ class Scorer:
             self.stats.prepared += 1
             self._evict_to_fit(keep=key)
         log.info("prepared schema %s v%d: %d questions, %.1f MiB", key[0], key[1], handle.n_questions, handle.nbytes / 2**20)
+        if self.on_event is not None:
+            self.on_event("schema_prepared", {"schema_id": key[0], "version": key[1], "questions": handle.n_questions,
+                                              "nbytes": int(handle.nbytes), "held_bytes": self.stats.held_bytes})
         return handle
 
     def _evict_to_fit(self, keep: SchemaKey) -> None:
