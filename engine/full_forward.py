@@ -20,7 +20,7 @@ class FullPromptScorer:
 
     def __init__(self, eng, use_graphs: bool = True):
         self.e, self.fwd = eng, eng.forward
-        self.graphs = GraphCache(eng.pool) if (use_graphs and eng.use_graphs) else None
+        self.graphs = GraphCache() if (use_graphs and eng.use_graphs) else None
 
     def prompts(self, questions: Sequence[dict], states: Sequence[str], independent: bool = False,
                 chat: ChatTemplate | None = None, max_ctx_tokens: int = DEFAULT_MAX_CTX_TOKENS):

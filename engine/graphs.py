@@ -36,10 +36,15 @@ class CapturedStep:
 
 
 class GraphCache:
-    """Captured steps by key; `stats` counts captures and replays."""
+    """Captured steps by key, all in one private memory pool; `stats` counts captures and replays.
 
-    def __init__(self, pool):
-        self.pool = pool
+    The pool belongs to this cache alone: PyTorch frees a private pool once no graph holds it, and a later capture
+    into a freed pool's handle trips an allocator assertion, so each cache (and each refill after `drop` emptied it)
+    takes a fresh handle.
+    """
+
+    def __init__(self):
+        self.pool = torch.cuda.graph_pool_handle()
         self.steps: dict[tuple, CapturedStep] = {}
         self.stats = {"captures": 0, "replays": 0}
 
@@ -68,6 +73,8 @@ class GraphCache:
         self.stats["captures"] += 1
         return CapturedStep(graph, static, out, keep)
 
-    def drop(self, schema_id: int) -> None:
+    def drop(self, schema_id) -> None:
         for key in [k for k in self.steps if k[0] == schema_id]:
             del self.steps[key]
+        if not self.steps:
+            self.pool = torch.cuda.graph_pool_handle()

@@ -22,8 +22,8 @@ class Engine:
     """A loaded model on one device: the transformers module, its tokenizer, and the option-label read-out.
 
     Attributes: `model` (Qwen3_5ForCausalLM), `core` (its decoder), `cfg` (text config), `tok`, `dev`, `dtype`,
-    `W` ([MAX_OPTIONS, hidden]: the unembedding rows of the labels " A".." H"), `label_ids`, `pool` (the CUDA-graph
-    memory pool, None on CPU), `use_graphs`, `model_id`.
+    `W` ([MAX_OPTIONS, hidden]: the unembedding rows of the labels " A".." H"), `label_ids`, `use_graphs`, `model_id`.
+    CUDA-graph memory pools belong to each SchemaEngine's graph cache (`engine.graphs.GraphCache`).
     """
 
     def __init__(self, model, tok, model_id: str, use_graphs: bool | None = None):
@@ -36,7 +36,6 @@ class Engine:
         self.dev, self.dtype = p.device, p.dtype
         self.label_ids = label_token_ids(tok)
         self.W = model.lm_head.weight[self.label_ids].detach().clone()          # [MAX_OPTIONS, hidden]
-        self.pool = torch.cuda.graph_pool_handle() if self.dev.type == "cuda" else None
         self.use_graphs = (self.dev.type == "cuda") if use_graphs is None else (use_graphs and self.dev.type == "cuda")
         self._forward = None
 

@@ -85,7 +85,7 @@ class SchemaEngine:
         """chat: wrap prompts in a chat template (`engine.prompt.QWEN_CHAT` for Qwen3.5 instruct models)."""
         self.e, self.fwd, self.chat, self.max_ctx_tokens = engine, engine.forward, chat, max_ctx_tokens
         self.use_graphs = use_graphs and engine.use_graphs
-        self.graphs = GraphCache(engine.pool) if engine.dev.type == "cuda" else None
+        self.graphs = GraphCache() if engine.dev.type == "cuda" else None
         self._ids = itertools.count()
         self._ctx: dict[tuple, SuffixContext] = {}
         self.stats = dict(prepared=0, eager=0)

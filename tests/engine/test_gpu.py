@@ -65,12 +65,16 @@ def test_graphs_and_eager_agree_exactly(gpu_eng):
 
 
 def test_warmup_captures_then_only_replays(gpu_eng):
+    from engine import TokenizedState
+
     se = SchemaEngine(gpu_eng, use_graphs=True)
     h = se.prepare(make_questions([2, 3]))
     se.warmup(h, batch_sizes=(1, 8), state_tokens=(32, 64))
     captures = se.graphs.stats["captures"]
     assert captures == 4
-    se.score(h, make_states(8, seed=1, max_words=10))
+    empty = se.tokenize(h, "")
+    row = TokenizedState([gpu_eng.tok.pad_token_id] * (32 + len(empty.ids)), empty.slots)
+    se.score_rows(h, [row] * 8)
     assert se.graphs.stats["captures"] == captures
 
 

@@ -13,7 +13,7 @@ from .conftest import make_questions, make_states
 def test_label_rows_are_the_unembedding_of_the_labels(eng):
     assert eng.W.shape == (8, eng.cfg.hidden_size)
     assert torch.equal(eng.W, eng.model.lm_head.weight[eng.label_ids])
-    assert eng.pool is None and not eng.use_graphs and eng.dtype == torch.float32
+    assert not eng.use_graphs and eng.dtype == torch.float32
 
 
 def test_multimodal_checkpoint_layout_loads_its_language_model(se, tiny_dir, tmp_path):
