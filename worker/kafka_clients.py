@@ -19,7 +19,7 @@ def admin_client(bootstrap: str) -> AdminClient:
     return AdminClient({"bootstrap.servers": bootstrap, **_QUIET})
 
 
-def check_broker(bootstrap: str, timeout_s: float = 10.0) -> dict:
+def check_broker(bootstrap: str, timeout_s: float = 5.0) -> dict:
     """Return the cluster's topic metadata, or raise ``BrokerUnavailableError`` with a clear message."""
     try:
         return admin_client(bootstrap).list_topics(timeout=timeout_s).topics
@@ -30,7 +30,7 @@ def check_broker(bootstrap: str, timeout_s: float = 10.0) -> dict:
         ) from exc
 
 
-def require_topics(bootstrap: str, names: Iterable[str], timeout_s: float = 10.0) -> dict[str, int]:
+def require_topics(bootstrap: str, names: Iterable[str], timeout_s: float = 5.0) -> dict[str, int]:
     """Partition count of each topic in ``names``; ``BrokerUnavailableError`` if any is missing."""
     topics = check_broker(bootstrap, timeout_s)
     counts: dict[str, int] = {}
@@ -131,9 +131,9 @@ def worker_consumer(config: WorkerConfig) -> Consumer:
     })
 
 
-def transactional_producer(config: WorkerConfig) -> Producer:
-    """The producer whose transactions carry output records, dead letters and input offsets together."""
-    return Producer({
+def transactional_producer_config(config: WorkerConfig) -> dict:
+    """Settings of the producer whose transactions carry output records, dead letters and input offsets."""
+    return {
         "bootstrap.servers": config.bootstrap,
         # Derived from --worker-id: a restarted worker fences its predecessor and aborts its open transaction.
         "transactional.id": config.transactional_id,
@@ -141,4 +141,4 @@ def transactional_producer(config: WorkerConfig) -> Producer:
         "partitioner": "murmur2_random",
         "linger.ms": 2,  # a whole batch is produced at once, then flushed; no point waiting longer
         **_QUIET,
-    })
+    }

@@ -31,8 +31,8 @@ from worker import metrics
 from worker.batcher import Cycle, Pending, monotonic
 from worker.config import WorkerConfig
 from worker.dead_letters import Reason, SourceRecord, dead_letter
-from worker.exceptions import AbortableError, ConfigError, FatalError
-from worker.kafka_clients import require_topics, transactional_producer, worker_consumer
+from worker.exceptions import AbortableError, ConfigError, FatalError, FencedError
+from worker.kafka_clients import require_topics, transactional_producer_config, worker_consumer
 from worker.records import probability_record, state_problem
 from worker.schema_table import BrokenSchema, Change, SchemaTable
 from worker.scorer import Scorer
@@ -91,7 +91,7 @@ class Worker:
         self._table.catch_up()
         self._emit("schemas_loaded", {"schema_ids": self._table.ids()})
         self._consumer = worker_consumer(self.config)
-        self._txns = Transactions(transactional_producer(self.config), self._consumer, self.config.worker_id,
+        self._txns = Transactions(transactional_producer_config(self.config), self._consumer, self.config.worker_id,
                                   timeout_s=max(10.0, self.config.transaction_timeout_ms / 1000 / 2))
         try:
             # Before reading any offset: fence a previous instance of this worker id and abort its open
@@ -165,7 +165,12 @@ class Worker:
     def _route(self, message) -> None:
         error = message.error()
         if error is not None:
-            if error.fatal():
+            # librdkafka reports a fatal consumer error as a _FATAL event whose text names the cause.
+            fatal = error.fatal() or error.code() in (KafkaError._FATAL, KafkaError.FENCED_INSTANCE_ID)
+            if fatal and "fenc" in error.str().lower():
+                raise FencedError(f"consumer fenced: another worker joined group {self.config.group} with --worker-id "
+                                  f"{self.config.worker_id} and took over; this instance stops. Give each worker a unique --worker-id.")
+            if fatal:
                 raise FatalError(f"fatal consumer error: {error.str()}")
             if error.code() != KafkaError._PARTITION_EOF:
                 log.warning("consumer: %s", error.str())

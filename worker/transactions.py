@@ -39,14 +39,17 @@ class Transactions:
 
     def __init__(
         self,
-        producer: Producer,
+        producer_config: dict,
         consumer: Consumer,
         worker_id: str,
         timeout_s: float = 30.0,
         retries: int = 5,
     ) -> None:
-        self._producer = producer
+        # error_cb collects client-level errors (fencing is reported there as a fatal error) instead of
+        # letting them surface from flush() in the middle of delivery callbacks.
+        self._producer = Producer({**producer_config, "error_cb": self._on_error})
         self._consumer = consumer
+        self._fatal: KafkaError | None = None
         self._worker_id = worker_id
         self._timeout_s = timeout_s
         self._retries = retries
@@ -69,7 +72,9 @@ class Transactions:
             for record in records:
                 self._produce(record)
             # 3. Flush, then check every delivery report: a lost record must not be committed around.
-            remaining = self._producer.flush(self._timeout_s)
+            remaining = self._flush()
+            if self._fatal is not None:
+                self._raise_classified("produce", self._fatal)
             if remaining:
                 raise AbortableError(f"{remaining} records were not delivered within {self._timeout_s:.0f} s")
             if self._delivery_errors:
@@ -114,6 +119,23 @@ class Transactions:
                 self._producer.poll(0.05)
             except KafkaException as exc:
                 self._raise_classified("produce", exc.args[0])
+
+    def _flush(self) -> int:
+        try:
+            return self._producer.flush(self._timeout_s)
+        except (KafkaException, SystemError) as exc:
+            # A transactional failure during flush (fencing, for one) is raised from inside the delivery
+            # callbacks; the client then surfaces it as SystemError caused by the KafkaException.
+            cause = exc if isinstance(exc, KafkaException) else exc.__cause__
+            if isinstance(cause, KafkaException):
+                self._raise_classified("flush", cause.args[0])
+            raise AbortableError(f"flush failed: {exc!r}") from exc
+
+    def _on_error(self, error: KafkaError) -> None:
+        if error.fatal():
+            self._fatal = error
+        else:
+            log.debug("producer: %s", error.str())
 
     def _on_delivery(self, error: KafkaError | None, _message) -> None:
         if error is not None:

@@ -1,0 +1,95 @@
+"""The exactly-once commit against the broker: committed records and offsets appear together; an aborted
+transaction leaves nothing a read_committed reader can see and no offset; a second instance with the
+same transactional id fences the first."""
+
+from __future__ import annotations
+
+import pytest
+from confluent_kafka import Consumer, TopicPartition
+
+from worker.exceptions import FencedError
+from worker.transactions import OutgoingRecord, Transactions
+
+
+def _group_consumer(stream) -> Consumer:
+    consumer = Consumer({"bootstrap.servers": stream.bootstrap, "group.id": stream.group, "enable.auto.commit": False,
+                         "isolation.level": "read_committed", "auto.offset.reset": "earliest"})
+    consumer.assign([TopicPartition(stream.topics.states, 0, 0)])
+    return consumer
+
+
+def _producer(stream, txn_id: str) -> dict:
+    return {"bootstrap.servers": stream.bootstrap, "transactional.id": txn_id, "transaction.timeout.ms": 10_000}
+
+
+def _records(stream, n: int, tag: str) -> list[OutgoingRecord]:
+    return [OutgoingRecord(stream.topics.probabilities, f"{tag}-{i}".encode(), f"value-{tag}-{i}".encode()) for i in range(n)]
+
+
+def _read_keys(stream) -> list[str]:
+    probabilities, _ = _raw_collect(stream)
+    return sorted(k for k in probabilities)
+
+
+def _raw_collect(stream, timeout_s: float = 3.0):
+    from worker.kafka_clients import reader_consumer
+    import time
+
+    consumer = reader_consumer(stream.bootstrap)
+    consumer.assign([TopicPartition(stream.topics.probabilities, p, 0) for p in range(stream.partitions)])
+    keys, eof, deadline = [], set(), time.monotonic() + timeout_s
+    while len(eof) < stream.partitions and time.monotonic() < deadline:
+        message = consumer.poll(0.1)
+        if message is None:
+            continue
+        if message.error():
+            eof.add(message.partition())
+            continue
+        keys.append(message.key().decode())
+    consumer.close()
+    return keys, eof
+
+
+def test_commit_publishes_records_and_offsets_together(stream):
+    consumer = _group_consumer(stream)
+    txns = Transactions(_producer(stream, "t-commit"), consumer, "w")
+    txns.init()
+    txns.commit(_records(stream, 5, "ok"), [TopicPartition(stream.topics.states, 0, 17)])
+    assert _read_keys(stream) == sorted(f"ok-{i}" for i in range(5))
+    assert stream.committed_offsets()[0] == 17
+    txns.close()
+    consumer.close()
+
+
+def test_abort_leaves_nothing_visible_and_no_offsets(stream):
+    consumer = _group_consumer(stream)
+    txns = Transactions(_producer(stream, "t-abort"), consumer, "w")
+    producer = txns._producer
+    txns.init()
+    # An open transaction with records in it, then the single abort path.
+    producer.begin_transaction()
+    txns._open = True
+    for record in _records(stream, 4, "aborted"):
+        producer.produce(record.topic, key=record.key, value=record.value)
+    producer.flush(10)
+    txns.abort()
+    txns.commit(_records(stream, 2, "after"), [TopicPartition(stream.topics.states, 0, 3)])
+    assert _read_keys(stream) == ["after-0", "after-1"]
+    assert stream.committed_offsets()[0] == 3
+    txns.close()
+    consumer.close()
+
+
+def test_second_instance_with_same_transactional_id_fences_the_first(stream):
+    consumer = _group_consumer(stream)
+    first = Transactions(_producer(stream, "t-fence"), consumer, "dup")
+    first.init()
+    first.commit(_records(stream, 1, "first"), [])
+    second = Transactions(_producer(stream, "t-fence"), consumer, "dup")
+    second.init()
+    with pytest.raises(FencedError, match="--worker-id dup"):
+        first.commit(_records(stream, 1, "zombie"), [])
+    second.commit(_records(stream, 1, "second"), [])
+    assert _read_keys(stream) == ["first-0", "second-0"]
+    second.close()
+    consumer.close()
