@@ -184,16 +184,24 @@ def main(argv=None) -> dict:
                          gpu_mem_gb=(torch.cuda.max_memory_allocated(dev) / 1e9 if dev.type == "cuda" else None))
                 runs.append(r)
                 print(_row(r), flush=True)
+                _save(args, env, runs)              # after every row: a run cut short still leaves its numbers
     parity = _parity(eng, se_eager, h_eager, se_graph, h_graph, full, qs, dev)
     result = dict(env=env, runs=runs, parity=parity, graph_stats=se_graph.graphs.stats if se_graph.graphs else None)
     print(markdown(result))
-    if not args.quick:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        name = f"{env['date']}-{env['gpu'].replace(' ', '-').lower()}.json"
-        (out / name).write_text(json.dumps(result, indent=1))
-        print(f"wrote {out / name}")
+    path = _save(args, env, runs, parity=parity, graph_stats=result["graph_stats"])
+    if path:
+        print(f"wrote {path}")
     return result
+
+
+def _save(args, env, runs, **extra) -> Path | None:
+    if args.quick:
+        return None
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{env['date']}-{env['gpu'].replace(' ', '-').lower()}.json"
+    path.write_text(json.dumps(dict(env=env, runs=runs, **extra), indent=1))
+    return path
 
 
 def _parity(eng, se_eager, h_eager, se_graph, h_graph, full, qs, dev) -> dict:

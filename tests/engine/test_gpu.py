@@ -1,10 +1,11 @@
 """The parity tests on a CUDA device in bfloat16 with graphs on (run on the GPU machine: pytest -m gpu).
 
-Tolerance: bf16 keeps 8 bits of mantissa, so logits carry ~0.4% relative error and the tiny model's sharp
-distributions (weights drawn at 0.2) move by up to a few 1e-2 on a probability, in the oracle as much as in the engine.
-The test therefore holds the engine to the oracle's own distance from the exact answer: against the float32 oracle,
-the cached bf16 path may be no more than 1.5x (+1e-3) as far off as the bf16 oracle is, and the two bf16 paths must agree
-to BF16_ATOL.  Replaying a graph twice gives identical results; graphs and eager agree to BF16_ATOL (eager runs unpadded shapes).
+Tolerance: bf16 keeps 8 bits of mantissa, so logits carry ~0.4% relative error, and the tiny model's sharp
+distributions (weights drawn at 0.2, logits of tens) move by up to ~0.1 on a probability: on the H200 (2026-11-29)
+transformers' own bf16 forward was 0.024 (batch 1) to 0.13 (batch 5) away from the float32 answer.  No fixed absolute
+bound is both meaningful and safe there, so the test holds the engine to the oracle's own error: against the float32
+oracle, the cached bf16 path may be no more than 1.5x (+1e-3) as far off as transformers' bf16 forward is (seen: 0.020 vs
+0.024, 0.0075 vs 0.0087, 0.108 vs 0.121, 0.091 vs 0.129).  Replaying a graph twice gives identical results.
 """
 import pytest
 import torch
@@ -15,7 +16,7 @@ from engine.reference import score_full
 from .conftest import make_questions, make_states
 
 pytestmark = pytest.mark.gpu
-BF16_ATOL = 5e-2
+BF16_ATOL = 0.2   # only for graphs vs eager, whose padded and unpadded shapes round differently
 
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
@@ -45,7 +46,6 @@ def test_bf16_graphs_match_the_oracle(exact_eng, gpu_eng, independent, batch):
     err_engine, err_oracle = (got - exact).abs().max().item(), (ref_bf16 - exact).abs().max().item()
     print(f"batch {batch} independent={independent}: |engine-exact| {err_engine:.2e}  |oracle_bf16-exact| "
           f"{err_oracle:.2e}  |engine-oracle_bf16| {(got - ref_bf16).abs().max().item():.2e}")
-    assert (got - ref_bf16).abs().max().item() < BF16_ATOL
     assert err_engine <= 1.5 * err_oracle + 1e-3
     assert torch.allclose(got.sum(-1), torch.ones(got.shape[:-1]), atol=1e-5)
     assert se.graphs.stats["replays"] >= 1 and se.stats["eager"] == 0
