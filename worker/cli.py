@@ -6,6 +6,7 @@ Errors a user can fix (unreachable broker, missing topic, bad model path, bad fi
 
 from __future__ import annotations
 
+import faulthandler
 import functools
 import logging
 import signal
@@ -80,6 +81,8 @@ def _stop_on_signals() -> threading.Event:
 
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)
+    # kill -USR1 <pid> prints every thread's stack to stderr: where a stuck worker is waiting.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     return stop
 
 
@@ -257,6 +260,23 @@ def demo(
     from worker.demo import run_demo
 
     run_demo(model_dir=model, port=port, records_shown=records_shown)
+
+
+@app.command("score")
+@friendly_errors
+def score(
+    model: str = typer.Option(..., "--model", envvar="DECIDER_MODEL", help="Local Hugging Face model directory (Qwen3.5 family)."),
+    schema: Path = typer.Option(..., "--schema", help='Schema file: {"mode"?: "packed"|"independent", "questions": [{"id", "question", "options", "temperature"?}]}.'),
+    states: Path = typer.Option(..., "--states", help='States file, one JSON object a line: {"id": "...", "state": "..."} (- reads stdin).'),
+    device: str = typer.Option("cpu", "--device", envvar="DECIDER_DEVICE", help="cpu, cuda or cuda:N."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", envvar="DECIDER_DTYPE", help="float32, bfloat16 or float16 (default: float32 on CPU, bfloat16 on CUDA)."),
+    schema_id: Optional[str] = typer.Option(None, "--schema-id", help="schema_id written in the output (default: the schema file's name)."),
+    batch_size: int = typer.Option(32, "--batch-size", help="States scored per forward pass."),
+) -> None:
+    """Score states offline, no Kafka: one JSON line of probabilities per state, for trying a schema and a model."""
+    from worker.offline import score_file, write_scores
+
+    write_scores(score_file(model, schema, states, device, dtype, schema_id, batch_size), sys.stdout)
 
 
 def main() -> None:
