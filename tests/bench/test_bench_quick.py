@@ -1,0 +1,17 @@
+"""The benchmark stays runnable: `engine_bench.py --quick` on the CPU, tiny model."""
+from bench.engine_bench import main
+
+FIELDS = {"method", "batch", "state_tokens", "states_per_s", "tokens_per_s", "gemm_fraction", "p50_ms", "p99_ms"}
+
+
+def test_quick_run_measures_every_cpu_method(capsys):
+    result = main(["--quick", "--iters", "1"])
+    runs = result["runs"]
+    assert {r["method"] for r in runs} == {"reference", "full_fast", "cached_eager"}
+    assert {r["batch"] for r in runs} == {1, 4}
+    for r in runs:
+        assert FIELDS <= r.keys()
+        assert r["states_per_s"] > 0 and r["p99_ms"] >= r["p50_ms"] > 0
+    assert {"gpu", "torch", "transformers", "fla"} <= result["env"].keys()
+    assert max(result["parity"].values()) < 1e-4
+    assert "| method | batch |" in capsys.readouterr().out
