@@ -5,6 +5,9 @@
   committed offsets and process the records again. No output of the aborted attempt is ever visible.
 - ``FatalError``: this process cannot go on (fenced by a newer instance, bad configuration, bad model
   path); exit non-zero with the message, which is written for a user to act on.
+
+Exit codes of ``decider worker``: 1 fatal, 2 configuration, 3 fenced, 4 broker or topic unavailable,
+5 a Kafka client call hung past its timeout (``worker.transactions`` watchdog; restart to recover).
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from confluent_kafka import OFFSET_BEGINNING, KafkaError, TopicPartition
+from confluent_kafka import OFFSET_BEGINNING, KafkaError, KafkaException, TopicPartition
 
 import schemas
 from worker import metrics
@@ -92,7 +92,7 @@ class Worker:
         self._emit("schemas_loaded", {"schema_ids": self._table.ids()})
         self._consumer = worker_consumer(self.config)
         self._txns = Transactions(transactional_producer_config(self.config), self._consumer, self.config.worker_id,
-                                  timeout_s=max(10.0, self.config.transaction_timeout_ms / 1000 / 2))
+                                  timeout_s=self.config.transaction_timeout_ms / 1000 / 2)
         try:
             # Before reading any offset: fence a previous instance of this worker id and abort its open
             # transaction, so the committed offsets we start from are final.
@@ -146,6 +146,8 @@ class Worker:
             self._close_cycle()
 
     def _poll_timeout(self) -> float:
+        if self._paused:
+            return 0.05  # waiting for a schema: poll only to serve callbacks, without spinning
         until_due = self._cycle.seconds_until_due(monotonic(), self._max_wait_s)
         timeout = 0.02 if self._inflight else 0.1
         return min(timeout, until_due) if until_due is not None else timeout
@@ -319,10 +321,16 @@ class Worker:
         assignment = self._consumer.assignment()
         if not assignment:
             return
-        for tp in self._consumer.committed(assignment, timeout=10):
-            # No committed offset yet: the group starts from the beginning (auto.offset.reset=earliest).
-            target = tp.offset if tp.offset >= 0 else OFFSET_BEGINNING
-            self._consumer.seek(TopicPartition(tp.topic, tp.partition, target))
+        try:
+            for tp in self._consumer.committed(assignment, timeout=10):
+                # No committed offset yet: the group starts from the beginning (auto.offset.reset=earliest).
+                target = tp.offset if tp.offset >= 0 else OFFSET_BEGINNING
+                self._consumer.seek(TopicPartition(tp.topic, tp.partition, target))
+        except KafkaException as exc:
+            # Without a rewind the next cycle would skip the aborted records. Exiting is safe: a restart
+            # with the same --worker-id resumes from the committed offsets.
+            raise FatalError(f"could not rewind to the committed offsets after an abort: {exc.args[0].str()}; "
+                             "restart the worker (same --worker-id) to resume from them") from exc
 
     def _drop_uncommitted(self, why: str) -> None:
         dropped = len(self._cycle) + sum(len(f.cycle) for f in self._inflight)

@@ -9,6 +9,9 @@ This module owns every call on the transactional producer. ``commit()`` runs the
 from __future__ import annotations
 
 import logging
+import os
+import sys
+import threading
 import time
 from dataclasses import dataclass
 from typing import Callable, Sequence, TypeVar
@@ -34,6 +37,36 @@ class OutgoingRecord:
     value: bytes
 
 
+class _Watchdog:
+    """Exits the process if one client call overruns its own timeout by far.
+
+    A transactional call blocked inside librdkafka cannot be interrupted from Python (seen on the embedded
+    broker after a restart: send_offsets_to_transaction ignores its timeout). Nothing of the open
+    transaction is visible, so exiting is safe, and a restart with the same --worker-id aborts the hung
+    transaction in init_transactions. Exit code 5.
+    """
+
+    EXIT_CODE = 5
+
+    def __init__(self, step: str, limit_s: float) -> None:
+        self._timer = threading.Timer(limit_s, self._fire, args=(step, limit_s))
+        self._timer.daemon = True
+
+    def _fire(self, step: str, limit_s: float) -> None:
+        message = (f"error: {step} did not return within {limit_s:.0f} s; exiting so that a restart with the same "
+                   "--worker-id recovers (it aborts the hung transaction)")
+        log.critical(message)
+        print(message, file=sys.stderr, flush=True)
+        os._exit(self.EXIT_CODE)
+
+    def __enter__(self) -> "_Watchdog":
+        self._timer.start()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self._timer.cancel()
+
+
 class Transactions:
     """Runs one transaction at a time on ``producer``, committing ``consumer``'s offsets with it."""
 
@@ -43,7 +76,6 @@ class Transactions:
         consumer: Consumer,
         worker_id: str,
         timeout_s: float = 30.0,
-        retries: int = 5,
     ) -> None:
         # error_cb collects client-level errors (fencing is reported there as a fatal error) instead of
         # letting them surface from flush() in the middle of delivery callbacks.
@@ -52,20 +84,19 @@ class Transactions:
         self._fatal: KafkaError | None = None
         self._worker_id = worker_id
         self._timeout_s = timeout_s
-        self._retries = retries
         self._open = False
         self._delivery_errors: list[KafkaError] = []
 
     def init(self) -> None:
         """Register the transactional id: fences any older instance with the same --worker-id and
         aborts whatever transaction it left open, so its partial output never becomes visible."""
-        self._call("init_transactions", lambda: self._producer.init_transactions(self._timeout_s))
+        self._call("init_transactions", self._producer.init_transactions)
 
     def commit(self, records: Sequence[OutgoingRecord], offsets: Sequence[TopicPartition]) -> None:
         """Publish ``records`` and commit ``offsets`` (next offset to read, per input partition) atomically."""
         try:
             # 1. Begin: nothing produced from here on is visible until step 5 succeeds.
-            self._call("begin_transaction", self._producer.begin_transaction)
+            self._call("begin_transaction", lambda _timeout: self._producer.begin_transaction())
             self._open = True
             # 2. Produce every output record and dead letter into the transaction.
             self._delivery_errors.clear()
@@ -85,10 +116,10 @@ class Transactions:
                 metadata = self._consumer.consumer_group_metadata()
                 self._call(
                     "send_offsets_to_transaction",
-                    lambda: self._producer.send_offsets_to_transaction(list(offsets), metadata, self._timeout_s),
+                    lambda timeout: self._producer.send_offsets_to_transaction(list(offsets), metadata, timeout),
                 )
             # 5. Commit: records and offsets become visible together, or not at all.
-            self._call("commit_transaction", lambda: self._producer.commit_transaction(self._timeout_s))
+            self._call("commit_transaction", self._producer.commit_transaction)
             self._open = False
         except AbortableError:
             self.abort()
@@ -99,7 +130,7 @@ class Transactions:
         if not self._open:
             return
         self._open = False
-        self._call("abort_transaction", lambda: self._producer.abort_transaction(self._timeout_s), abortable=False)
+        self._call("abort_transaction", self._producer.abort_transaction, abortable=False)
         log.info("transaction aborted")
 
     def close(self) -> None:
@@ -141,21 +172,27 @@ class Transactions:
         if error is not None:
             self._delivery_errors.append(error)
 
-    def _call(self, step: str, action: Callable[[], T], abortable: bool = True) -> T:
-        """Run one transactional API call; retry only what librdkafka marks retriable."""
-        for attempt in range(self._retries + 1):
+    def _call(self, step: str, action: Callable[[float], T], abortable: bool = True) -> T:
+        """Run one transactional API call (given the seconds it may take); retry only what librdkafka marks
+        retriable, and only within ``timeout_s`` in total, so a broker that never comes back turns into an
+        abort (or an exit) instead of a worker that waits forever."""
+        deadline = time.monotonic() + self._timeout_s
+        attempt = 0
+        while True:
+            remaining = deadline - time.monotonic()
             try:
-                return action()
+                with _Watchdog(step, self._timeout_s * 2 + 1):
+                    return action(max(remaining, 0.1))
             except KafkaException as exc:
                 error: KafkaError = exc.args[0]
-                if error.retriable() and not error.fatal() and attempt < self._retries:
+                attempt += 1
+                if error.retriable() and not error.fatal() and deadline - time.monotonic() > 0.2:
                     log.warning("%s failed (%s), retrying", step, error.str())
-                    time.sleep(min(0.1 * 2**attempt, 2.0))
+                    time.sleep(min(0.05 * 2**attempt, 1.0, max(deadline - time.monotonic() - 0.1, 0)))
                     continue
                 if not abortable and not error.fatal():
                     raise FatalError(f"{step} failed: {error.str()}") from exc
                 self._raise_classified(step, error)
-        raise AssertionError("unreachable")
 
     def _raise_classified(self, step: str, error: KafkaError) -> None:
         if error.code() in _FENCING_CODES or (error.fatal() and "fenc" in error.str().lower()):

@@ -219,6 +219,9 @@ def stream_factory(kafka_bootstrap, tmp_path):
     for stream in made:
         for worker in stream.workers:
             worker.kill()
+        if stream._producer is not None:
+            stream._producer.flush(5)
+            stream._producer = None
 
 
 @pytest.fixture

@@ -1,0 +1,67 @@
+"""Exactly once across a broker restart (slow; an expected failure on the embedded broker, see the marker): the broker goes down mid-stream and comes back on the same port
+and data; the worker rides through (or exits and is restarted with the same --worker-id, as a supervisor
+would), and a read_committed reader sees every state exactly once."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import Counter
+
+import pytest
+
+from tests.worker.conftest import QUESTIONS, Stream, encode_state, state_texts
+from tests.worker.test_exactly_once import _feed
+from worker.config import Topics
+from worker.embedded_broker import EmbeddedBroker, free_port
+from worker.kafka_clients import create_topics
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(bool(os.environ.get("KAFKA_BOOTSTRAP")), reason="restarts the embedded broker, not an external one")
+@pytest.mark.xfail(strict=True, reason=(
+    "noida-db 0.2.3 loses open-transaction state on restart: a transaction open when it stopped is never "
+    "aborted afterwards (not by init_transactions of the same transactional id either), so the output "
+    "partitions' last stable offset stays behind it and read_committed readers never see later records. "
+    "Measured: the restarted worker commits offsets for all 200 states, the LSO stays at the hung transaction."))
+def test_broker_restart_mid_stream_keeps_exactly_once(tmp_path, model_dir):
+    broker = EmbeddedBroker(port=free_port(), data_dir=str(tmp_path / "broker-data"), log=open(tmp_path / "broker.log", "w"))
+    broker.start()
+    stream = Stream(broker.bootstrap, Topics("r.states", "r.schemas", "r.probabilities", "r.dead-letter"), "g-restart", tmp_path, 2)
+    try:
+        create_topics(broker.bootstrap, stream.topics, 2)
+        stream.put_schema("tickets", QUESTIONS)
+        flags = ("--transaction-timeout-ms", "6000")  # bounds how long a hung transactional call may block
+        worker = stream.start_worker(model_dir, "survivor", *flags)
+        worker.wait_for_log("assigned", timeout_s=90)
+        inputs = [(f"r-{i}", encode_state(f"r-{i}", "tickets", t)) for i, t in enumerate(state_texts(200, seed=4))]
+        _feed(stream, inputs[:100], threading.Event())
+        time.sleep(0.5)  # the worker is mid-stream on the first half
+
+        broker.stop()
+        time.sleep(1.0)
+        broker.start()
+        _feed(stream, inputs[100:], threading.Event())
+
+        restarts = 0
+        deadline = time.monotonic() + 150
+        while time.monotonic() < deadline:
+            probabilities, dead = stream.collect(len(inputs), timeout_s=5, settle_s=0)
+            if len(probabilities) + len(dead) >= len(inputs):
+                break
+            if worker.process.poll() is not None:  # the supervisor's job: restart with the same id
+                assert worker.process.returncode != 0
+                restarts += 1
+                worker = stream.start_worker(model_dir, "survivor", *flags)
+        probabilities, dead = stream.collect(len(inputs), timeout_s=30, settle_s=2.0)
+        counts = Counter(r["state_id"] for r in probabilities)
+        assert not dead and set(counts.values()) == {1}, {k: v for k, v in counts.items() if v > 1}
+        assert set(counts) == {state_id for state_id, _ in inputs}, f"restarts={restarts}\n{worker.log()}"
+        assert stream.committed_offsets() == stream.end_offsets()
+        assert worker.stop() == 0, worker.log()
+    finally:
+        for process in stream.workers:
+            process.kill()
+        stream._producer = None
+        broker.stop()
