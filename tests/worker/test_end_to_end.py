@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import urllib.request
 
 import pytest
 
 from tests.worker.conftest import QUESTIONS, REPO, expected_probabilities, state_texts
+from worker.embedded_broker import free_port
 
 
 def test_states_scored_once_each_with_engine_probabilities(stream, model_dir, schema_engine):
@@ -16,7 +18,8 @@ def test_states_scored_once_each_with_engine_probabilities(stream, model_dir, sc
     texts = state_texts(n, seed=1)
     stream.put_schema("tickets", QUESTIONS)
     stream.produce_states([(f"s-{i}", t) for i, t in enumerate(texts)], "tickets")
-    worker = stream.start_worker(model_dir, "e2e")
+    metrics_port = free_port()
+    worker = stream.start_worker(model_dir, "e2e", "--metrics-port", str(metrics_port))
 
     # Wait for N records, then read everything again with an idle timeout: exactly N, no more.
     assert len(_tail(stream, "--max", str(n), "--timeout", "90")) == n, worker.log()
@@ -42,6 +45,9 @@ def test_states_scored_once_each_with_engine_probabilities(stream, model_dir, sc
     _, dead = stream.collect(0, settle_s=0.5)
     assert dead == []
     assert stream.committed_offsets() == stream.end_offsets()
+    metrics = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+    assert f'decider_states_scored_total{{schema_id="tickets"}} {float(n)}' in metrics
+    assert 'decider_transactions_total{outcome="committed"}' in metrics
 
     assert worker.stop() == 0, worker.log()
     assert "SIGTERM received" in worker.log()
