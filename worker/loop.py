@@ -62,6 +62,8 @@ def load_scorer(config: WorkerConfig) -> tuple[Any, Scorer]:
         raise ConfigError(f"cannot load the model from {config.model_dir}: {exc}") from exc
     except RuntimeError as exc:  # e.g. CUDA requested on a machine without it
         raise ConfigError(f"cannot load the model on {config.device}: {exc}") from exc
+    except Exception as exc:  # a damaged checkpoint can fail anywhere in the loaders: still the user's input
+        raise ConfigError(f"cannot load the model from {config.model_dir}: {type(exc).__name__}: {exc}") from exc
     return engine, Scorer(SchemaEngine(engine), config.schema_memory_bytes, config.tokenizer_threads)
 
 
