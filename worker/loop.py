@@ -78,7 +78,7 @@ class Worker:
         self._schema_wait_s = config.schema_wait_ms / 1000
         self._cycle = Cycle()
         self._inflight: deque[InFlight] = deque()
-        self._paused = False
+        self._holding = False  # the open cycle is due but waits for a schema: consume nothing meanwhile
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
     def run(self) -> None:
@@ -139,17 +139,21 @@ class Worker:
 
     # ---- the loop --------------------------------------------------------------------------------------------
     def _step(self) -> None:
-        self._consume(self._poll_timeout())
+        if self._holding:
+            # The due cycle cannot commit past a state that waits for its schema, and must not grow
+            # meanwhile, so the consumer is not polled: at most --schema-wait-ms, far below
+            # max.poll.interval.ms. (pause()/resume() would do the same but costs ~1 s of refetch.)
+            time.sleep(0.02)
+        else:
+            self._consume(self._poll_timeout())
         self._sync_schemas(self._table.poll())
         now = monotonic()
         if self._inflight and self._inflight[0].future.done():
             self._commit_oldest()
-        if self._cycle.due(now, self.config.max_batch, self._max_wait_s) or (self._paused and self._cycle.waiting):
+        if self._holding or self._cycle.due(now, self.config.max_batch, self._max_wait_s):
             self._close_cycle()
 
     def _poll_timeout(self) -> float:
-        if self._paused:
-            return 0.05  # waiting for a schema: poll only to serve callbacks, without spinning
         until_due = self._cycle.seconds_until_due(monotonic(), self._max_wait_s)
         timeout = 0.02 if self._inflight else 0.1
         return min(timeout, until_due) if until_due is not None else timeout
@@ -243,11 +247,10 @@ class Worker:
         """Bring the cycle up to date with the schema topic, then submit it, or pause until its waits resolve."""
         self._sync_schemas(self._table.catch_up())
         self._reroute_cycle(monotonic())
-        if self._cycle.waiting:
-            self._pause()  # the cycle cannot commit past a waiting state; stop growing it meanwhile
+        self._holding = bool(self._cycle.waiting)
+        if self._holding:
             return
         self._submit_cycle()
-        self._resume()
         # Keep at most one cycle on the GPU while the one before it commits.
         while len(self._inflight) > 1:
             self._commit_oldest()
@@ -339,12 +342,11 @@ class Worker:
         for cycle in [self._cycle, *(f.cycle for f in self._inflight)]:
             cycle.release_pins(self._scorer)
         self._cycle, self._inflight = Cycle(), deque()
-        self._resume()
+        self._holding = False
         if dropped:
             log.info("%s: dropped %d uncommitted states (they will be read again)", why, dropped)
 
     def _on_assign(self, consumer, partitions: list[TopicPartition]) -> None:
-        self._paused = False  # a new assignment starts unpaused
         log.info("assigned %s", _names(partitions))
         self._emit("assigned", {"partitions": [p.partition for p in partitions]})
 
@@ -361,16 +363,6 @@ class Worker:
         log.warning("lost %s", _names(partitions))
         self._drop_uncommitted("partitions lost")
         self._emit("lost", {"partitions": [p.partition for p in partitions]})
-
-    def _pause(self) -> None:
-        if not self._paused:
-            self._consumer.pause(self._consumer.assignment())
-            self._paused = True
-
-    def _resume(self) -> None:
-        if self._paused:
-            self._consumer.resume(self._consumer.assignment())
-            self._paused = False
 
 
 def _done(value: Any) -> Future:
