@@ -54,7 +54,7 @@ def run_chaos(stream: Stream, model_dir, n_states: int, kills: int, seed: int) -
     feeder.join(120)
     assert fed.is_set()
     survivor = stream.start_worker(model_dir, "chaos", *flags)
-    probabilities, dead = stream.collect(n_states, timeout_s=180, settle_s=2.0)
+    probabilities, dead = stream.collect(n_states, timeout_s=120 + 0.25 * n_states, settle_s=2.0)
 
     seen = Counter([r["state_id"] for r in probabilities] + [d["state_id"] for d in dead])
     duplicates = {k: v for k, v in seen.items() if v > 1}
