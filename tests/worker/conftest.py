@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import signal
 import subprocess
 import sys
@@ -199,6 +200,17 @@ class Stream:
                     for p in range(self.partitions)}
         finally:
             consumer.close()
+
+
+def feed_states(stream: Stream, states: list[tuple[str, bytes]], done: threading.Event, chunk: int = 10, pause_s: float = 0.05) -> None:
+    """Publish (key, value) states in small chunks with pauses, so workers are mid-stream when a test kills or stops them."""
+    producer = Producer({"bootstrap.servers": stream.bootstrap, "partitioner": "murmur2_random"})
+    for start in range(0, len(states), chunk):
+        for state_id, value in states[start:start + chunk]:
+            producer.produce(stream.topics.states, key=state_id.encode(), value=value)
+        assert producer.flush(10) == 0
+        time.sleep(pause_s)
+    done.set()
 
 
 @pytest.fixture

@@ -11,8 +11,7 @@ from collections import Counter
 
 import pytest
 
-from tests.worker.conftest import QUESTIONS, Stream, encode_state, state_texts
-from tests.worker.test_exactly_once import _feed
+from tests.worker.conftest import QUESTIONS, Stream, encode_state, feed_states, state_texts
 from worker.config import Topics
 from worker.embedded_broker import EmbeddedBroker, free_port
 from worker.kafka_clients import create_topics
@@ -36,13 +35,13 @@ def test_broker_restart_mid_stream_keeps_exactly_once(tmp_path, model_dir):
         worker = stream.start_worker(model_dir, "survivor", *flags)
         worker.wait_for_log("assigned", timeout_s=90)
         inputs = [(f"r-{i}", encode_state(f"r-{i}", "tickets", t)) for i, t in enumerate(state_texts(200, seed=4))]
-        _feed(stream, inputs[:100], threading.Event())
+        feed_states(stream, inputs[:100], threading.Event())
         time.sleep(0.5)  # the worker is mid-stream on the first half
 
         broker.stop()
         time.sleep(1.0)
         broker.start()
-        _feed(stream, inputs[100:], threading.Event())
+        feed_states(stream, inputs[100:], threading.Event())
 
         restarts = 0
         deadline = time.monotonic() + 150

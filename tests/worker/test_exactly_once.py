@@ -10,20 +10,8 @@ import time
 from collections import Counter
 
 import pytest
-from confluent_kafka import Producer
 
-from tests.worker.conftest import QUESTIONS, Stream, encode_state, state_texts
-
-
-def _feed(stream: Stream, states: list[tuple[str, bytes]], done: threading.Event, chunk: int = 10, pause_s: float = 0.05) -> None:
-    """Publish states in small chunks, so the worker is always mid-stream when it is killed."""
-    producer = Producer({"bootstrap.servers": stream.bootstrap, "partitioner": "murmur2_random"})
-    for start in range(0, len(states), chunk):
-        for state_id, value in states[start:start + chunk]:
-            producer.produce(stream.topics.states, key=state_id.encode(), value=value)
-        assert producer.flush(10) == 0
-        time.sleep(pause_s)
-    done.set()
+from tests.worker.conftest import QUESTIONS, Stream, encode_state, feed_states, state_texts
 
 
 def _inputs(n: int, seed: int) -> list[tuple[str, bytes]]:
@@ -43,7 +31,7 @@ def run_chaos(stream: Stream, model_dir, n_states: int, kills: int, seed: int) -
     stream.put_schema("tickets", QUESTIONS)
     inputs = _inputs(n_states, seed)
     fed = threading.Event()
-    feeder = threading.Thread(target=_feed, args=(stream, inputs, fed), daemon=True)
+    feeder = threading.Thread(target=feed_states, args=(stream, inputs, fed), daemon=True)
     feeder.start()
     flags = ("--schema-wait-ms", "200", "--log-level", "debug", "--max-batch", str(rnd.choice([4, 8, 16])))
     for attempt in range(kills):

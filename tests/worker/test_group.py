@@ -7,8 +7,7 @@ import threading
 import time
 from collections import Counter
 
-from tests.worker.conftest import QUESTIONS, encode_state, state_texts
-from tests.worker.test_exactly_once import _feed
+from tests.worker.conftest import QUESTIONS, encode_state, feed_states, state_texts
 
 
 def test_one_worker_stops_mid_stream_and_the_other_takes_its_partitions(stream_factory, model_dir):
@@ -19,15 +18,18 @@ def test_one_worker_stops_mid_stream_and_the_other_takes_its_partitions(stream_f
     first.wait_for_log("assigned", timeout_s=90)
     second.wait_for_log("assigned", timeout_s=90)
 
-    n = 400
+    n = 240
     inputs = [(f"g-{i}", encode_state(f"g-{i}", "tickets", text)) for i, text in enumerate(state_texts(n, seed=7))]
-    fed = threading.Event()
-    feeder = threading.Thread(target=_feed, args=(stream, inputs, fed), kwargs={"pause_s": 0.15}, daemon=True)
-    feeder.start()
+    first_half, second_half = inputs[:n // 2], inputs[n // 2:]
+    feed_states(stream, first_half, threading.Event(), chunk=50, pause_s=0)
     _wait_for_outputs(stream, 40)
-    assert not fed.is_set(), "the stop must happen while states are still arriving"
+    # Mid-stream: the second half keeps arriving while the first worker stops.
+    fed = threading.Event()
+    feeder = threading.Thread(target=feed_states, args=(stream, second_half, fed), kwargs={"pause_s": 0.05}, daemon=True)
+    feeder.start()
     assert first.stop() == 0, first.log()
     feeder.join(120)
+    assert fed.is_set()
 
     probabilities, dead = stream.collect(n, timeout_s=120, settle_s=2.0)
     assert dead == []
