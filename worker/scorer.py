@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -33,11 +34,21 @@ class InjectedFault(RuntimeError):
     """Raised for a state carrying the fault-injection marker."""
 
 
+# A schema the engine rejected is not retried for every state; after this long it is tried again, in
+# case the failure was transient (device memory exhausted by other schemas at the time).
+FAILED_PREPARE_RETRY_S = 60.0
+
+
 @dataclass
 class _Entry:
     future: Future
     pins: int = 0
     nbytes: int = 0
+    created_at: float = field(default_factory=time.monotonic)
+
+    def failed_long_ago(self) -> bool:
+        return (self.future.done() and self.future.exception() is not None
+                and time.monotonic() - self.created_at > FAILED_PREPARE_RETRY_S)
 
 
 @dataclass
@@ -93,10 +104,13 @@ class Scorer:
     def acquire(self, schema_record: dict[str, Any]) -> Future:
         """A future of the prepared handle for this schema version, prepared on first sight; pins it
         against eviction until ``release_pin``. The future fails with the engine's ValueError if the
-        schema cannot be prepared (the failure is remembered: no retry per state)."""
+        schema cannot be prepared (the failure is remembered for FAILED_PREPARE_RETRY_S: no retry per state)."""
         key: SchemaKey = (schema_record["schema_id"], schema_record["version"])
         with self._lock:
             entry = self._entries.get(key)
+            if entry is not None and entry.pins == 0 and entry.failed_long_ago():
+                del self._entries[key]
+                entry = None
             if entry is None:
                 questions = engine_questions(schema_record)
                 independent = schema_record.get("mode") == "independent"
