@@ -38,10 +38,9 @@ def put_schema(bootstrap: str, topics: Topics, schema_id: str, path: str | Path,
         table = SchemaTable(bootstrap, topics.schemas)
         try:
             table.catch_up()
-            current = table.get(schema_id)
+            version = table.highest_version(schema_id) + 1
         finally:
             table.close()
-        version = max(int(current["version"]), 0) + 1 if current is not None else 1
     record = question_schema_record(document, schema_id, version)
     producer = plain_producer(bootstrap)
     producer.produce(topics.schemas, key=schema_id.encode(), value=schemas.encode_question_schema(record))

@@ -52,11 +52,17 @@ class SchemaTable:
         self._partitions = [TopicPartition(topic, p, OFFSET_BEGINNING) for p in sorted(metadata.partitions)]
         self._consumer.assign(self._partitions)
         self._latest: dict[str, dict[str, Any]] = {}
+        self._highest_version: dict[str, int] = {}  # survives tombstones (until compaction drops them)
         self._broken_versions = 0  # pseudo-versions for broken records, so each one differs from the last
 
     def get(self, schema_id: str) -> dict[str, Any] | None:
         """The latest record for ``schema_id`` (a ``BrokenSchema`` if unusable), or None if unknown/deleted."""
         return self._latest.get(schema_id)
+
+    def highest_version(self, schema_id: str) -> int:
+        """The highest version ever read for ``schema_id``, deleted or not (0 if never seen): a re-created
+        schema continues the numbering, so (id, version) never names two different question sets."""
+        return self._highest_version.get(schema_id, 0)
 
     def ids(self) -> list[str]:
         """Schema ids currently in the table."""
@@ -108,6 +114,8 @@ class SchemaTable:
             log.info("schema %s deleted (tombstone)", key)
             return Change(key, None)
         record = self._decode(key, message)
+        if not isinstance(record, BrokenSchema):
+            self._highest_version[key] = max(self._highest_version.get(key, 0), int(record["version"]))
         self._latest[key] = record
         return Change(key, record)
 
