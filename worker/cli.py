@@ -177,8 +177,7 @@ def worker(
 ) -> None:
     """Run the exactly-once stream processor (one per GPU). SIGTERM/SIGINT stop it cleanly.
 
-    Exit codes: 0 stopped cleanly, 1 fatal error, 2 bad configuration or model, 3 fenced by another worker
-    with the same --worker-id, 4 broker unreachable or topic missing, 5 a Kafka call hung (restart it).
+    Exit codes: 0 stopped cleanly, 1 fatal error, 2 bad configuration or model, 3 fenced by another worker with the same --worker-id, 4 broker unreachable or topic missing, 5 a Kafka call hung (restart it).
     """
     _setup_logging(log_level)
     config = WorkerConfig(
