@@ -7,6 +7,7 @@ it stops, including on Ctrl-C.
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 import threading
@@ -29,6 +30,9 @@ EXAMPLES = files("worker").joinpath("examples")
 
 def run_demo(model_dir: str | None = None, port: int | None = None, records_shown: int = 3, timeout_s: float = 180.0) -> None:
     """Run the demo end to end; raises ``FatalError`` if the pipeline does not deliver every record."""
+    # The worker runs in this process: OpenMP must wait passively (see worker.loop.load_scorer), and
+    # that is only read when torch first starts OpenMP, so set it before anything imports torch.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     console = Console(highlight=False)
     scratch = Path(tempfile.mkdtemp(prefix="decider-demo-"))
     stop = threading.Event()
