@@ -138,7 +138,7 @@ class Stream:
     def produce_raw(self, key: bytes | None, value: bytes | None, topic: str | None = None) -> None:
         """Publish arbitrary bytes (bad input) to the states topic (or ``topic``)."""
         if self._producer is None:
-            self._producer = Producer({"bootstrap.servers": self.bootstrap, "partitioner": "murmur2_random"})
+            self._producer = Producer({"bootstrap.servers": self.bootstrap, "partitioner": "murmur2_random", "log_level": 0})
         self._producer.produce(topic or self.topics.states, key=key, value=value)
         assert self._producer.flush(10) == 0
 
@@ -204,7 +204,7 @@ class Stream:
 
 def feed_states(stream: Stream, states: list[tuple[str, bytes]], done: threading.Event, chunk: int = 10, pause_s: float = 0.05) -> None:
     """Publish (key, value) states in small chunks with pauses, so workers are mid-stream when a test kills or stops them."""
-    producer = Producer({"bootstrap.servers": stream.bootstrap, "partitioner": "murmur2_random"})
+    producer = Producer({"bootstrap.servers": stream.bootstrap, "partitioner": "murmur2_random", "log_level": 0})
     for start in range(0, len(states), chunk):
         for state_id, value in states[start:start + chunk]:
             producer.produce(stream.topics.states, key=state_id.encode(), value=value)

@@ -13,13 +13,13 @@ from worker.transactions import OutgoingRecord, Transactions
 
 def _group_consumer(stream) -> Consumer:
     consumer = Consumer({"bootstrap.servers": stream.bootstrap, "group.id": stream.group, "enable.auto.commit": False,
-                         "isolation.level": "read_committed", "auto.offset.reset": "earliest"})
+                         "isolation.level": "read_committed", "auto.offset.reset": "earliest", "log_level": 0})
     consumer.assign([TopicPartition(stream.topics.states, 0, 0)])
     return consumer
 
 
 def _producer(stream, txn_id: str) -> dict:
-    return {"bootstrap.servers": stream.bootstrap, "transactional.id": txn_id, "transaction.timeout.ms": 10_000}
+    return {"bootstrap.servers": stream.bootstrap, "transactional.id": txn_id, "transaction.timeout.ms": 10_000, "log_level": 0}
 
 
 def _records(stream, n: int, tag: str) -> list[OutgoingRecord]:
