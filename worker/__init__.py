@@ -2,6 +2,8 @@
 
 Modules, one concern each: ``config`` (the frozen per-process configuration), ``exceptions``,
 ``kafka_clients`` (client settings and topic admin), ``schema_table``, ``batcher``, ``scorer`` (the
-engine's GPU thread and prepared-schema budget), ``transactions`` (the exactly-once commit),
-``dead_letters``, ``loop`` (the processor), ``cli``, ``embedded_broker`` and ``demo``.
+engine's device thread and prepared-schema budget), ``transactions`` (the exactly-once commit),
+``dead_letters``, ``records`` (JSON files <-> Avro records <-> engine input), ``loop`` (the processor),
+``metrics``, ``clients`` (what the CLI's schema/produce/tail commands do), ``cli``, ``offline``
+(``decider score``), ``embedded_broker`` and ``demo``.
 """
