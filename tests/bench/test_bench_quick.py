@@ -15,3 +15,17 @@ def test_quick_run_measures_every_cpu_method(capsys):
     assert {"gpu", "torch", "transformers", "fla"} <= result["env"].keys()
     assert max(result["parity"].values()) < 1e-4
     assert "| method | batch |" in capsys.readouterr().out
+
+
+def test_stream_bench_quick_runs_end_to_end_exactly_once():
+    """Embedded broker + a real worker process + load generator, on the CPU; every phase verifies exactly-once."""
+    from bench.stream_bench import main as stream_main
+
+    result = stream_main(["--quick", "--states", "60", "--latency-seconds", "2"])
+    phases = [r["phase"] for r in result["runs"]]
+    assert phases == ["throughput", "latency"]
+    for r in result["runs"]:
+        assert r["ok"], r
+    tput, lat = result["runs"]
+    assert tput["states_per_s"] > 0 and result["engine_only_states_per_s"] > 0
+    assert 0 < lat["p50_ms"] <= lat["p99_ms"]

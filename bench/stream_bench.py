@@ -1,0 +1,369 @@
+"""End-to-end stream benchmark: embedded broker + N `decider worker` processes + a load generator.
+
+    python bench/stream_bench.py                      # GPU: 0.8B-shaped model, 1 worker, max-wait 5/20/50 ms
+    python bench/stream_bench.py --workers 2          # one worker per GPU (CUDA_VISIBLE_DEVICES=i each)
+    python bench/stream_bench.py --workers 2 --kill-one   # SIGKILL worker 0 mid-stream, restart it, verify exactly-once
+    python bench/stream_bench.py --quick              # CPU, tiny model, small (tests/bench runs it)
+
+Phases, each on its own set of topics so they never mix:
+1. engine only: the same model and shape scored in-process by `SchemaEngine.score_rows` at --max-batch (the ceiling
+   the stream should approach);
+2. throughput: N states produced as fast as the producer goes; sustained states/s = the rate at which scored
+   records become visible to a read_committed reader, between 10% and 90% of them (start-up and tail excluded);
+   with --kill-one, worker 0 is SIGKILLed at 40% and restarted with the same --worker-id;
+3. latency, once per --max-wait-ms: states produced at --latency-load x the measured throughput; latency of a state =
+   the moment its record becomes visible to a read_committed reader - its event time (set when it was produced).
+Every phase ends with the exactly-once check: each input state id appears exactly once across the probabilities
+and dead-letter topics, and nothing else does.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import schemas  # noqa: E402
+from worker.clients import put_schema  # noqa: E402
+from worker.config import Topics  # noqa: E402
+from worker.embedded_broker import EmbeddedBroker, free_port  # noqa: E402
+from worker.kafka_clients import create_topics, plain_producer, reader_consumer  # noqa: E402
+
+from confluent_kafka import OFFSET_BEGINNING, KafkaError, TopicPartition  # noqa: E402
+
+# The published Qwen3.5-0.8B text shape; the vocabulary is the offline test tokenizer's (the worker loads a
+# tokenizer from the model directory, and the real Qwen3.5 BPE ships only in tiktoken form). Token counts of the
+# shape (state, prefix) are measured with that tokenizer, so the work per state matches the engine benchmark.
+SHAPE_08B = dict(hidden_size=1024, intermediate_size=3584, num_hidden_layers=24, num_attention_heads=8,
+                 num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=16,
+                 linear_key_head_dim=128, linear_value_head_dim=128, initializer_range=0.02)
+WORDS = ("order delivery refund account payment card login password error timeout latency disk memory alert "
+         "customer agent ticket urgent angry delayed broken missing charged twice shipment warehouse").split()
+
+
+def write_model(args, root: Path) -> Path:
+    from engine.testing import write_tiny_model
+    return write_tiny_model(root / "model", seed=0, **({} if args.quick else SHAPE_08B))
+
+
+def schema_document(n_questions: int, n_options: int) -> dict:
+    rnd = random.Random(1)
+    return {"mode": "packed", "questions": [
+        {"id": f"q{i}", "question": f"Does the event show {rnd.choice(WORDS)} trouble with the {rnd.choice(WORDS)}?",
+         "options": [f"{rnd.choice(WORDS)} {j}" for j in range(n_options)]} for i in range(n_questions)]}
+
+
+def state_texts(tok, n: int, tokens: int, seed: int) -> list[str]:
+    """n distinct texts of `tokens` tokens each under the model's tokenizer."""
+    rnd, base = random.Random(seed), []
+    while len(tok.encode(" ".join(base), add_special_tokens=False)) < tokens:
+        base.append(rnd.choice(WORDS))
+    while len(tok.encode(" ".join(base), add_special_tokens=False)) > tokens:
+        base.pop()
+    out = []
+    for i in range(n):
+        words = base[:]
+        rnd.shuffle(words)
+        out.append(" ".join(words))
+    return out
+
+
+def engine_only(args, model_dir: Path, document: dict, texts: list[str]) -> float:
+    """States/s of the engine alone at --max-batch on this device, warmed up."""
+    import torch
+    from engine import Engine, SchemaEngine
+    eng = Engine.load(model_dir, device="cuda" if args.device.startswith("cuda") else "cpu")
+    se = SchemaEngine(eng)
+    h = se.prepare(document["questions"])
+    rows = [se.tokenize(h, t) for t in texts[:args.max_batch]]
+    for _ in range(2):
+        se.score_rows(h, rows)
+    n, t = 0, time.perf_counter()
+    while time.perf_counter() - t < args.engine_seconds:
+        se.score_rows(h, rows)
+        n += len(rows)
+    rate = n / (time.perf_counter() - t)
+    del se, h, eng
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return rate
+
+
+class Stream:
+    """One phase's topics, schema and workers on the shared broker."""
+
+    def __init__(self, args, bootstrap: str, model_dir: Path, schema_file: Path, name: str, max_wait_ms: int, logs: Path):
+        self.args, self.bootstrap, self.model_dir, self.max_wait_ms, self.logs = args, bootstrap, model_dir, max_wait_ms, logs
+        self.topics = Topics(states=f"{name}.states", schemas=f"{name}.schemas", probabilities=f"{name}.probabilities",
+                             dead_letter=f"{name}.dead-letter")
+        self.name = name
+        create_topics(bootstrap, self.topics, args.partitions)
+        put_schema(bootstrap, self.topics, "bench", schema_file)
+        self.workers: dict[int, subprocess.Popen] = {}
+
+    def start_worker(self, i: int) -> None:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        device = self.args.device
+        if device.startswith("cuda"):
+            env["CUDA_VISIBLE_DEVICES"] = str(i % max(1, self.args.gpus))
+            device = "cuda:0"
+        t = self.topics
+        cmd = [sys.executable, "-m", "worker", "worker", "-b", self.bootstrap, "--model", str(self.model_dir),
+               "--device", device, "--worker-id", f"{self.name}-w{i}", "--group", f"{self.name}-group",
+               "--max-batch", str(self.args.max_batch), "--max-wait-ms", str(self.max_wait_ms),
+               "--states-topic", t.states, "--schemas-topic", t.schemas, "--probabilities-topic", t.probabilities,
+               "--dead-letter-topic", t.dead_letter, "--log-level", "warning"]
+        log = open(self.logs / f"{self.name}-w{i}.log", "ab")
+        self.workers[i] = subprocess.Popen(cmd, env=env, stdout=log, stderr=log, start_new_session=True)
+
+    def kill_worker(self, i: int) -> None:
+        os.killpg(self.workers[i].pid, signal.SIGKILL)
+        self.workers[i].wait()
+
+    def stop(self) -> None:
+        for p in self.workers.values():
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+        for p in self.workers.values():
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+
+
+class Reader(threading.Thread):
+    """read_committed reader of a phase's outputs: when each record became visible, and how often each id shows."""
+
+    def __init__(self, bootstrap: str, topics: Topics, partitions: int):
+        super().__init__(daemon=True)
+        self.consumer = reader_consumer(bootstrap)
+        self.consumer.assign([TopicPartition(t, p, OFFSET_BEGINNING) for t in (topics.probabilities, topics.dead_letter)
+                              for p in range(partitions)])
+        self.topics = topics
+        self.seen: Counter = Counter()
+        self.visible: list[tuple[float, str, int | None]] = []     # (wall time, state id, event time ms)
+        self.dead = 0
+        self.halt = threading.Event()
+
+    def run(self) -> None:
+        while not self.halt.is_set():
+            msg = self.consumer.poll(0.05)
+            if msg is None or msg.error() is not None:
+                if msg is not None and msg.error().code() != KafkaError._PARTITION_EOF:
+                    raise RuntimeError(msg.error().str())
+                continue
+            now = time.time()
+            if msg.topic() == self.topics.probabilities:
+                rec = schemas.decode_probability(msg.value())
+                sid, event = rec["state_id"], _ms(rec.get("event_time"))
+            else:
+                sid, event = (msg.key() or b"").decode(), None
+                self.dead += 1
+            self.seen[sid] += 1
+            self.visible.append((now, sid, event))
+        self.consumer.close()
+
+    def wait_for(self, n: int, timeout_s: float) -> bool:
+        deadline = time.time() + timeout_s
+        while len(self.visible) < n and time.time() < deadline:
+            time.sleep(0.05)
+        return len(self.visible) >= n
+
+
+def _ms(value) -> int | None:
+    if value is None:
+        return None
+    return int(value.timestamp() * 1000) if isinstance(value, datetime.datetime) else int(value)
+
+
+def produce(bootstrap: str, topic: str, ids: list[str], texts: list[str], rate: float | None = None,
+            on_progress=None) -> None:
+    """Produce states (event time = now); `rate` states/s, or as fast as possible."""
+    producer = plain_producer(bootstrap)
+    t0 = time.time()
+    for k, (sid, text) in enumerate(zip(ids, texts)):
+        if rate:
+            delay = t0 + k / rate - time.time()
+            if delay > 0:
+                time.sleep(delay)
+        value = schemas.encode_state({"state_id": sid, "schema_id": "bench", "state": text,
+                                      "event_time": int(time.time() * 1000), "metadata": None})
+        producer.produce(topic, key=sid.encode(), value=value)
+        producer.poll(0)
+        if on_progress:
+            on_progress(k + 1)
+    producer.flush(30)
+
+
+def exactly_once(reader: Reader, ids: list[str]) -> dict:
+    expected = set(ids)
+    dupes = sum(1 for s, c in reader.seen.items() if c > 1)
+    missing = len(expected - reader.seen.keys())
+    extra = len(reader.seen.keys() - expected)
+    return dict(ok=dupes == 0 and missing == 0 and extra == 0, duplicates=dupes, missing=missing, unexpected=extra,
+                dead_letters=reader.dead)
+
+
+def warm_up(args, stream: Stream, reader: Reader, texts: list[str]) -> list[str]:
+    ids = [f"warm-{i}" for i in range(2 * args.max_batch)]
+    produce(stream.bootstrap, stream.topics.states, ids, texts[:len(ids)])
+    if not reader.wait_for(len(ids), args.start_timeout):
+        raise SystemExit(f"workers did not score the warm-up states within {args.start_timeout} s; see {stream.logs}")
+    return ids
+
+
+def throughput_phase(args, bootstrap, model_dir, schema_file, texts, logs) -> dict:
+    stream = Stream(args, bootstrap, model_dir, schema_file, "tput", args.max_wait_ms[-1], logs)
+    reader = Reader(bootstrap, stream.topics, args.partitions)
+    reader.start()
+    for i in range(args.workers):
+        stream.start_worker(i)
+    try:
+        warm_ids = warm_up(args, stream, reader, texts)
+        ids = [f"s-{i}" for i in range(args.states)]
+        start_seen = len(reader.visible)
+        killed = threading.Event()
+
+        def maybe_kill(k: int) -> None:
+            if args.kill_one and not killed.is_set() and k >= 0.4 * args.states:
+                killed.set()
+                stream.kill_worker(0)
+                threading.Timer(1.0, stream.start_worker, args=(0,)).start()
+
+        produce(bootstrap, stream.topics.states, ids, [texts[i % len(texts)] for i in range(args.states)],
+                on_progress=maybe_kill)
+        reader.wait_for(start_seen + args.states, args.states / 5 + 120)
+        time.sleep(1.0)                      # anything extra (a duplicate) would show up by now
+        times = sorted(t for t, sid, _ in reader.visible[start_seen:])
+        lo, hi = times[int(0.1 * (len(times) - 1))], times[int(0.9 * (len(times) - 1))]
+        rate = (0.8 * (len(times) - 1)) / (hi - lo) if hi > lo else float("nan")
+        return dict(phase="throughput", workers=args.workers, states=args.states, states_per_s=rate,
+                    killed_and_restarted=bool(args.kill_one), **exactly_once(reader, warm_ids + ids))
+    finally:
+        reader.halt.set()
+        stream.stop()
+
+
+def latency_phase(args, bootstrap, model_dir, schema_file, texts, logs, max_wait_ms: int, rate: float) -> dict:
+    stream = Stream(args, bootstrap, model_dir, schema_file, f"lat{max_wait_ms}", max_wait_ms, logs)
+    reader = Reader(bootstrap, stream.topics, args.partitions)
+    reader.start()
+    for i in range(args.workers):
+        stream.start_worker(i)
+    try:
+        warm_ids = warm_up(args, stream, reader, texts)
+        n = max(20, int(rate * args.latency_seconds))
+        ids = [f"l-{i}" for i in range(n)]
+        start_seen = len(reader.visible)
+        produce(bootstrap, stream.topics.states, ids, [texts[i % len(texts)] for i in range(n)], rate=rate)
+        reader.wait_for(start_seen + n, 120)
+        lat = sorted(1000 * t - ev for t, _, ev in reader.visible[start_seen:] if ev is not None)
+        return dict(phase="latency", workers=args.workers, max_wait_ms=max_wait_ms, offered_states_per_s=rate, states=n,
+                    p50_ms=statistics.median(lat), p99_ms=lat[int(0.99 * (len(lat) - 1))],
+                    **exactly_once(reader, warm_ids + ids))
+    finally:
+        reader.halt.set()
+        stream.stop()
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="CPU, tiny model, a few hundred states")
+    ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    ap.add_argument("--workers", type=int, default=1)
+    ap.add_argument("--gpus", type=int, default=None, help="GPUs to spread workers over (default: all visible)")
+    ap.add_argument("--kill-one", action="store_true", help="SIGKILL worker 0 at 40%% of the throughput phase, restart it")
+    ap.add_argument("--states", type=int, default=None)
+    ap.add_argument("--state-tokens", type=int, default=128)
+    ap.add_argument("--questions", type=int, default=10)
+    ap.add_argument("--options", type=int, default=4)
+    ap.add_argument("--max-batch", type=int, default=None)
+    ap.add_argument("--max-wait-ms", default=None, help="comma-separated; the latency phase runs once per value")
+    ap.add_argument("--latency-load", type=float, default=0.5, help="offered load as a fraction of the throughput")
+    ap.add_argument("--latency-seconds", type=float, default=None)
+    ap.add_argument("--partitions", type=int, default=None)
+    ap.add_argument("--engine-seconds", type=float, default=None)
+    ap.add_argument("--start-timeout", type=float, default=300)
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    args = ap.parse_args(argv)
+    import torch
+    cuda = torch.cuda.is_available() and not args.quick
+    args.device = args.device or ("cuda" if cuda else "cpu")
+    args.gpus = args.gpus or (torch.cuda.device_count() if args.device.startswith("cuda") else 1)
+    args.states = args.states or (120 if args.quick else 20000)
+    args.max_batch = args.max_batch or (16 if args.quick else 128)
+    args.max_wait_ms = [int(x) for x in (args.max_wait_ms or ("20" if args.quick else "5,20,50")).split(",")]
+    args.latency_seconds = args.latency_seconds or (3 if args.quick else 15)
+    args.partitions = args.partitions or max(4, 2 * args.workers)
+    args.engine_seconds = args.engine_seconds or (2 if args.quick else 5)
+    if args.quick:
+        args.state_tokens, args.questions = 24, 3
+
+    root = Path(tempfile.mkdtemp(prefix="decider-stream-bench-"))
+    logs = root / "logs"
+    logs.mkdir()
+    model_dir = write_model(args, root)
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    document = schema_document(args.questions, args.options)
+    schema_file = root / "schema.json"
+    schema_file.write_text(json.dumps(document))
+    texts = state_texts(tok, 512, args.state_tokens, seed=3)
+    env = dict(date=datetime.date.today().isoformat(), device=args.device,
+               gpu=torch.cuda.get_device_name(0) if args.device.startswith("cuda") else "cpu",
+               workers=args.workers, gpus=args.gpus, partitions=args.partitions, max_batch=args.max_batch,
+               state_tokens=args.state_tokens, questions=args.questions, options=args.options,
+               model="tiny (engine.testing)" if args.quick else "Qwen3.5-0.8B-shaped random weights, test tokenizer")
+    print(json.dumps(env), flush=True)
+    engine_rate = engine_only(args, model_dir, document, texts) * (args.workers if args.device.startswith("cuda") else 1)
+    print(f"engine only: {engine_rate:,.1f} states/s (x{args.workers} workers on GPUs)", flush=True)
+    runs = []
+    with EmbeddedBroker(port=free_port(), log=open(logs / "broker.log", "ab")) as broker:
+        tput = throughput_phase(args, broker.bootstrap, model_dir, schema_file, texts, logs)
+        tput["fraction_of_engine"] = tput["states_per_s"] / engine_rate
+        runs.append(tput)
+        print(json.dumps(tput), flush=True)
+        for mw in args.max_wait_ms:
+            lat = latency_phase(args, broker.bootstrap, model_dir, schema_file, texts, logs, mw,
+                                args.latency_load * tput["states_per_s"])
+            runs.append(lat)
+            print(json.dumps(lat), flush=True)
+    result = dict(env=env, engine_only_states_per_s=engine_rate, runs=runs, logs=str(logs))
+    print(markdown(result))
+    if not args.quick:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        path = out / f"{env['date']}-{env['gpu'].replace(' ', '-').lower()}-stream-{args.workers}w.json"
+        path.write_text(json.dumps(result, indent=1))
+        print(f"wrote {path}")
+    return result
+
+
+def markdown(result: dict) -> str:
+    env = result["env"]
+    lines = [f"{env['gpu']}, {env['workers']} worker(s), {env['partitions']} partitions, max batch {env['max_batch']}, "
+             f"{env['state_tokens']}-token states, {env['questions']} questions x {env['options']} options; "
+             f"engine only: {result['engine_only_states_per_s']:,.1f} states/s", "",
+             "| phase | max wait ms | states/s | p50 ms | p99 ms | exactly once | dead letters |", "|---|---|---|---|---|---|---|"]
+    for r in result["runs"]:
+        rate = r.get("states_per_s", r.get("offered_states_per_s"))
+        lines.append(f"| {r['phase']}{' (kill+restart)' if r.get('killed_and_restarted') else ''} | {r.get('max_wait_ms', '')} "
+                     f"| {rate:,.1f} | {r.get('p50_ms', float('nan')):.1f} | {r.get('p99_ms', float('nan')):.1f} "
+                     f"| {'yes' if r['ok'] else 'NO: ' + json.dumps(r)} | {r['dead_letters']} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
