@@ -1,12 +1,15 @@
 """The Qwen3.5 hybrid forward, written for scoring against a cached prefix.
 
 transformers' modules hold the weights (names match the checkpoint: `model.layers.N.linear_attn.in_proj_qkv`, ...) and
-compute norms, projections, RoPE and MLPs; this file owns the order of operations and the layer states, so that:
+compute embeddings and RoPE; norms, the causal conv, the delta rule and SwiGLU come from `engine.kernels` (fla's
+fused Triton kernels on CUDA, exact PyTorch elsewhere); this file owns the order of operations, the fused
+projections and the layer states, so that:
 
 - a *prefix pass* (one prefix, batch 1) returns each layer's state: K/V (after RoPE) for full-attention layers, the
   last K-1 conv inputs and the recurrent state for Gated DeltaNet layers (`PrefixState`);
 - a *suffix pass* continues R x P rows from P shared prefixes without writing to them and without copying the prefix
-  K/V into every row: suffix queries attend to the prefix keys through one batched product per layer.
+  K/V into every row: all rows' queries attend to the one prefix K/V in a single fused attention call per layer,
+  merged with the causal suffix attention by log-sum-exp.
 
 Rows are ordered r * P + p: request r, prefix p (P = 1 packed, P = n_questions independent).  Rows are right-padded;
 everything here is causal, so padding after a row's last real token never reaches that row's slots.
