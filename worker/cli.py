@@ -50,25 +50,34 @@ def friendly_errors(command: Callable) -> Callable:
         try:
             return command(*args, **kwargs)
         except FatalError as exc:
-            typer.echo(f"error: {exc}", err=True)
+            typer.echo(_redacted(f"error: {exc}"), err=True)
             raise typer.Exit(exc.exit_code) from None
         except DeciderError as exc:
-            typer.echo(f"error: {exc}", err=True)
+            typer.echo(_redacted(f"error: {exc}"), err=True)
             raise typer.Exit(1) from None
         except KafkaException as exc:
-            typer.echo(f"error: Kafka: {exc.args[0].str() if exc.args else exc}", err=True)
+            typer.echo(_redacted(f"error: Kafka: {exc.args[0].str() if exc.args else exc}"), err=True)
             raise typer.Exit(4) from None
 
     return wrapper
+
+
+def _redacted(text: str) -> str:
+    """``text`` without any secret of the config file's [kafka] table."""
+    from worker.kafka_clients import client_settings
+    from worker.settings import redact_text
+
+    return redact_text(text, client_settings())
 
 
 def _topics(states: str, schemas: str, probabilities: str, dead_letter: str) -> Topics:
     return Topics(states=states, schemas=schemas, probabilities=probabilities, dead_letter=dead_letter)
 
 
-def _setup_logging(level: str) -> None:
-    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+def _setup_logging(level: str, fmt: str = "human") -> None:
+    from worker.logs import setup_logging
+
+    setup_logging(level, fmt)
 
 
 def _stop_on_signals() -> threading.Event:
@@ -84,6 +93,9 @@ def _stop_on_signals() -> threading.Event:
     # kill -USR1 <pid> prints every thread's stack to stderr: where a stuck worker is waiting.
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     return stop
+
+
+LogFormatOpt = typer.Option("human", "--log-format", envvar="DECIDER_LOG_FORMAT", help="human, or json: one JSON object a line.")
 
 
 # ---- commands -----------------------------------------------------------------------------------------------
@@ -170,6 +182,7 @@ def worker(
     session_timeout_ms: int = typer.Option(10_000, "--session-timeout-ms", envvar="DECIDER_SESSION_TIMEOUT_MS", help="Consumer group session timeout."),
     metrics_port: Optional[int] = typer.Option(None, "--metrics-port", envvar="DECIDER_METRICS_PORT", help="Serve Prometheus metrics on this port."),
     log_level: str = typer.Option("info", "--log-level", envvar="DECIDER_LOG_LEVEL", help="debug, info, warning or error."),
+    log_format: str = LogFormatOpt,
     states_topic: str = StatesTopicOpt,
     schemas_topic: str = SchemasTopicOpt,
     probabilities_topic: str = ProbabilitiesTopicOpt,
@@ -179,7 +192,7 @@ def worker(
 
     Exit codes: 0 stopped cleanly, 1 fatal error, 2 bad configuration or model, 3 fenced by another worker with the same --worker-id, 4 broker unreachable or topic missing, 5 a Kafka call hung (restart it).
     """
-    _setup_logging(log_level)
+    _setup_logging(log_level, log_format)
     config = WorkerConfig(
         bootstrap=bootstrap, model_dir=model, worker_id=worker_id, device=device, dtype=dtype, group=group,
         topics=_topics(states_topic, schemas_topic, probabilities_topic, dead_letter_topic),
@@ -189,13 +202,99 @@ def worker(
     )
     if not Path(model).is_dir():
         raise FatalError(f"--model {model}: no such directory", exit_code=2)
-    if metrics_port:
-        from worker.metrics import serve
-
-        serve(metrics_port)
     from worker.loop import Worker
 
-    Worker(config, stop=_stop_on_signals()).run()
+    _run_logged(lambda on_event: Worker(config, stop=_stop_on_signals(), on_event=on_event).run(), metrics_port)
+
+
+def _run_logged(run: Callable, metrics_port: Optional[int]) -> None:
+    """Run a loop with its events logged, counted in the metrics and driving /readyz; log a fatal end."""
+    from worker import logs, metrics
+    from worker.kafka_clients import client_settings
+    from worker.settings import redact
+
+    health = None
+    if metrics_port:
+        from worker.health import Health, serve
+
+        health = Health()
+        serve(metrics_port, health)
+    if client_settings():
+        logging.getLogger("decider").info("kafka client settings from the config file: %s", redact(client_settings()))
+    sinks = [logs.log_event, metrics.on_event] + ([health.on_event] if health else [])
+
+    def on_event(kind: str, info: dict) -> None:
+        for sink in sinks:
+            sink(kind, info)
+
+    try:
+        run(on_event)
+    except FatalError as exc:
+        kind = "fenced" if exc.exit_code == 3 else "fatal"
+        logs.log_fatal(kind, _redacted(str(exc)), exc.exit_code)
+        raise
+
+
+@app.command("replay")
+@friendly_errors
+def replay(
+    bootstrap: str = BootstrapOpt,
+    model: str = typer.Option(..., "--model", envvar="DECIDER_MODEL", help="Local Hugging Face model directory (Qwen3.5 family)."),
+    name: str = typer.Option(..., "--name", envvar="DECIDER_REPLAY_NAME", help="Name of this replay: its progress is committed under group decider-replay.NAME; rerun with the same name to resume."),
+    output_topic: str = typer.Option(..., "--output-topic", envvar="DECIDER_REPLAY_OUTPUT_TOPIC", help="Topic the probability records go to."),
+    dead_letter_topic: str = DeadLetterTopicOpt,
+    states_topic: str = StatesTopicOpt,
+    schemas_topic: str = SchemasTopicOpt,
+    from_offset: Optional[str] = typer.Option(None, "--from-offset", help="First offset: N for every partition, or P:N[,P:N] (default: each partition's oldest)."),
+    from_time: Optional[str] = typer.Option(None, "--from-time", help="First record at or after this time: ISO 8601 (UTC unless a zone is given) or epoch ms."),
+    to_offset: Optional[str] = typer.Option(None, "--to-offset", help="End offset, exclusive: N or P:N[,P:N] (default: the partition's end at the first run)."),
+    to_time: Optional[str] = typer.Option(None, "--to-time", help="End before the first record at or after this time."),
+    partitions: Optional[str] = typer.Option(None, "--partitions", help="Comma-separated partitions to replay (default: all)."),
+    device: str = typer.Option("cpu", "--device", envvar="DECIDER_DEVICE", help="cpu, cuda or cuda:N."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", envvar="DECIDER_DTYPE", help="float32, bfloat16 or float16 (default: float32 on CPU, bfloat16 on CUDA)."),
+    max_batch: int = typer.Option(64, "--max-batch", envvar="DECIDER_MAX_BATCH", help="States per batch; a replay always waits for full batches."),
+    schema_wait_ms: int = typer.Option(10_000, "--schema-wait-ms", envvar="DECIDER_SCHEMA_WAIT_MS", help="How long a state naming an unknown schema waits before it is dead-lettered."),
+    max_state_chars: int = typer.Option(32_768, "--max-state-chars", envvar="DECIDER_MAX_STATE_CHARS", help="Longer states are dead-lettered (state_too_large)."),
+    schema_memory_mb: float = typer.Option(2048.0, "--schema-memory-mb", envvar="DECIDER_SCHEMA_MEMORY_MB", help="Device memory budget for prepared schemas."),
+    tokenizer_threads: int = typer.Option(2, "--tokenizer-threads", envvar="DECIDER_TOKENIZER_THREADS", help="Threads tokenizing states off the GPU thread."),
+    transaction_timeout_ms: int = typer.Option(30_000, "--transaction-timeout-ms", envvar="DECIDER_TRANSACTION_TIMEOUT_MS", help="Broker-side timeout of an open transaction."),
+    metrics_port: Optional[int] = typer.Option(None, "--metrics-port", envvar="DECIDER_METRICS_PORT", help="Serve /metrics, /healthz and /readyz on this port."),
+    progress: bool = typer.Option(True, "--progress/--no-progress", help="Progress bar with rate and ETA on stderr."),
+    log_level: str = typer.Option("info", "--log-level", envvar="DECIDER_LOG_LEVEL", help="debug, info, warning or error."),
+    log_format: str = LogFormatOpt,
+) -> None:
+    """Score a historical range of the states topic (offsets or timestamps) into --output-topic, exactly once.
+
+    Resumable: after a kill, the same command (same --name) continues from the committed offsets and stops at
+    the end offsets stored by the first run. Exit codes as for worker, plus 6: stopped before the end (rerun to resume).
+    """
+    from worker.config import WorkerConfig
+    from worker.replay import Bound, ReplayWorker, replay_group, run_replay
+
+    _setup_logging(log_level, log_format)
+    config = WorkerConfig(
+        bootstrap=bootstrap, model_dir=model, worker_id=name, device=device, dtype=dtype, group=replay_group(name),
+        topics=_topics(states_topic, schemas_topic, output_topic, dead_letter_topic),
+        max_batch=max_batch, max_wait_ms=0, schema_wait_ms=schema_wait_ms, max_state_chars=max_state_chars,
+        schema_memory_mb=schema_memory_mb, tokenizer_threads=tokenizer_threads,
+        transaction_timeout_ms=transaction_timeout_ms, metrics_port=metrics_port,
+    )
+    if not Path(model).is_dir():
+        raise FatalError(f"--model {model}: no such directory", exit_code=2)
+    try:
+        chosen = [int(p) for p in partitions.split(",")] if partitions else None
+    except ValueError:
+        raise FatalError(f"--partitions {partitions!r}: expected comma-separated partition numbers", exit_code=2) from None
+    start, end = Bound.parse(from_offset, from_time, "from"), Bound.parse(to_offset, to_time, "to")
+    summary: dict = {}
+
+    def run(on_event) -> None:
+        worker = ReplayWorker(config, start, end, chosen, stop=_stop_on_signals(), on_event=on_event)
+        summary.update(run_replay(worker, progress=progress, write=lambda line: typer.echo(line, err=True)))
+
+    _run_logged(run, metrics_port)
+    if not summary.get("complete"):
+        raise typer.Exit(6)
 
 
 @app.command("tail")
@@ -282,9 +381,31 @@ def score(
     write_scores(score_file(model, schema, states, device, dtype, schema_id, batch_size), sys.stdout)
 
 
-def main() -> None:
-    """Entry point of the ``decider`` console script."""
-    app()
+@app.callback()
+def _root(
+    config: Optional[Path] = typer.Option(None, "--config", envvar="DECIDER_CONFIG", help="TOML file of settings (flag > environment > file > default); see README, Configuration."),
+) -> None:
+    """Ask an LLM a fixed set of multiple-choice questions about every event of a Kafka stream, exactly once."""
+    # --config is taken out of the arguments by main() before parsing (the file supplies the parse's
+    # defaults); declared here so that --help shows it.
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    """Entry point of the ``decider`` console script: read the config file (if any), then run the command."""
+    import os
+
+    from worker.kafka_clients import use_client_settings
+    from worker.settings import load_config_file, split_config_flag
+
+    try:
+        path, args = split_config_flag(sys.argv[1:] if argv is None else argv, os.environ)
+        file_config = load_config_file(path, typer.main.get_command(app)) if path is not None else None
+    except FatalError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        sys.exit(exc.exit_code)
+    if file_config is not None:
+        use_client_settings(file_config.kafka)
+    app(args=args, default_map=file_config.default_map if file_config else None, prog_name="decider")
 
 
 if __name__ == "__main__":

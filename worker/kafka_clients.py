@@ -2,21 +2,43 @@
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Any, Iterable, Mapping
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer
 from confluent_kafka.admin import AdminClient, NewTopic
 
 from worker.config import Topics, WorkerConfig
 from worker.exceptions import BrokerUnavailableError
+from worker.metrics import on_consumer_stats
 
 # librdkafka logs every failed connection attempt to stderr; the CLI reports unreachable brokers itself.
 _QUIET = {"log_level": 0}
 
+# librdkafka settings of the config file's [kafka] table (security.protocol, sasl.*, ssl.*, ...), applied to
+# every client this process creates. Set once by the CLI before any client exists, like the bootstrap
+# address they accompany; ``worker.settings`` validates them (and refuses the keys decider sets itself).
+_PASSTHROUGH: dict[str, Any] = {}
+
+
+def use_client_settings(settings: Mapping[str, Any]) -> None:
+    """Make ``settings`` part of every Kafka client created from now on (replaces earlier ones)."""
+    _PASSTHROUGH.clear()
+    _PASSTHROUGH.update(settings)
+
+
+def client_settings() -> dict[str, Any]:
+    """The pass-through settings in effect (a copy; redact before showing it: ``worker.settings.redact``)."""
+    return dict(_PASSTHROUGH)
+
+
+def base_config(bootstrap: str) -> dict[str, Any]:
+    """What every client gets: the bootstrap address, quiet librdkafka logs, then the pass-through settings."""
+    return {"bootstrap.servers": bootstrap, **_QUIET, **_PASSTHROUGH}
+
 
 def admin_client(bootstrap: str) -> AdminClient:
     """An admin client for ``bootstrap``."""
-    return AdminClient({"bootstrap.servers": bootstrap, **_QUIET})
+    return AdminClient(base_config(bootstrap))
 
 
 def check_broker(bootstrap: str, timeout_s: float = 5.0) -> dict:
@@ -75,12 +97,11 @@ def create_topics(bootstrap: str, topics: Topics, partitions: int, replication: 
 def plain_producer(bootstrap: str) -> Producer:
     """An idempotent, non-transactional producer for the CLI's schema put / produce commands."""
     return Producer({
-        "bootstrap.servers": bootstrap,
+        **base_config(bootstrap),
         "enable.idempotence": True,  # retries never duplicate or reorder a produced state
         # Java-client-compatible key hashing, so a state id lands on the same partition whoever produces it.
         "partitioner": "murmur2_random",
         "linger.ms": 5,
-        **_QUIET,
     })
 
 
@@ -89,25 +110,34 @@ def reader_consumer(bootstrap: str, group: str | None = None) -> Consumer:
 
     Without a group it never commits: readers assign partitions themselves and keep no position.
     """
+    return Consumer(reader_consumer_config(bootstrap, group))
+
+
+def reader_consumer_config(bootstrap: str, group: str | None = None) -> dict[str, Any]:
+    """Settings of ``reader_consumer``."""
     config = {
-        "bootstrap.servers": bootstrap,
+        **base_config(bootstrap),
         # Only records of committed transactions: aborted attempts of a worker are never shown.
         "isolation.level": "read_committed",
         "enable.auto.commit": False,
         "auto.offset.reset": "earliest",
         "enable.partition.eof": True,  # tells a reader when it has caught up with a partition
         "fetch.wait.max.ms": 50,  # these readers are latency-sensitive, never throughput-bound
-        **_QUIET,
     }
     # librdkafka requires a group.id even for assign()-only consumers; it is never joined or committed.
     config["group.id"] = group or "decider-reader-unused"
-    return Consumer(config)
+    return config
 
 
 def worker_consumer(config: WorkerConfig) -> Consumer:
     """The states consumer of the exactly-once loop (subscribes through the consumer group)."""
-    return Consumer({
-        "bootstrap.servers": config.bootstrap,
+    return Consumer(worker_consumer_config(config))
+
+
+def worker_consumer_config(config: WorkerConfig) -> dict[str, Any]:
+    """Settings of the states consumer of the exactly-once loop."""
+    return {
+        **base_config(config.bootstrap),
         "group.id": config.group,
         # Static membership: a worker restarted with the same --worker-id (after a crash or kill -9) takes
         # its partitions back at once instead of waiting for the dead member's session to expire. A clean
@@ -127,18 +157,29 @@ def worker_consumer(config: WorkerConfig) -> Consumer:
         # Scoring a batch holds the loop for at most seconds; this is the bound on a stuck GPU.
         "max.poll.interval.ms": 300_000,
         "fetch.wait.max.ms": 20,
-        **_QUIET,
-    })
+        # Consumer lag per partition for the metrics, computed by librdkafka from the fetch responses.
+        "statistics.interval.ms": 2000,
+        "stats_cb": on_consumer_stats,
+    }
 
 
 def transactional_producer_config(config: WorkerConfig) -> dict:
     """Settings of the producer whose transactions carry output records, dead letters and input offsets."""
     return {
-        "bootstrap.servers": config.bootstrap,
+        **base_config(config.bootstrap),
         # Derived from --worker-id: a restarted worker fences its predecessor and aborts its open transaction.
         "transactional.id": config.transactional_id,
         "transaction.timeout.ms": config.transaction_timeout_ms,
         "partitioner": "murmur2_random",
         "linger.ms": 2,  # a whole batch is produced at once, then flushed; no point waiting longer
-        **_QUIET,
+    }
+
+
+def effective_client_configs(config: WorkerConfig) -> dict[str, dict[str, Any]]:
+    """Every client configuration a worker with ``config`` creates, by role (what librdkafka is handed)."""
+    return {
+        "consumer": worker_consumer_config(config),
+        "transactional_producer": transactional_producer_config(config),
+        "admin": base_config(config.bootstrap),
+        "schema_reader": reader_consumer_config(config.bootstrap),
     }

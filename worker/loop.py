@@ -95,24 +95,36 @@ class Worker:
         require_topics(self.config.bootstrap, topics.all())
         engine, self._scorer = load_scorer(self.config)
         self._scorer.on_event = self._emit
+        metrics.watch_scorer(self._scorer.engine_stats, self._scorer.prepared)
         self._model_id = engine.model_id
         self._emit("model_loaded", {"model_id": engine.model_id, "device": self.config.device})
         self._table = SchemaTable(self.config.bootstrap, topics.schemas)
         self._table.catch_up()
         self._emit("schemas_loaded", {"schema_ids": self._table.ids()})
-        self._consumer = worker_consumer(self.config)
+        self._consumer = self._make_consumer()
         self._txns = Transactions(transactional_producer_config(self.config), self._consumer, self.config.worker_id,
                                   timeout_s=self.config.transaction_timeout_ms / 1000 / 2)
         try:
             # Before reading any offset: fence a previous instance of this worker id and abort its open
             # transaction, so the committed offsets we start from are final.
             self._txns.init()
-            self._consumer.subscribe([topics.states], on_assign=self._on_assign, on_revoke=self._on_revoke, on_lost=self._on_lost)
+            self._start_consuming()
             while not self.stop.is_set():
                 self._step()
             self._drain()
         finally:
             self._close()
+
+    # Hooks ``worker.replay`` overrides: a fixed assignment instead of the group, and offsets carrying the range.
+    def _make_consumer(self):
+        return worker_consumer(self.config)
+
+    def _start_consuming(self) -> None:
+        self._consumer.subscribe([self.config.topics.states], on_assign=self._on_assign, on_revoke=self._on_revoke,
+                                 on_lost=self._on_lost)
+
+    def _commit_offsets(self, cycle: Cycle) -> list[TopicPartition]:
+        return cycle.offsets()
 
     def _drain(self) -> None:
         """Stop requested: commit what can be committed now, drop the rest (it is re-read after restart)."""
@@ -266,6 +278,8 @@ class Worker:
     def _submit_cycle(self) -> None:
         cycle, self._cycle = self._cycle, Cycle()
         keys, jobs = cycle.jobs()
+        if cycle.opened_at is not None:
+            metrics.FILL_WAIT.observe(monotonic() - cycle.opened_at)
         for job in jobs:
             metrics.BATCH_SIZE.observe(len(job.rows))
         future = self._scorer.submit(jobs) if jobs else _done([])
@@ -282,7 +296,7 @@ class Worker:
         records, counts = self._outputs(inflight, outcomes)
         started = time.perf_counter()
         try:
-            self._txns.commit(records, inflight.cycle.offsets())
+            self._txns.commit(records, self._commit_offsets(inflight.cycle))
         except AbortableError as exc:
             metrics.TRANSACTIONS.labels("aborted").inc()
             log.warning("transaction aborted (%s); rewinding to the committed offsets", exc)
@@ -293,7 +307,6 @@ class Worker:
         inflight.cycle.release_pins(self._scorer)
         metrics.TRANSACTIONS.labels("committed").inc()
         metrics.CYCLE_SECONDS.observe(monotonic() - (inflight.cycle.opened_at or monotonic()))
-        metrics.PREPARED_BYTES.set(self._scorer.stats.held_bytes)
         log.debug("committed %d scored, %s dead letters, offsets %s", counts["scored"], counts["dead_letters"],
                   _names(inflight.cycle.offsets(), with_offsets=True))
         self._emit("committed", {**counts, "commit_ms": (time.perf_counter() - started) * 1000,

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from typing import Any, Callable
+
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
 
 STATES_SCORED = Counter("decider_states_scored_total", "States scored and committed", ["schema_id"])
@@ -13,6 +16,48 @@ CYCLE_SECONDS = Histogram(
 )
 BATCH_SIZE = Histogram("decider_batch_states", "States per scored batch", buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256))
 PREPARED_BYTES = Gauge("decider_prepared_schema_bytes", "Device bytes held by prepared schemas")
+PREPARED_SCHEMAS = Gauge("decider_prepared_schemas", "Schema versions prepared and held on the device")
+FILL_WAIT = Histogram(
+    "decider_batch_fill_wait_seconds", "From a cycle's first state to its submission for scoring",
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+)
+ENGINE_SECONDS = Histogram(
+    "decider_engine_seconds", "Device time of one batch (tokenized rows in, probabilities out)",
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
+)
+COMMIT_SECONDS = Histogram(
+    "decider_transaction_commit_seconds", "One transaction: produce, flush, send offsets, commit",
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
+)
+CONSUMER_LAG = Gauge("decider_consumer_lag", "Records behind the partition's last stable offset (librdkafka statistics)",
+                     ["topic", "partition"])
+ENGINE_PATHS = Gauge("decider_engine_batches", "Engine batches by path: CUDA graph captures and replays, eager runs",
+                     ["path"])
+
+
+def on_event(kind: str, info: dict[str, Any]) -> None:
+    """Update the metrics the loop reports as events (``Worker(on_event=...)``)."""
+    if kind == "committed" and "commit_ms" in info:
+        COMMIT_SECONDS.observe(info["commit_ms"] / 1000)
+
+
+def on_consumer_stats(stats_json: str) -> None:
+    """librdkafka's ``stats_cb``: per assigned partition, ``consumer_lag`` (-1 while unknown) becomes a gauge."""
+    stats = json.loads(stats_json)
+    for topic, topic_stats in stats.get("topics", {}).items():
+        for partition, p in topic_stats.get("partitions", {}).items():
+            if partition == "-1" or p.get("fetch_state") in (None, "none", "stopped"):
+                continue  # the internal UA partition, or one not assigned to us
+            if p.get("consumer_lag", -1) >= 0:
+                CONSUMER_LAG.labels(topic, partition).set(p["consumer_lag"])
+
+
+def watch_scorer(engine_stats: Callable[[], dict[str, int]], prepared: Callable[[], tuple[int, int]]) -> None:
+    """Read the engine's counters and the prepared-schema figures at every scrape (no bookkeeping in the loop)."""
+    for path in ("captures", "replays", "eager"):
+        ENGINE_PATHS.labels(path).set_function(lambda path=path: engine_stats().get(path, 0))
+    PREPARED_SCHEMAS.set_function(lambda: prepared()[0])
+    PREPARED_BYTES.set_function(lambda: prepared()[1])
 
 
 def serve(port: int) -> None:

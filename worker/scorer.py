@@ -17,6 +17,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+from worker import metrics
 from worker.records import engine_questions, probabilities_problem
 
 log = logging.getLogger(__name__)
@@ -215,7 +216,10 @@ class Scorer:
                 outcomes[index] = ScoredState(reason="scoring_error", error=f"tokenization failed: {error!r}")
         if ready:
             texts = [job.texts[i] for i in ready]
-            for index, row, scored in zip(ready, rows, self._score(handle, rows, texts)):
+            started = time.perf_counter()
+            results = self._score(handle, rows, texts)
+            metrics.ENGINE_SECONDS.observe(time.perf_counter() - started)
+            for index, row, scored in zip(ready, rows, results):
                 scored.truncated = bool(getattr(row, "truncated", False))
                 outcomes[index] = scored
         return outcomes  # type: ignore[return-value]
@@ -248,6 +252,18 @@ class Scorer:
             else:
                 outcomes.append(ScoredState(probabilities=probabilities))
         return outcomes
+
+    def engine_stats(self) -> dict[str, int]:
+        """The engine's path counters: CUDA graph ``captures`` and ``replays`` (0 off CUDA) and ``eager`` batches."""
+        graphs = getattr(self._se, "graphs", None)
+        counts = dict(graphs.stats) if graphs is not None else {}
+        return {"captures": int(counts.get("captures", 0)), "replays": int(counts.get("replays", 0)),
+                "eager": int(self._se.stats.get("eager", 0))}
+
+    def prepared(self) -> tuple[int, int]:
+        """How many schema versions are held prepared, and their device bytes."""
+        with self._lock:
+            return len(self._entries), self.stats.held_bytes
 
     def close(self) -> None:
         """Stop the threads (queued work is cancelled; the running step finishes)."""

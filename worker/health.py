@@ -1,0 +1,71 @@
+"""The worker's HTTP endpoint on --metrics-port: Prometheus ``/metrics``, liveness ``/healthz``, readiness ``/readyz``.
+
+Readiness follows the loop's events: ready once the topics were checked, the model loaded and the schema
+table caught up (the ``schemas_loaded`` event, which the loop emits only after the other two); not ready
+again once the loop stops. Liveness answers as long as the process serves HTTP: a loop stuck in a Kafka
+call is ended by the transaction watchdog (exit 5), not by a probe.
+"""
+
+from __future__ import annotations
+
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
+
+
+class Health:
+    """Readiness state, updated from the worker's events (``on_event``) and read by the HTTP handler."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.ready = False
+        self.reason = "starting: checking topics, loading the model and the schema table"
+
+    def on_event(self, kind: str, info: dict[str, Any]) -> None:
+        """Sink for ``Worker(on_event=...)``."""
+        with self._lock:
+            if kind == "model_loaded":
+                self.reason = "starting: model loaded, reading the schema table"
+            elif kind == "schemas_loaded":
+                self.ready, self.reason = True, "ready"
+            elif kind == "stopped":
+                self.ready, self.reason = False, "stopping"
+
+    def status(self) -> tuple[bool, str]:
+        """(ready, why) at this moment."""
+        with self._lock:
+            return self.ready, self.reason
+
+
+def serve(port: int, health: Health, host: str = "0.0.0.0") -> ThreadingHTTPServer:
+    """Serve the three paths on ``port`` from a daemon thread; returns the server (``shutdown()`` stops it)."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+            path = self.path.split("?", 1)[0]
+            if path == "/metrics":
+                self._reply(200, generate_latest(REGISTRY), CONTENT_TYPE_LATEST)
+            elif path == "/healthz":
+                self._reply(200, b"ok\n")
+            elif path == "/readyz":
+                ready, reason = health.status()
+                self._reply(200 if ready else 503, reason.encode() + b"\n")
+            else:
+                self._reply(404, b"not found: /metrics, /healthz or /readyz\n")
+
+        def _reply(self, code: int, body: bytes, content_type: str = "text/plain; charset=utf-8") -> None:
+            self.send_response(code)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args) -> None:  # scrapes every few seconds would flood the worker's log
+            pass
+
+    server = ThreadingHTTPServer((host, port), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, name="decider-http", daemon=True).start()
+    return server
