@@ -15,7 +15,6 @@ import time
 from typing import Any
 
 EVENTS = logging.getLogger("decider.events")
-_RESERVED = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime"}
 # Bulky fields of the loop's events that a log line does not need (whole records).
 _DROPPED_FIELDS = {"samples"}
 
@@ -45,7 +44,7 @@ class HumanFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         text = super().format(record)
         fields = getattr(record, "fields", {})
-        extra = " ".join(f"{k}={v}" for k, v in fields.items() if k != "event")
+        extra = " ".join(f"{k}={round(v, 2) if isinstance(v, float) else v}" for k, v in fields.items() if k != "event")
         return f"{text} {extra}" if extra else text
 
 

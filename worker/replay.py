@@ -174,9 +174,20 @@ class ReplayWorker(Worker):
             raise ConfigError(f"--partitions {sorted(set(partitions) - set(available))}: topic {topic} has {available}")
         wanted = resolve_range(self._consumer, topic, partitions, self._start, self._end)
         positions, stored = self._committed_positions(topic, partitions)
+        if stored is not None:
+            log.info("resuming replay %s from its committed offsets %s", self.config.worker_id, positions)
         if stored is not None and stored != wanted:
             log.warning("resuming replay %s: the range stored at its first run wins over this run's flags", self.config.worker_id)
         self.range = stored or wanted
+        if stored is None:
+            # Make the range durable before scoring anything: a rerun after a kill must find the same end
+            # offsets for every partition, including those with nothing committed yet.
+            try:
+                self._txns.commit([], [TopicPartition(topic, p, self.range.starts[p], metadata=self.range.metadata(p))
+                                       for p in partitions])
+            except AbortableError as exc:
+                raise FatalError(f"could not record the replay's range in group {self.config.group}: {exc}") from exc
+            positions = dict(self.range.starts)
         self.committed = {p: positions.get(p, self.range.starts[p]) for p in partitions}
         self._finished = {p for p in partitions if self.committed[p] >= self.range.ends[p]}
         self._emit("replay_started", {"topic": topic, "starts": self.range.starts, "ends": self.range.ends,
@@ -200,11 +211,10 @@ class ReplayWorker(Worker):
                 starts[tp.partition], ends[tp.partition] = int(match[1]), int(match[2])
         if not starts:
             return positions, None
-        # A partition without stored metadata (nothing of it committed yet) gets the stored range's
-        # neighbours' rule: its own resolution at the first run is lost, so it is resolved now.
-        fresh = resolve_range(self._consumer, topic, partitions, self._start, self._end)
-        return positions, ReplayRange({p: starts.get(p, fresh.starts[p]) for p in partitions},
-                                      {p: ends.get(p, fresh.ends[p]) for p in partitions})
+        if set(starts) != set(partitions):
+            raise ConfigError(f"replay {self.config.worker_id} was started on partitions {sorted(starts)}, not {sorted(partitions)}: "
+                              "pass the same --partitions, or choose a new --name")
+        return positions, ReplayRange(starts, ends)
 
     def _commit_offsets(self, cycle: Cycle) -> list[TopicPartition]:
         return [TopicPartition(tp.topic, tp.partition, tp.offset, metadata=self.range.metadata(tp.partition))
@@ -287,7 +297,9 @@ def run_replay(worker: ReplayWorker, progress: bool = True, write: Callable[[str
     bar = None
 
     def on_progress(kind: str, info: dict[str, Any]) -> None:
-        nonlocal bar
+        nonlocal bar, started
+        if kind == "replay_started":
+            started = time.monotonic()  # the rate counts scoring, not loading the model
         if not progress:
             return
         if kind == "replay_started":
@@ -315,6 +327,7 @@ def run_replay(worker: ReplayWorker, progress: bool = True, write: Callable[[str
         "ends": worker.range.ends if worker.range else {}, "committed": worker.committed,
     }
     status = "complete" if worker.complete else "interrupted (run the same command again to resume)"
-    write(f"replay {worker.config.worker_id}: {status}; {summary['states_scored']} states scored, {summary['dead_letters']} dead letters "
-          f"{worker.dead_letters or ''} in {elapsed:.1f} s ({summary['states_per_second']} states/s) -> {summary['output_topic']}")
+    reasons = f" {worker.dead_letters}" if worker.dead_letters else ""
+    write(f"replay {worker.config.worker_id}: {status}; {summary['states_scored']} states scored, {summary['dead_letters']} dead letters"
+          f"{reasons} in {elapsed:.1f} s ({summary['states_per_second']} states/s) -> {summary['output_topic']}")
     return summary
