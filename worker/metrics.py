@@ -29,8 +29,8 @@ COMMIT_SECONDS = Histogram(
     "decider_transaction_commit_seconds", "One transaction: produce, flush, send offsets, commit",
     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
 )
-CONSUMER_LAG = Gauge("decider_consumer_lag", "Records behind the partition's last stable offset (librdkafka statistics)",
-                     ["topic", "partition"])
+CONSUMER_LAG = Gauge("decider_consumer_lag", "Offsets between the worker's read position and the partition's last stable "
+                     "offset (librdkafka statistics)", ["topic", "partition"])
 ENGINE_PATHS = Gauge("decider_engine_batches", "Engine batches by path: CUDA graph captures and replays, eager runs",
                      ["path"])
 
@@ -42,14 +42,18 @@ def on_event(kind: str, info: dict[str, Any]) -> None:
 
 
 def on_consumer_stats(stats_json: str) -> None:
-    """librdkafka's ``stats_cb``: per assigned partition, ``consumer_lag`` (-1 while unknown) becomes a gauge."""
+    """librdkafka's ``stats_cb``: per assigned partition, last stable offset minus the application's position.
+
+    librdkafka's own ``consumer_lag`` counts from offsets committed through the consumer, and the worker commits
+    only through its transactions, so it stays -1; ``ls_offset - app_offset`` is the lag that matters here."""
     stats = json.loads(stats_json)
     for topic, topic_stats in stats.get("topics", {}).items():
         for partition, p in topic_stats.get("partitions", {}).items():
             if partition == "-1" or p.get("fetch_state") in (None, "none", "stopped"):
                 continue  # the internal UA partition, or one not assigned to us
-            if p.get("consumer_lag", -1) >= 0:
-                CONSUMER_LAG.labels(topic, partition).set(p["consumer_lag"])
+            end, position = p.get("ls_offset", -1), p.get("app_offset", -1)
+            if end >= 0 and position >= 0:
+                CONSUMER_LAG.labels(topic, partition).set(max(0, end - position))
 
 
 def watch_scorer(engine_stats: Callable[[], dict[str, int]], prepared: Callable[[], tuple[int, int]]) -> None:
