@@ -69,10 +69,11 @@ def redact(settings: Mapping[str, Any]) -> dict[str, Any]:
 
 def redact_text(text: str, settings: Mapping[str, Any]) -> str:
     """``text`` with every secret value of ``settings`` replaced, wherever it appears (e.g. in a client error)."""
-    for key, value in settings.items():
-        if is_secret(key) and str(value):
-            text = text.replace(str(value), REDACTED)
-    return text
+    secrets = sorted({str(v) for k, v in settings.items() if is_secret(k) and str(v)}, key=len, reverse=True)
+    if not secrets:
+        return text
+    # One pass, longest first: a secret that is part of another (or of the marker) cannot leave a fragment.
+    return re.sub("|".join(map(re.escape, secrets)), REDACTED, text)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,94 @@
+"""A secured cluster's librdkafka settings ([kafka] in the config file) reach every client the worker creates,
+decider's own exactly-once settings stay in force, and secrets never reach a log line or an error message.
+(No SASL/SSL broker is available here: the effective client configurations are checked, and real librdkafka
+clients are built from them, which validates every setting.)"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from confluent_kafka import Consumer, Producer
+from confluent_kafka.admin import AdminClient
+
+from tests.worker.conftest import REPO
+from worker.config import WorkerConfig
+from worker.embedded_broker import free_port
+from worker.kafka_clients import effective_client_configs, use_client_settings
+from worker.settings import REDACTED, load_config_file, redact, redact_text
+
+PASSWORD = "s3cr3t-Hunter2-do-not-log"
+CA = "/etc/ssl/certs/ca-certificates.crt"
+SECURED = f"""
+bootstrap = "127.0.0.1:{{port}}"
+[worker]
+worker_id = "secure-1"
+[kafka]
+"security.protocol" = "SASL_SSL"
+"sasl.mechanism" = "SCRAM-SHA-512"
+"sasl.username" = "decider"
+"sasl.password" = "{PASSWORD}"
+"ssl.ca.location" = "{CA}"
+"ssl.endpoint.identification.algorithm" = "https"
+"""
+
+
+@pytest.fixture
+def secured_file(tmp_path) -> Path:
+    if not Path(CA).exists():
+        pytest.skip(f"no CA bundle at {CA}")
+    path = tmp_path / "secured.toml"
+    path.write_text(SECURED.replace("{port}", str(free_port())))
+    return path
+
+
+def test_every_worker_client_gets_the_security_settings(secured_file):
+    from typer.main import get_command
+
+    from worker.cli import app
+
+    settings = load_config_file(secured_file, get_command(app)).kafka
+    use_client_settings(settings)
+    try:
+        configs = effective_client_configs(WorkerConfig(bootstrap="b:9093", model_dir="m", worker_id="secure-1"))
+        assert set(configs) == {"consumer", "transactional_producer", "admin", "schema_reader"}
+        for role, config in configs.items():
+            for key, value in settings.items():
+                assert config[key] == value, (role, key)
+            assert config["bootstrap.servers"] == "b:9093"
+        # decider's own settings are not displaced by the pass-through.
+        assert configs["consumer"]["isolation.level"] == "read_committed"
+        assert configs["consumer"]["enable.auto.commit"] is False
+        assert configs["transactional_producer"]["transactional.id"] == "decider.decider.secure-1"
+        # librdkafka accepts each configuration as built (it validates every property at construction).
+        Consumer(configs["consumer"]).close()
+        Consumer(configs["schema_reader"]).close()
+        Producer(configs["transactional_producer"]).flush(0)
+        AdminClient(configs["admin"])
+    finally:
+        use_client_settings({})
+
+
+def test_secrets_are_redacted():
+    settings = {"sasl.username": "u", "sasl.password": PASSWORD, "ssl.key.password": "k", "sasl.jaas.config": "j",
+                "sasl.oauthbearer.client.secret": "c", "ssl.key.pem": "PEM", "ssl.ca.location": "/ca"}
+    shown = redact(settings)
+    assert shown["sasl.username"] == "u" and shown["ssl.ca.location"] == "/ca"
+    assert all(shown[k] == REDACTED for k in ("sasl.password", "ssl.key.password", "sasl.jaas.config",
+                                               "sasl.oauthbearer.client.secret", "ssl.key.pem"))
+    assert redact_text(f"auth failed for password {PASSWORD}", settings) == f"auth failed for password {REDACTED}"
+
+
+def test_worker_logs_its_settings_without_the_password(secured_file, model_dir):
+    # The broker port has nothing listening: the worker logs its client settings, then fails to connect (exit 4).
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("DECIDER_")}
+    result = subprocess.run([sys.executable, "-m", "worker", "--config", str(secured_file), "worker", "--model", str(model_dir),
+                             "--log-format", "json"], capture_output=True, text=True, timeout=60, cwd=REPO, env=clean)
+    output = result.stdout + result.stderr
+    assert result.returncode == 4, output
+    assert "kafka client settings from the config file" in output and "SCRAM-SHA-512" in output
+    assert REDACTED in output
+    assert PASSWORD not in output
