@@ -14,8 +14,9 @@ def test_one_worker_stops_mid_stream_and_the_other_takes_its_partitions(stream_f
     stream = stream_factory(partitions=4)
     stream.put_schema("tickets", QUESTIONS)
     first = stream.start_worker(model_dir, "member-a")
-    second = stream.start_worker(model_dir, "member-b")
+    # One join at a time: noida-db 0.2.3 has been seen to stall two static members joining in the same instant.
     first.wait_for_log("assigned", timeout_s=90)
+    second = stream.start_worker(model_dir, "member-b")
     second.wait_for_log("assigned", timeout_s=90)
 
     n = 240
