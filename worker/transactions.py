@@ -98,11 +98,23 @@ class Transactions:
             # 1. Begin: nothing produced from here on is visible until step 5 succeeds.
             self._call("begin_transaction", lambda _timeout: self._producer.begin_transaction())
             self._open = True
-            # 2. Produce every output record and dead letter into the transaction.
+            # 2. Send the input offsets with the group metadata, so the group coordinator rejects them
+            #    if this worker is no longer the group's owner of those partitions (zombie fencing).
+            #    First, before any record: if this call hangs (seen on the embedded broker right after a
+            #    restart) and the watchdog exits, the stuck transaction holds no output record, so it cannot
+            #    hold read_committed readers of the output topics behind it. The order inside a
+            #    transaction does not matter for atomicity; and a zombie is rejected before producing.
+            if offsets:
+                metadata = self._consumer.consumer_group_metadata()
+                self._call(
+                    "send_offsets_to_transaction",
+                    lambda timeout: self._producer.send_offsets_to_transaction(list(offsets), metadata, timeout),
+                )
+            # 3. Produce every output record and dead letter into the transaction.
             self._delivery_errors.clear()
             for record in records:
                 self._produce(record)
-            # 3. Flush, then check every delivery report: a lost record must not be committed around.
+            # 4. Flush, then check every delivery report: a lost record must not be committed around.
             remaining = self._flush()
             if self._fatal is not None:
                 self._raise_classified("produce", self._fatal)
@@ -110,14 +122,6 @@ class Transactions:
                 raise AbortableError(f"{remaining} records were not delivered within {self._timeout_s:.0f} s")
             if self._delivery_errors:
                 raise AbortableError(f"record delivery failed: {self._delivery_errors[0].str()}")
-            # 4. Send the input offsets with the group metadata, so the group coordinator rejects them
-            #    if this worker is no longer the group's owner of those partitions (zombie fencing).
-            if offsets:
-                metadata = self._consumer.consumer_group_metadata()
-                self._call(
-                    "send_offsets_to_transaction",
-                    lambda timeout: self._producer.send_offsets_to_transaction(list(offsets), metadata, timeout),
-                )
             # 5. Commit: records and offsets become visible together, or not at all.
             self._call("commit_transaction", self._producer.commit_transaction)
             self._open = False
