@@ -239,8 +239,14 @@ class ReplayWorker(Worker):
 
     def _step(self) -> None:
         super()._step()
-        if self.range is not None and self._finished >= set(self.range.ends) and not self._cycle.waiting and not self._holding:
-            self.stop.set()  # run() drains: the last (partial) cycle is scored and committed
+        if self.range is None or self._finished < set(self.range.ends):
+            return
+        if len(self._cycle) and not self._holding:
+            # No deadline closes the last, partial cycle: the range's end does. Its states that wait for a
+            # schema are dead-lettered once their wait expires (the loop holds the cycle until then).
+            self._close_cycle()
+        if not len(self._cycle) and not self._holding:
+            self.stop.set()  # run() drains: the cycles in flight are committed
 
     def _drain(self) -> None:
         super()._drain()

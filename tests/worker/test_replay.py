@@ -126,3 +126,18 @@ def test_replay_resumes_after_sigkill_and_stops_at_the_first_runs_end(stream, mo
     log = second.log()
     assert f"complete; {n - done} states scored" in log, log
     assert "state/s" in log or "states/s" in log  # the progress bar / summary rate
+
+
+def test_replay_dead_letters_bad_input_and_unknown_schemas_at_the_end_of_the_range(stream, model_dir):
+    stream.put_schema("tickets", QUESTIONS)
+    stream.produce_states([(f"ok-{i}", t) for i, t in enumerate(state_texts(5, seed=12))], "tickets")
+    stream.produce_raw(b"junk", b"\x00not avro")
+    # Last in the range: states whose schema never appears; no later state and no deadline closes their cycle.
+    stream.produce_states([(f"ghost-{i}", t) for i, t in enumerate(state_texts(3, seed=13))], "ghost")
+
+    replay = _replay(stream, model_dir, "bad-input", "--schema-wait-ms", "500", "--no-progress")
+    assert replay.process.wait(120) == 0, replay.log()
+    probabilities, dead = stream.collect(9, timeout_s=30, settle_s=1.0)
+    assert sorted(r["state_id"] for r in probabilities) == sorted(f"ok-{i}" for i in range(5))
+    assert Counter(d["reason"] for d in dead) == {"unknown_schema": 3, "undecodable": 1}, replay.log()
+    assert "complete; 5 states scored, 4 dead letters" in replay.log()
