@@ -19,6 +19,7 @@ and dead-letter topics, and nothing else does.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -224,14 +225,24 @@ def warm_up(args, stream: Stream, reader: Reader, texts: list[str]) -> list[str]
     return ids
 
 
-def throughput_phase(args, bootstrap, model_dir, schema_file, texts, logs) -> dict:
-    stream = Stream(args, bootstrap, model_dir, schema_file, "tput", args.max_wait_ms[-1], logs)
+@contextlib.contextmanager
+def running_stream(args, bootstrap, model_dir, schema_file, texts, logs, name: str, max_wait_ms: int):
+    """A phase's topics, its reader and its warmed-up workers -> (stream, reader, warm-up ids); stops them after."""
+    stream = Stream(args, bootstrap, model_dir, schema_file, name, max_wait_ms, logs)
     reader = Reader(bootstrap, stream.topics, args.partitions)
     reader.start()
     for i in range(args.workers):
         stream.start_worker(i)
     try:
-        warm_ids = warm_up(args, stream, reader, texts)
+        yield stream, reader, warm_up(args, stream, reader, texts)
+    finally:
+        reader.halt.set()
+        stream.stop()
+
+
+def throughput_phase(args, bootstrap, model_dir, schema_file, texts, logs) -> dict:
+    with running_stream(args, bootstrap, model_dir, schema_file, texts, logs, "tput", args.max_wait_ms[-1]) as (
+            stream, reader, warm_ids):
         ids = [f"s-{i}" for i in range(args.states)]
         start_seen = len(reader.visible)
         killed = threading.Event()
@@ -251,19 +262,11 @@ def throughput_phase(args, bootstrap, model_dir, schema_file, texts, logs) -> di
         rate = (0.8 * (len(times) - 1)) / (hi - lo) if hi > lo else float("nan")
         return dict(phase="throughput", workers=args.workers, states=args.states, states_per_s=rate,
                     killed_and_restarted=bool(args.kill_one), **exactly_once(reader, warm_ids + ids))
-    finally:
-        reader.halt.set()
-        stream.stop()
 
 
 def latency_phase(args, bootstrap, model_dir, schema_file, texts, logs, max_wait_ms: int, rate: float) -> dict:
-    stream = Stream(args, bootstrap, model_dir, schema_file, f"lat{max_wait_ms}", max_wait_ms, logs)
-    reader = Reader(bootstrap, stream.topics, args.partitions)
-    reader.start()
-    for i in range(args.workers):
-        stream.start_worker(i)
-    try:
-        warm_ids = warm_up(args, stream, reader, texts)
+    with running_stream(args, bootstrap, model_dir, schema_file, texts, logs, f"lat{max_wait_ms}", max_wait_ms) as (
+            stream, reader, warm_ids):
         n = max(20, int(rate * args.latency_seconds))
         ids = [f"l-{i}" for i in range(n)]
         start_seen = len(reader.visible)
@@ -273,9 +276,6 @@ def latency_phase(args, bootstrap, model_dir, schema_file, texts, logs, max_wait
         return dict(phase="latency", workers=args.workers, max_wait_ms=max_wait_ms, offered_states_per_s=rate, states=n,
                     p50_ms=statistics.median(lat), p99_ms=lat[int(0.99 * (len(lat) - 1))],
                     **exactly_once(reader, warm_ids + ids))
-    finally:
-        reader.halt.set()
-        stream.stop()
 
 
 def main(argv=None) -> dict:
