@@ -9,9 +9,9 @@ import torch
 
 from engine.graphs import B_BUCKETS, TS_BUCKETS, GraphCache, bucket
 from engine.model import CausalContext
-from engine.prompt import DEFAULT_MAX_CTX_TOKENS, MAX_OPTIONS, ChatTemplate, parse_questions
+from engine.prompt import DEFAULT_MAX_CTX_TOKENS, MAX_OPTIONS, ChatTemplate, parse_questions, resolve_temperatures
 from engine.readout import fill_ids, option_mask, read_slots
-from engine.reference import _temperatures, build_full_prompts
+from engine.reference import build_full_prompts
 
 
 class FullPromptScorer:
@@ -32,13 +32,14 @@ class FullPromptScorer:
     def score_prompts(self, qs, prompts: list[list[int]], slots: list[tuple[int, int]], temperature=None) -> torch.Tensor:
         """-> [n_states, n_questions, MAX_OPTIONS] float32 on the device."""
         dev, n, tmax = self.e.dev, len(prompts), max(map(len, prompts))
-        graphed = self.graphs is not None and bucket(tmax, TS_BUCKETS + (4096,)) is not None and n <= B_BUCKETS[-1]
-        B, T = (bucket(n, B_BUCKETS), bucket(tmax, TS_BUCKETS + (4096,))) if graphed else (n, tmax)
+        T_bucket = bucket(tmax, TS_BUCKETS + (4096,))         # whole prompts run longer than suffixes
+        graphed = self.graphs is not None and T_bucket is not None and n <= B_BUCKETS[-1]
+        B, T = (bucket(n, B_BUCKETS), T_bucket) if graphed else (n, tmax)
         n_states = len(slots) // len(qs)
         S = len(slots) * B // n
         flat = torch.zeros(S, dtype=torch.long)
         flat[:len(slots)] = torch.tensor([i * T + p for i, p in slots])
-        inv_t = (1.0 / torch.tensor(_temperatures(qs, temperature))).repeat(S // len(qs))[:, None]
+        inv_t = (1.0 / torch.tensor(resolve_temperatures(qs, temperature))).repeat(S // len(qs))[:, None]
         mask = option_mask([len(q.options) for q in qs]).repeat(S // len(qs), 1)
         ids = fill_ids(prompts, B, T, self.e.tok.pad_token_id)
         inputs = tuple(x.to(dev, non_blocking=True) for x in (ids, flat, inv_t, mask))

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from engine.errors import ModelLoadError
-from engine.prompt import MAX_OPTIONS, label_token_ids
+from engine.prompt import label_token_ids
 
 log = logging.getLogger(__name__)
 

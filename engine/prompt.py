@@ -96,6 +96,17 @@ def check_temperature(t: Any, where: str = "temperature") -> float:
     return float(t)
 
 
+def resolve_temperatures(questions: Sequence[Question], temperature: Any) -> list[float]:
+    """Per-question temperatures: None -> each question's own; a number -> that for all; a list -> one per question."""
+    if temperature is None:
+        return [q.temperature for q in questions]
+    if isinstance(temperature, (list, tuple)):
+        if len(temperature) != len(questions):
+            raise InputError(f"temperature: {len(temperature)} values for a schema with {len(questions)} questions")
+        return [check_temperature(t, f"temperature {i + 1}") for i, t in enumerate(temperature)]
+    return [check_temperature(temperature)] * len(questions)
+
+
 def build_schema_first(questions: Sequence[Question], chat: ChatTemplate | None = None) -> str:
     """The prefix text: optional chat head, the instructions, then each question with lettered options."""
     blocks = []

@@ -12,8 +12,9 @@ from typing import Sequence
 import torch
 
 from engine.errors import InputError
-from engine.prompt import (DEFAULT_MAX_CTX_TOKENS, MAX_OPTIONS, ChatTemplate, Question, check_temperature,
-                           parse_questions, schema_prefix_ids, schema_suffix_ids)
+from engine.prompt import (DEFAULT_MAX_CTX_TOKENS, MAX_OPTIONS, ChatTemplate, Question, parse_questions,
+                           resolve_temperatures, schema_prefix_ids, schema_suffix_ids)
+from engine.readout import option_mask
 
 
 @torch.no_grad()
@@ -22,13 +23,12 @@ def score_full(eng, questions: Sequence[dict], states: Sequence[str], independen
                batch_size: int = 16) -> list[torch.Tensor]:
     """-> one [n_questions, MAX_OPTIONS] float32 CPU tensor per state, like `SchemaEngine.score`."""
     qs = parse_questions(questions)
-    temps = _temperatures(qs, temperature)
+    temps = resolve_temperatures(qs, temperature)
     prompts, slots = build_full_prompts(eng.tok, qs, states, independent, chat, max_ctx_tokens)
     hidden = _last_hidden_at(eng, prompts, slots, batch_size)                       # [S, H]
     logits = eng.model.lm_head(hidden).float()[:, eng.label_ids]                    # [S, MAX_OPTIONS]
     nq = len(qs)
-    n_opts = torch.tensor([len(q.options) for q in qs]).repeat(len(states))
-    mask = torch.arange(MAX_OPTIONS)[None, :] < n_opts[:, None]
+    mask = option_mask([len(q.options) for q in qs]).repeat(len(states), 1)
     t = torch.tensor(temps, dtype=torch.float32).repeat(len(states))[:, None]
     probs = torch.softmax((logits.cpu() / t).masked_fill(~mask, float("-inf")), -1)
     return list(probs.view(len(states), nq, MAX_OPTIONS).unbind(0))
@@ -67,12 +67,3 @@ def _last_hidden_at(eng, prompts: list[list[int]], slots: list[tuple[int, int]],
         out.append(hs[[b for b, _ in want], [p for _, p in want]])
     return torch.cat(out)
 
-
-def _temperatures(qs, temperature) -> list[float]:
-    if temperature is None:
-        return [q.temperature for q in qs]
-    if isinstance(temperature, (list, tuple)):
-        if len(temperature) != len(qs):
-            raise InputError(f"temperature: {len(temperature)} values for a schema with {len(qs)} questions")
-        return [check_temperature(t) for t in temperature]
-    return [check_temperature(temperature)] * len(qs)

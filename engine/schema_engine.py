@@ -21,8 +21,8 @@ import torch
 from engine.errors import InputError
 from engine.graphs import B_BUCKETS, TS_BUCKETS, GraphCache, bucket
 from engine.model import PrefixState, SuffixContext
-from engine.prompt import (DEFAULT_MAX_CTX_TOKENS, MAX_OPTIONS, ChatTemplate, Question, check_temperature,
-                           parse_questions, schema_prefix_ids, schema_suffix_ids)
+from engine.prompt import (DEFAULT_MAX_CTX_TOKENS, MAX_OPTIONS, ChatTemplate, Question, parse_questions,
+                           resolve_temperatures, schema_prefix_ids, schema_suffix_ids)
 from engine.readout import fill_ids, option_mask, read_slots
 
 
@@ -60,10 +60,6 @@ class PreparedSchema:
         return [len(q.options) for q in self.questions]
 
     @property
-    def temperatures(self) -> list[float]:
-        return [q.temperature for q in self.questions]
-
-    @property
     def prefix_tokens(self) -> int:
         return sum(self.prefix.lengths)
 
@@ -87,7 +83,6 @@ class SchemaEngine:
         self.use_graphs = use_graphs and engine.use_graphs
         self.graphs = GraphCache() if engine.dev.type == "cuda" else None
         self._ids = itertools.count()
-        self._ctx: dict[tuple, SuffixContext] = {}
         self.stats = dict(prepared=0, eager=0)
 
     # ---- schemas ---------------------------------------------------------------------------------------------------
@@ -110,11 +105,9 @@ class SchemaEngine:
         return h
 
     def release(self, h: PreparedSchema) -> None:
-        """Forget a schema's graphs and contexts; its prefix memory goes with the last reference to `h`."""
+        """Forget a schema's graphs; its prefix memory goes with the last reference to `h`."""
         if self.graphs:
             self.graphs.drop(h.id)
-        for key in [k for k in self._ctx if k[0] == h.id]:
-            del self._ctx[key]
 
     @torch.no_grad()
     def warmup(self, h: PreparedSchema, batch_sizes=(1, 8, 32), state_tokens=(64, 128, 256)) -> float:
@@ -123,10 +116,10 @@ class SchemaEngine:
         t = time.perf_counter()
         if not (self.use_graphs and self.graphs):
             return 0.0
-        suffix_extra = len(self.tokenize(h, "").ids)
+        empty = self.tokenize(h, "")
         for R in sorted(batch_sizes, reverse=True):            # largest first: smaller graphs reuse the pool
             for n in sorted(state_tokens, reverse=True):
-                row = TokenizedState([self.e.tok.pad_token_id] * (n + suffix_extra), self.tokenize(h, "").slots)
+                row = TokenizedState([self.e.tok.pad_token_id] * (n + len(empty.ids)), empty.slots)
                 self.score_rows(h, [row] * R)
         torch.cuda.synchronize()
         return time.perf_counter() - t
@@ -159,22 +152,12 @@ class SchemaEngine:
         """rows: from `tokenize`.  -> one [n_questions, MAX_OPTIONS] float32 CPU tensor per row."""
         if not rows:
             raise InputError("states: empty batch")
-        inv_temp = 1.0 / torch.tensor(self._temperatures(h, temperature))              # [n_questions]
+        inv_temp = 1.0 / torch.tensor(resolve_temperatures(h.questions, temperature))              # [n_questions]
         chunk = B_BUCKETS[-1]
         out = []
         for start in range(0, len(rows), chunk):
             out.append(self._score_chunk(h, rows[start:start + chunk], inv_temp))
         return list(torch.cat(out).view(len(rows), h.n_questions, MAX_OPTIONS).unbind(0))
-
-    def _temperatures(self, h: PreparedSchema, temperature) -> list[float]:
-        if temperature is None:
-            return h.temperatures
-        if isinstance(temperature, (list, tuple)):
-            if len(temperature) != h.n_questions:
-                raise InputError(f"temperature: {len(temperature)} values for a schema with {h.n_questions} questions")
-            return [check_temperature(t, f"temperature {i + 1}") for i, t in enumerate(temperature)]
-        t = check_temperature(temperature)
-        return [t] * h.n_questions
 
     def _score_chunk(self, h: PreparedSchema, rows: Sequence[TokenizedState], inv_temp: torch.Tensor) -> torch.Tensor:
         n, tmax = len(rows), max(len(r.ids) for r in rows)
@@ -190,7 +173,7 @@ class SchemaEngine:
             probs = self.graphs.run((h.id, R, T), inputs, lambda: self._graph_fn(h, R, T))
         else:
             self.stats["eager"] += 1
-            probs = self._step(h, self._context(h, R, T), *inputs)
+            probs = self._step(h, SuffixContext(h.prefix, R, T, self.e.dev), *inputs)
         return probs[:n * h.n_questions].float().cpu()
 
     @staticmethod
@@ -199,12 +182,6 @@ class SchemaEngine:
         if h.P == 1:     # packed: the request's n slots sit in its one row
             return [r * T + s for r, row in enumerate(rows) for s in row.slots]
         return [(r * h.P + p) * T + row.slots[0] for r, row in enumerate(rows) for p in range(h.P)]
-
-    def _context(self, h: PreparedSchema, R: int, T: int) -> SuffixContext:
-        key = (h.id, R, T)
-        if key not in self._ctx:
-            self._ctx[key] = SuffixContext(h.prefix, R, T, self.e.dev)
-        return self._ctx[key]
 
     def _step(self, h: PreparedSchema, ctx: SuffixContext, ids, flat, inv_temp) -> torch.Tensor:
         hidden = self.fwd.layers(ids, ctx.positions, ctx)                                     # [R*P, T, H]
