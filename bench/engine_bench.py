@@ -151,7 +151,7 @@ def main(argv=None) -> dict:
     ceiling = gemm_ceiling(dev)
     env = dict(gpu=torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu",
                torch=torch.__version__, transformers=__import__("transformers").__version__, fla=_fla_version(),
-               delta_rule=se_eager.fwd.delta_rule_name, model=model_desc, dtype=args.dtype,
+               delta_rule=se_eager.fwd.k.name, model=model_desc, dtype=args.dtype,
                prefix_tokens=h_eager.prefix_tokens, questions=args.questions, options=args.options,
                flop_per_token=flop_per_token, gemm_ceiling_tflops=ceiling / 1e12,
                date=datetime.date.today().isoformat())

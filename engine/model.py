@@ -102,11 +102,14 @@ class SuffixContext:
     """Context of a suffix pass over R * P rows continuing `prefix`; build it once per (R, T) shape (graphs keep it)."""
 
     def __init__(self, prefix: PrefixState, R: int, T: int, device):
-        self.prefix, self.R, self.P, self.T = prefix, R, prefix.P, T
+        self.prefix, self.R, self.P = prefix, R, prefix.P
         lengths = torch.tensor(prefix.lengths, device=device)
         self.positions = (lengths.repeat(R)[:, None] + torch.arange(T, device=device)[None, :]).contiguous()   # [B, T]
-        causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()
-        self.self_bias = torch.zeros(T, T, device=device).masked_fill(~causal, float("-inf"))                # [T, T]
+        # Prefixes of one length (always, packed) need no mask: the fused, merged path. Else explicit scores.
+        self.uniform_prefix = len(set(prefix.lengths)) == 1
+        if not self.uniform_prefix:
+            causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()
+            self.self_bias = torch.zeros(T, T, device=device).masked_fill(~causal, float("-inf"))            # [T, T]
 
     def _rows(self, t: torch.Tensor) -> torch.Tensor:
         # [P, ...] -> [R * P, ...] in row order r * P + p
@@ -123,21 +126,30 @@ class SuffixContext:
 
     def attend(self, i, q, k, v, scale):
         """q: [B, Hq, T, D]; k, v: [B, Hkv, T, D] (this suffix). Softmax over [own prefix keys | causal suffix keys]."""
-        if len(set(self.prefix.lengths)) == 1:
+        if self.uniform_prefix:
             return self._attend_merged(i, q, k, v, scale)
         return self._attend_masked(i, q, k, v, scale)
+
+    def _prefix_major(self, t: torch.Tensor) -> torch.Tensor:
+        """[R*P, Hkv, G*T, X] -> [P, Hkv, R*G*T, X]: every row continuing prefix p as one matrix per (p, kv head)."""
+        _, Hkv, GT, X = t.shape
+        return t.reshape(self.R, self.P, Hkv, GT, X).permute(1, 2, 0, 3, 4).reshape(self.P, Hkv, self.R * GT, X)
+
+    def _row_major(self, t: torch.Tensor) -> torch.Tensor:
+        """The inverse of `_prefix_major`: [P, Hkv, R*G*T, X] -> [R*P, Hkv, G*T, X]."""
+        P, Hkv, RGT, X = t.shape
+        return t.reshape(P, Hkv, self.R, RGT // self.R, X).permute(2, 0, 1, 3, 4).reshape(self.R * P, Hkv, RGT // self.R, X)
 
     def _attend_merged(self, i, q, k, v, scale):
         """Two fused attention calls merged by their log-sum-exps: the prefix part runs every row's queries against
         the one shared prefix K/V (no copies, no mask), the suffix part is plain causal attention."""
-        R, P, T = self.R, self.P, self.T
-        B, Hq, _, D = q.shape
+        B, Hq, T, D = q.shape
         Hkv = k.shape[1]
         G = Hq // Hkv
-        qp = q.reshape(R, P, Hkv, G * T, D).permute(1, 2, 0, 3, 4).reshape(P, Hkv, R * G * T, D)
+        qp = self._prefix_major(q.reshape(B, Hkv, G * T, D))
         o_pre, lse_pre = sdpa_with_lse(qp, self.prefix.k[i], self.prefix.v[i], causal=False, scale=scale)
-        o_pre = o_pre.view(P, Hkv, R, G * T, D).permute(2, 0, 1, 3, 4).reshape(B, Hq, T, D)
-        lse_pre = lse_pre.view(P, Hkv, R, G * T).permute(2, 0, 1, 3).reshape(B, Hq, T)
+        o_pre = self._row_major(o_pre).reshape(B, Hq, T, D)
+        lse_pre = self._row_major(lse_pre[..., None]).reshape(B, Hq, T)
         kr, vr = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)            # head h reads kv head h // G
         o_self, lse_self = sdpa_with_lse(q, kr, vr, causal=True, scale=scale)
         w_pre = torch.sigmoid(lse_pre - lse_self)[..., None]                               # share of the prefix keys
@@ -145,26 +157,20 @@ class SuffixContext:
 
     def _attend_masked(self, i, q, k, v, scale):
         """Prefixes of unequal lengths (independent mode): explicit scores, padded prefix keys masked out."""
-        R, P, T = self.R, self.P, self.T
-        B, Hq, _, D = q.shape
+        B, Hq, T, D = q.shape
         Hkv = k.shape[1]
         G = Hq // Hkv
         kp, vp = self.prefix.k[i], self.prefix.v[i]                                       # [P, Hkv, Tp, D]
         Tp = kp.shape[2]
-        # queries of every row that continues prefix p, as one matrix per (p, kv head): no per-row prefix copies
-        qp = q.reshape(R, P, Hkv, G * T, D).permute(1, 2, 0, 3, 4).reshape(P, Hkv, R * G * T, D)
-        s_pre = (qp @ kp.transpose(-1, -2)).float() * scale + self.prefix.key_bias[:, None, None, :]   # [P,Hkv,R*G*T,Tp]
-        s_pre = s_pre.view(P, Hkv, R, G * T, Tp).permute(2, 0, 1, 3, 4).reshape(B, Hkv, G * T, Tp)
         qs = q.reshape(B, Hkv, G * T, D)
+        s_pre = (self._prefix_major(qs) @ kp.transpose(-1, -2)).float() * scale
+        s_pre = self._row_major(s_pre + self.prefix.key_bias[:, None, None, :])           # [B, Hkv, G*T, Tp]
         s_self = (qs @ k.transpose(-1, -2)).float() * scale                                # [B, Hkv, G*T, T]
         s_self = (s_self.view(B, Hkv, G, T, T) + self.self_bias).view(B, Hkv, G * T, T)
         a = torch.softmax(torch.cat([s_pre, s_self], -1), -1).to(q.dtype)
         a_pre, a_self = a.split([Tp, T], -1)
-        a_pre = a_pre.reshape(R, P, Hkv, G * T, Tp).permute(1, 2, 0, 3, 4).reshape(P, Hkv, R * G * T, Tp)
-        o_pre = (a_pre @ vp).view(P, Hkv, R, G * T, D).permute(2, 0, 1, 3, 4).reshape(B, Hkv, G * T, D)
-        out = o_pre + a_self @ v                                                           # [B, Hkv, G*T, D]
-        return out.reshape(B, Hq, T, D)
-
+        o_pre = self._row_major(self._prefix_major(a_pre) @ vp)                            # [B, Hkv, G*T, D]
+        return (o_pre + a_self @ v).reshape(B, Hq, T, D)
 
 def sdpa_with_lse(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused attention that also returns each query's log-sum-exp: -> (out [N, H, M, D], lse [N, H, M] float32)."""
@@ -193,7 +199,6 @@ class HybridForward:
         self.eps = self.cfg.rms_norm_eps
         dev = next(causal_lm.parameters()).device
         self.k = select_kernels(dev.type)
-        self.delta_rule_name = self.k.name
         self.w = [self._layer_weights(layer) for layer in self.core.layers]
         self.final_norm_w = 1.0 + self.core.norm.weight.float()
 
