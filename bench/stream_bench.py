@@ -23,7 +23,6 @@ import contextlib
 import datetime
 import json
 import os
-import random
 import signal
 import statistics
 import subprocess
@@ -37,6 +36,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import schemas  # noqa: E402
+from bench.engine_bench import QWEN35_08B, questions, states  # noqa: E402
 from worker.clients import put_schema  # noqa: E402
 from worker.config import Topics  # noqa: E402
 from worker.embedded_broker import EmbeddedBroker, free_port  # noqa: E402
@@ -44,41 +44,20 @@ from worker.kafka_clients import create_topics, plain_producer, reader_consumer 
 
 from confluent_kafka import OFFSET_BEGINNING, KafkaError, TopicPartition  # noqa: E402
 
-# The published Qwen3.5-0.8B text shape; the vocabulary is the offline test tokenizer's (the worker loads a
-# tokenizer from the model directory, and the real Qwen3.5 BPE ships only in tiktoken form). Token counts of the
-# shape (state, prefix) are measured with that tokenizer, so the work per state matches the engine benchmark.
-SHAPE_08B = dict(hidden_size=1024, intermediate_size=3584, num_hidden_layers=24, num_attention_heads=8,
-                 num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=16,
-                 linear_key_head_dim=128, linear_value_head_dim=128, initializer_range=0.02)
-WORDS = ("order delivery refund account payment card login password error timeout latency disk memory alert "
-         "customer agent ticket urgent angry delayed broken missing charged twice shipment warehouse").split()
-
+# The engine benchmark's Qwen3.5-0.8B shape with the offline test tokenizer's vocabulary (the worker loads a tokenizer
+# from the model directory, and the real Qwen3.5 BPE ships only in tiktoken form). Token counts of the shape (state,
+# prefix) are measured with that tokenizer, so the work per state matches the engine benchmark.
+SHAPE_08B = {**{k: v for k, v in QWEN35_08B.items() if k != "vocab_size"}, "initializer_range": 0.02}
 
 def write_model(args, root: Path) -> Path:
     from engine.testing import write_tiny_model
     return write_tiny_model(root / "model", seed=0, **({} if args.quick else SHAPE_08B))
 
 
-def schema_document(n_questions: int, n_options: int) -> dict:
-    rnd = random.Random(1)
-    return {"mode": "packed", "questions": [
-        {"id": f"q{i}", "question": f"Does the event show {rnd.choice(WORDS)} trouble with the {rnd.choice(WORDS)}?",
-         "options": [f"{rnd.choice(WORDS)} {j}" for j in range(n_options)]} for i in range(n_questions)]}
-
-
-def state_texts(tok, n: int, tokens: int, seed: int) -> list[str]:
-    """n distinct texts of `tokens` tokens each under the model's tokenizer."""
-    rnd, base = random.Random(seed), []
-    while len(tok.encode(" ".join(base), add_special_tokens=False)) < tokens:
-        base.append(rnd.choice(WORDS))
-    while len(tok.encode(" ".join(base), add_special_tokens=False)) > tokens:
-        base.pop()
-    out = []
-    for i in range(n):
-        words = base[:]
-        rnd.shuffle(words)
-        out.append(" ".join(words))
-    return out
+def schema_document(tok, n_questions: int, n_options: int, prefix_tokens: int) -> dict:
+    """The engine benchmark's questions (padded to `prefix_tokens`) as a schema file, with question ids."""
+    return {"mode": "packed", "questions": [{"id": f"q{i}", **q} for i, q in
+                                            enumerate(questions(tok, n_questions, n_options, prefix_tokens))]}
 
 
 def engine_only(args, model_dir: Path, document: dict, texts: list[str]) -> float:
@@ -289,6 +268,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--state-tokens", type=int, default=128)
     ap.add_argument("--questions", type=int, default=10)
     ap.add_argument("--options", type=int, default=4)
+    ap.add_argument("--prefix-tokens", type=int, default=400)
     ap.add_argument("--max-batch", type=int, default=None)
     ap.add_argument("--max-wait-ms", default=None, help="comma-separated; the latency phase runs once per value")
     ap.add_argument("--latency-load", type=float, default=0.5, help="offered load as a fraction of the throughput")
@@ -309,7 +289,7 @@ def main(argv=None) -> dict:
     args.partitions = args.partitions or max(4, 2 * args.workers)
     args.engine_seconds = args.engine_seconds or (2 if args.quick else 5)
     if args.quick:
-        args.state_tokens, args.questions = 24, 3
+        args.state_tokens, args.questions, args.prefix_tokens = 24, 3, 60
 
     root = Path(tempfile.mkdtemp(prefix="decider-stream-bench-"))
     logs = root / "logs"
@@ -317,10 +297,10 @@ def main(argv=None) -> dict:
     model_dir = write_model(args, root)
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(model_dir)
-    document = schema_document(args.questions, args.options)
+    document = schema_document(tok, args.questions, args.options, args.prefix_tokens)
     schema_file = root / "schema.json"
     schema_file.write_text(json.dumps(document))
-    texts = state_texts(tok, 512, args.state_tokens, seed=3)
+    texts = states(tok, 256, args.state_tokens, seed=3)
     env = dict(date=datetime.date.today().isoformat(), device=args.device,
                gpu=torch.cuda.get_device_name(0) if args.device.startswith("cuda") else "cpu",
                workers=args.workers, gpus=args.gpus, partitions=args.partitions, max_batch=args.max_batch,
