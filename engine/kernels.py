@@ -1,8 +1,10 @@
 """The kernels behind the forward, chosen once per device.
 
-On CUDA with flash-linear-attention (fla) installed: fla's Triton kernels for the Gated DeltaNet recurrence, the
-causal conv (with an initial state: no per-row concatenation of the prefix's conv inputs), fused RMSNorms and SwiGLU.
-Elsewhere: PyTorch code that computes exactly what transformers' modules compute (what CPU tests run).
+On CUDA with flash-linear-attention (fla) installed: fla's Triton kernels for the Gated DeltaNet recurrence (with
+the decay gate and beta's sigmoid computed inside it), the causal conv (with an initial state: no per-row
+concatenation of the prefix's conv inputs) and SwiGLU; RMS/gated/L2 norms from `engine.triton_norms` (fixed launch
+configuration: no per-shape autotuning). Elsewhere: PyTorch code that computes exactly what transformers' modules
+compute (what CPU tests run).
 """
 from __future__ import annotations
 
@@ -18,8 +20,10 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Kernels:
-    """name; delta_rule(q, k, v, g=, beta=, initial_state=, output_final_state=, use_qk_l2norm_in_kernel=) with
-    q, k, v [B, T, H, D] and a [B, H, Dk, Dv] float32 state; causal_conv(x [B, T, C], weight [C, K],
+    """name; delta_rule(q, k, v, a, b, A_log, dt_bias, initial_state, output_final_state) -> (out, final state | None):
+    the Gated DeltaNet recurrence with q, k L2-normalised, decay g = -exp(A_log) * softplus(a + dt_bias) and
+    beta = sigmoid(b), for q, k [B, T, Hk, Dk], v [B, T, Hv, Dv], a, b [B, T, Hv] and a [B, Hv, Dk, Dv] float32 state;
+    causal_conv(x [B, T, C], weight [C, K],
     prev [B, C, K-1] | None) -> silu(conv) [B, T, C]; rms_norm(x, weight, eps) (weight already 1 + w for
     Qwen3.5's zero-centred norms, float32); gated_rms_norm(x, gate, weight, eps) = norm(x) * weight * silu(gate);
     swiglu(gate, up) = silu(gate) * up."""
@@ -46,7 +50,17 @@ def _torch_kernels() -> Kernels:
     # transformers wraps its reference function to dispatch to fla whenever fla imports, whatever the device; the
     # CPU path needs the PyTorch original underneath.
     reference = getattr(torch_chunk_gated_delta_rule, "__wrapped__", torch_chunk_gated_delta_rule)
-    return Kernels("torch", reference, torch_causal_conv, torch_rms_norm, torch_gated_rms_norm,
+
+    def delta_rule(q, k, v, a, b, A_log, dt_bias, initial_state, output_final_state):
+        # transformers' Gated DeltaNet: the gate and beta in float32 / the input dtype, q and k repeated per value head
+        g = -A_log.float().exp() * F.softplus(a.float() + dt_bias)
+        if v.shape[2] > q.shape[2]:
+            rep = v.shape[2] // q.shape[2]
+            q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
+        return reference(q, k, v, g=g, beta=b.sigmoid(), initial_state=initial_state,
+                         output_final_state=output_final_state, use_qk_l2norm_in_kernel=True)
+
+    return Kernels("torch", delta_rule, torch_causal_conv, torch_rms_norm, torch_gated_rms_norm,
                    lambda gate, up: F.silu(gate) * up)
 
 
@@ -72,19 +86,24 @@ def torch_gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tens
 def _fla_kernels() -> Kernels:
     from fla.modules.activations import swiglu
     from fla.modules.causal_conv1d import causal_conv1d
-    from fla.modules.norm.fused_norm_gate import rms_norm_gated
-    from fla.modules.norm.layernorm import rms_norm
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    from engine.triton_norms import GATED, L2, row_norm
+
+    def delta_rule(q, k, v, a, b, A_log, dt_bias, initial_state, output_final_state):
+        # fla's own q/k L2 norm specialises on the row-block count (a compile per new shape): ours does not.
+        # fla reads grouped value heads (Hv > Hk) without repeating q and k.
+        q, k = row_norm(q, None, 1e-6, L2), row_norm(k, None, 1e-6, L2)
+        return chunk_gated_delta_rule(q, k, v, g=a, beta=b, initial_state=initial_state,
+                                      output_final_state=output_final_state, use_gate_in_kernel=True, A_log=A_log,
+                                      dt_bias=dt_bias, use_beta_sigmoid_in_kernel=True)
 
     def conv(x, weight, prev):
         # fla's state holds K columns of which the last K-1 are the previous inputs
         state = None if prev is None else F.pad(prev.to(x.dtype), (1, 0))
         return causal_conv1d(x, weight=weight, initial_state=state, activation="silu")[0]
 
-    def norm(x, weight, eps):
-        return rms_norm(x, weight, None, eps=eps)
-
     def gated(x, gate, weight, eps):
-        return rms_norm_gated(x, gate, weight, None, activation="swish", eps=eps)
+        return row_norm(x, weight, eps, GATED, gate)
 
-    return Kernels("fla", chunk_gated_delta_rule, conv, norm, gated, swiglu)
+    return Kernels("fla", delta_rule, conv, row_norm, gated, swiglu)

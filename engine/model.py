@@ -70,6 +70,8 @@ class PrefixState:
 class CausalContext:
     """Context of a whole-prompt pass with no cache: plain causal attention, no state kept (the `full_fast` path)."""
 
+    records = False   # whether `keep` stores the layer states (only a prefix pass needs them)
+
     def conv_prev(self, i, x):
         return None
 
@@ -86,6 +88,8 @@ class CausalContext:
 class _PrefixRecorder(CausalContext):
     """Context of a prefix pass: a causal pass that keeps every layer's final state."""
 
+    records = True
+
     def __init__(self, length: int):
         self.state = PrefixState(lengths=[length])
 
@@ -100,6 +104,8 @@ class _PrefixRecorder(CausalContext):
 
 class SuffixContext:
     """Context of a suffix pass over R * P rows continuing `prefix`; build it once per (R, T) shape (graphs keep it)."""
+
+    records = False
 
     def __init__(self, prefix: PrefixState, R: int, T: int, device):
         self.prefix, self.R, self.P = prefix, R, prefix.P
@@ -211,7 +217,6 @@ class HybridForward:
             lin = layer.linear_attn
             w["in_proj"] = _fuse([lin.in_proj_qkv, lin.in_proj_z, lin.in_proj_b, lin.in_proj_a])
             w["conv"] = lin.conv1d.weight.detach()[:, 0, :]                                # [C, K]
-            w["neg_A"] = -lin.A_log.detach().float().exp()
         else:
             attn = layer.self_attn
             w["qkv"] = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
@@ -270,23 +275,17 @@ class HybridForward:
         K = lin.conv_kernel_size
         H = lin.num_v_heads
         qkv, z, b, a = F.linear(x, w["in_proj"]).split([lin.conv_dim, lin.value_dim, H, H], dim=-1)
-        ctx.keep("conv", i, _last_inputs(qkv, K - 1))
+        if ctx.records:
+            ctx.keep("conv", i, _last_inputs(qkv, K - 1))
         qkv = self.k.causal_conv(qkv, w["conv"], ctx.conv_prev(i, qkv))                    # [B, T, C]
         q, k, v = torch.split(qkv, [lin.key_dim, lin.key_dim, lin.value_dim], dim=-1)
-        q = q.reshape(B, T, -1, lin.head_k_dim)
-        k = k.reshape(B, T, -1, lin.head_k_dim)
-        v = v.reshape(B, T, -1, lin.head_v_dim)
-        beta = b.sigmoid()
-        g = w["neg_A"] * F.softplus(a.float() + lin.dt_bias)
-        if lin.num_v_heads > lin.num_k_heads:
-            rep = lin.num_v_heads // lin.num_k_heads
-            q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
-        out, final = self.k.delta_rule(q, k, v, g=g, beta=beta, initial_state=ctx.rec_prev(i),
-                                       output_final_state=isinstance(ctx, _PrefixRecorder), use_qk_l2norm_in_kernel=True)
+        q = q.view(B, T, -1, lin.head_k_dim)
+        k = k.view(B, T, -1, lin.head_k_dim)
+        v = v.view(B, T, -1, lin.head_v_dim)
+        out, final = self.k.delta_rule(q, k, v, a, b, lin.A_log, lin.dt_bias, ctx.rec_prev(i), ctx.records)
         if final is not None:
             ctx.keep("rec", i, final)
-        out = self.k.gated_rms_norm(out.reshape(-1, lin.head_v_dim), z.reshape(-1, lin.head_v_dim), lin.norm.weight,
-                                    lin.norm.variance_epsilon)
+        out = self.k.gated_rms_norm(out, z.view(B, T, H, lin.head_v_dim), lin.norm.weight, lin.norm.variance_epsilon)
         return lin.out_proj(out.reshape(B, T, -1))
 
 

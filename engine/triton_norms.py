@@ -1,0 +1,79 @@
+"""Row norms (RMSNorm, gated RMSNorm, L2 norm) as one Triton kernel with a fixed launch configuration.
+
+Why not fla's norm kernels: they autotune and specialise on the number of row blocks (`NB`), so every new
+(batch bucket, length bucket) shape compiled and benchmarked them afresh: seconds per new shape, which showed up as
+multi-second latency spikes in the stream whenever a batch of a new size arrived. This kernel's only compile-time
+constants are the row width and the kind of norm, so it compiles once per layer shape and never tunes.
+
+Inputs may be strided views (the q/k/z/gate pieces of a fused projection): a row is the last dimension, contiguous;
+rows are addressed as (token, head) with one stride per level, so no copy is made before the norm.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+RMS, GATED, L2 = 0, 1, 2
+_BLOCK_ELEMENTS = 4096          # elements per program: 4 rows of 1024, 32 rows of 128
+
+
+@triton.jit(do_not_specialize=["n_rows", "heads", "x_outer", "x_inner", "g_outer", "g_inner"])
+def _row_norm_kernel(X, G, W, Y, n_rows, heads, x_outer, x_inner, g_outer, g_inner, eps,
+                     D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr, KIND: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
+    cols = tl.arange(0, BD)
+    in_cols = cols < D
+    mask = (rows < n_rows)[:, None] & in_cols[None, :]
+    token, head = rows // heads, rows % heads
+    x = tl.load(X + (token * x_outer + head * x_inner)[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    sum_sq = tl.sum(x * x, axis=1)
+    if KIND == 2:
+        # transformers' l2norm: x * rsqrt(sum(x^2) + eps)
+        y = x * (1.0 / tl.sqrt(sum_sq + eps))[:, None]
+    else:
+        y = x * (1.0 / tl.sqrt(sum_sq / D + eps))[:, None]
+        w = tl.load(W + cols, mask=in_cols, other=0.0).to(tl.float32)
+        if KIND == 1:
+            # transformers' gated norm rounds to the input dtype after normalising and after the weight, then gates
+            # in float32
+            y = (y.to(Y.dtype.element_ty).to(tl.float32) * w[None, :]).to(Y.dtype.element_ty).to(tl.float32)
+            g = tl.load(G + (token * g_outer + head * g_inner)[:, None] + cols[None, :], mask=mask, other=0.0)
+            g = g.to(tl.float32)
+            y = y * (g * tl.sigmoid(g))
+        else:
+            y = y * w[None, :]
+    tl.store(Y + rows[:, None] * D + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+
+
+def _as_rows(t: torch.Tensor) -> torch.Tensor:
+    """A [tokens, heads, D] view of t (..., [heads,] D) without copying when its strides allow it."""
+    if t.stride(-1) != 1:
+        t = t.contiguous()
+    shape = (-1, t.shape[-2], t.shape[-1]) if t.dim() >= 3 else (-1, 1, t.shape[-1])
+    try:
+        return t.view(shape)
+    except RuntimeError:        # token dimensions that cannot merge: one copy
+        return t.contiguous().view(shape)
+
+
+def row_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, kind: int = RMS,
+             gate: torch.Tensor | None = None) -> torch.Tensor:
+    """Normalise each row (last dimension) of x; returns a contiguous tensor of x's shape and dtype.
+
+    kind RMS: rms_norm(x) * weight (weight already 1 + w for Qwen3.5's zero-centred norms, float32);
+    GATED: rms_norm(x) * weight * silu(gate) in transformers' order of rounding; L2: x / sqrt(sum(x^2) + eps).
+    """
+    rows = _as_rows(x)
+    tokens, heads, D = rows.shape
+    n_rows = tokens * heads
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if n_rows == 0:
+        return out
+    g = _as_rows(gate) if gate is not None else rows
+    BD = triton.next_power_of_2(D)
+    BR = max(1, _BLOCK_ELEMENTS // BD)
+    _row_norm_kernel[(triton.cdiv(n_rows, BR),)](
+        rows, g, weight if weight is not None else rows, out, n_rows, heads, rows.stride(0), rows.stride(1),
+        g.stride(0), g.stride(1), eps, D=D, BD=BD, BR=BR, KIND=kind, num_warps=4)
+    return out

@@ -1,0 +1,61 @@
+"""engine.triton_norms against the PyTorch norms the CPU path uses (transformers' semantics), on strided views like
+the forward passes them. Runs on the GPU; on a CPU through Triton's interpreter, which Triton reads when it is first
+imported (before this module, by transformers): `TRITON_INTERPRET=1 pytest -m gpu tests/engine/test_triton_norms.py`."""
+import os
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("no CUDA device: run with TRITON_INTERPRET=1 to use Triton's interpreter", allow_module_level=True)
+
+from engine.kernels import torch_gated_rms_norm, torch_rms_norm  # noqa: E402
+from engine.triton_norms import GATED, L2, row_norm  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _fused(tokens, widths, dtype, seed=0):
+    """Pieces of one fused projection output [tokens, sum(widths)]: strided views, as the forward sees them."""
+    g = torch.Generator().manual_seed(seed)
+    full = (torch.randn(tokens, sum(widths), generator=g) * 3).to(DEV, dtype)
+    return full.split(widths, dim=-1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_on_hidden_rows_and_strided_heads(dtype):
+    hidden, heads = _fused(37, [64, 4 * 32], dtype)
+    w64 = torch.rand(64, device=DEV) + 0.5
+    w32 = torch.rand(32, device=DEV) + 0.5
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(row_norm(hidden, w64, 1e-6), torch_rms_norm(hidden, w64, 1e-6), atol=tol, rtol=tol)
+    per_head = heads.view(37, 4, 32)                               # rows (token, head), token stride 192
+    torch.testing.assert_close(row_norm(per_head, w32, 1e-6), torch_rms_norm(per_head, w32, 1e-6), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gated_rms_norm_rounds_like_transformers(dtype):
+    x, z = _fused(29, [3 * 16, 3 * 16], dtype, seed=1)
+    x = x.contiguous().view(29, 3, 16)
+    z = z.view(29, 3, 16)
+    w = (torch.rand(16) + 0.5).to(DEV, dtype)
+    got, want = row_norm(x, w, 1e-6, GATED, z), torch_gated_rms_norm(x, z, w, 1e-6)
+    assert got.shape == x.shape and got.is_contiguous()
+    # bf16: a one-ulp difference of the rounded normalised value is multiplied by weight x silu(gate) (~10 here)
+    atol, rtol = (1e-5, 1e-5) if dtype == torch.float32 else (1e-2, 3e-2)
+    torch.testing.assert_close(got, want, atol=atol, rtol=rtol)
+
+
+def test_l2_norm_is_transformers_l2norm():
+    q, _ = _fused(11, [2 * 8, 8], torch.float32, seed=2)
+    q = q.view(11, 2, 8)
+    want = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6)
+    torch.testing.assert_close(row_norm(q, None, 1e-6, L2), want, atol=1e-6, rtol=1e-5)
+
+
+def test_rows_that_cannot_merge_are_copied_not_misread():
+    x = torch.randn(6, 5, 16, device=DEV).transpose(0, 1)          # [5, 6, 16]: tokens not mergeable by view
+    w = torch.ones(16, device=DEV)
+    torch.testing.assert_close(row_norm(x[:, :, None, :], w, 1e-6), torch_rms_norm(x[:, :, None, :], w, 1e-6))
