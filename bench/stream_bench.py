@@ -92,6 +92,7 @@ class Stream:
         create_topics(bootstrap, self.topics, args.partitions)
         put_schema(bootstrap, self.topics, "bench", schema_file)
         self.workers: dict[int, subprocess.Popen] = {}
+        self.metrics_ports: dict[int, int] = {}
 
     def start_worker(self, i: int) -> None:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -104,9 +105,24 @@ class Stream:
                "--device", device, "--worker-id", f"{self.name}-w{i}", "--group", f"{self.name}-group",
                "--max-batch", str(self.args.max_batch), "--max-wait-ms", str(self.max_wait_ms),
                "--states-topic", t.states, "--schemas-topic", t.schemas, "--probabilities-topic", t.probabilities,
-               "--dead-letter-topic", t.dead_letter, "--log-level", "warning"]
+               "--dead-letter-topic", t.dead_letter, "--log-level", "warning",
+               "--metrics-port", str(self.metrics_ports.setdefault(i, free_port()))]
         log = open(self.logs / f"{self.name}-w{i}.log", "ab")
         self.workers[i] = subprocess.Popen(cmd, env=env, stdout=log, stderr=log, start_new_session=True)
+
+    def worker_stage_totals(self, i: int) -> dict[str, tuple[float, float]]:
+        """Worker i's Prometheus histograms of its stages: name -> (sum of seconds or states, count)."""
+        from urllib.request import urlopen
+
+        from prometheus_client.parser import text_string_to_metric_families
+        text = urlopen(f"http://127.0.0.1:{self.metrics_ports[i]}/metrics", timeout=5).read().decode()
+        totals = {}
+        for family in text_string_to_metric_families(text):
+            if family.name in STAGES:
+                values = {sample.name.rsplit("_", 1)[-1]: sample.value for sample in family.samples
+                          if sample.name.endswith(("_sum", "_count"))}
+                totals[family.name] = (values.get("sum", 0.0), values.get("count", 0.0))
+        return totals
 
     def kill_worker(self, i: int) -> None:
         os.killpg(self.workers[i].pid, signal.SIGKILL)
@@ -123,6 +139,20 @@ class Stream:
                 os.killpg(p.pid, signal.SIGKILL)
 
 
+STAGES = {"decider_batch_fill_wait_seconds": "fill_wait_ms", "decider_engine_seconds": "engine_ms",
+          "decider_transaction_commit_seconds": "commit_ms", "decider_cycle_seconds": "cycle_ms", "decider_batch_states": "batch_states"}
+
+
+def stage_means(before: dict, after: dict) -> dict[str, float]:
+    """Mean of each worker stage between two scrapes (ms for times, states for batch sizes)."""
+    means = {}
+    for name, label in STAGES.items():
+        (s0, c0), (s1, c1) = before.get(name, (0.0, 0.0)), after.get(name, (0.0, 0.0))
+        if c1 > c0:
+            means[label] = round((s1 - s0) / (c1 - c0) * (1 if label == "batch_states" else 1000), 2)
+    return means
+
+
 class Reader(threading.Thread):
     """read_committed reader of a phase's outputs: when each record became visible, and how often each id shows."""
 
@@ -134,6 +164,7 @@ class Reader(threading.Thread):
         self.topics = topics
         self.seen: Counter = Counter()
         self.visible: list[tuple[float, str, int | None]] = []     # (wall time, state id, event time ms)
+        self.scored_at: dict[str, int] = {}                          # state id -> when its record was built (ms)
         self.dead = 0
         self.halt = threading.Event()
 
@@ -148,6 +179,7 @@ class Reader(threading.Thread):
             if msg.topic() == self.topics.probabilities:
                 rec = schemas.decode_probability(msg.value())
                 sid, event = rec["state_id"], _ms(rec.get("event_time"))
+                self.scored_at[sid] = _ms(rec.get("scored_at"))
             else:
                 sid, event = (msg.key() or b"").decode(), None
                 self.dead += 1
@@ -252,13 +284,21 @@ def latency_phase(args, bootstrap, model_dir, schema_file, texts, logs, max_wait
         n = max(20, int(rate * args.latency_seconds))
         ids = [f"l-{i}" for i in range(n)]
         start_seen = len(reader.visible)
+        before = stream.worker_stage_totals(0)
         produce(bootstrap, stream.topics.states, steady + ids, [texts[i % len(texts)] for i in range(len(steady) + n)],
                 rate=rate)
         reader.wait_for(start_seen + len(steady) + n, 120)
-        lat = sorted(1000 * t - ev for t, sid, ev in reader.visible[start_seen:] if ev is not None and sid.startswith("l-"))
+        stages = stage_means(before, stream.worker_stage_totals(0))
+        measured = [(1000 * t, sid, ev) for t, sid, ev in reader.visible[start_seen:] if ev is not None and sid.startswith("l-")]
+        lat = sorted(t - ev for t, _, ev in measured)
+        # where the time goes: event -> record built (consume, batch fill, scoring), built -> visible (commit, reader)
+        to_scored = sorted(reader.scored_at[sid] - ev for _, sid, ev in measured)
+        to_visible = sorted(t - reader.scored_at[sid] for t, sid, _ in measured)
         return dict(phase="latency", workers=args.workers, max_wait_ms=max_wait_ms, offered_states_per_s=rate, states=n,
                     unmeasured_warmup_states=len(steady), p50_ms=statistics.median(lat),
-                    p99_ms=lat[int(0.99 * (len(lat) - 1))], **exactly_once(reader, warm_ids + steady + ids))
+                    p99_ms=lat[int(0.99 * (len(lat) - 1))], p50_to_scored_ms=statistics.median(to_scored),
+                    p50_scored_to_visible_ms=statistics.median(to_visible), worker0_stage_means=stages,
+                    **exactly_once(reader, warm_ids + steady + ids))
 
 
 def main(argv=None) -> dict:
@@ -333,7 +373,8 @@ def main(argv=None) -> dict:
     if not args.quick:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        path = out / f"{env['date']}-{env['gpu'].replace(' ', '-').lower()}-stream-{args.workers}w.json"
+        kill = "-kill" if args.kill_one else ""
+        path = out / f"{env['date']}-{env['gpu'].replace(' ', '-').lower()}-stream-{args.workers}w{kill}.json"
         path.write_text(json.dumps(result, indent=1))
         print(f"wrote {path}")
     return result

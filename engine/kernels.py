@@ -26,13 +26,15 @@ class Kernels:
     causal_conv(x [B, T, C], weight [C, K],
     prev [B, C, K-1] | None) -> silu(conv) [B, T, C]; rms_norm(x, weight, eps) (weight already 1 + w for
     Qwen3.5's zero-centred norms, float32); gated_rms_norm(x, gate, weight, eps) = norm(x) * weight * silu(gate);
-    swiglu(gate, up) = silu(gate) * up."""
+    swiglu(gate, up) = silu(gate) * up; add_rms_norm(h, x, weight, eps) -> (rms_norm(h + x), h + x), the sum rounded
+    to h's dtype before the norm as transformers does (h may be updated in place)."""
     name: str
     delta_rule: Callable
     causal_conv: Callable
     rms_norm: Callable
     gated_rms_norm: Callable
     swiglu: Callable
+    add_rms_norm: Callable
 
 
 def select_kernels(device_type: str) -> Kernels:
@@ -61,7 +63,7 @@ def _torch_kernels() -> Kernels:
                          output_final_state=output_final_state, use_qk_l2norm_in_kernel=True)
 
     return Kernels("torch", delta_rule, torch_causal_conv, torch_rms_norm, torch_gated_rms_norm,
-                   lambda gate, up: F.silu(gate) * up)
+                   lambda gate, up: F.silu(gate) * up, torch_add_rms_norm)
 
 
 def torch_causal_conv(x: torch.Tensor, weight: torch.Tensor, prev: torch.Tensor | None) -> torch.Tensor:
@@ -76,6 +78,11 @@ def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight).to(x.dtype)
 
 
+def torch_add_rms_norm(h: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float):
+    h = h + x
+    return torch_rms_norm(h, weight, eps), h
+
+
 def torch_gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # transformers' order: normalise in float32, cast, scale, then gate in float32
     xf = x.float()
@@ -88,7 +95,7 @@ def _fla_kernels() -> Kernels:
     from fla.modules.causal_conv1d import causal_conv1d
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
-    from engine.triton_norms import GATED, L2, row_norm
+    from engine.triton_norms import GATED, L2, add_rms_norm, row_norm
 
     def delta_rule(q, k, v, a, b, A_log, dt_bias, initial_state, output_final_state):
         # fla's own q/k L2 norm specialises on the row-block count (a compile per new shape): ours does not.
@@ -106,4 +113,4 @@ def _fla_kernels() -> Kernels:
     def gated(x, gate, weight, eps):
         return row_norm(x, weight, eps, GATED, gate)
 
-    return Kernels("fla", delta_rule, conv, row_norm, gated, swiglu)
+    return Kernels("fla", delta_rule, conv, row_norm, gated, swiglu, add_rms_norm)

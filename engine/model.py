@@ -240,16 +240,20 @@ class HybridForward:
         """ids, positions: [B, T] -> hidden states [B, T, hidden] before the final norm."""
         h = self.core.embed_tokens(ids)
         cos, sin = self.core.rotary_emb(h, positions[None].expand(3, -1, -1))
+        x = self.k.rms_norm(h, self.w[0]["in_norm"], self.eps)
+        last = len(self.core.layers) - 1
+        # Each residual add is fused with the norm that reads its result (one pass over the stream, not two).
         for i, layer in enumerate(self.core.layers):
             w = self.w[i]
-            x = self.k.rms_norm(h, w["in_norm"], self.eps)
             if layer.block_type == "linear_attention":
                 x = self._gated_delta_net(layer.linear_attn, w, x, i, ctx)
             else:
                 x = self._attention(layer.self_attn, w, x, cos, sin, i, ctx)
-            h = h + x
-            h = h + self._mlp(layer.mlp, w, self.k.rms_norm(h, w["post_norm"], self.eps))
-        return h
+            x, h = self.k.add_rms_norm(h, x, w["post_norm"], self.eps)
+            x = self._mlp(layer.mlp, w, x)
+            if i == last:
+                return h + x
+            x, h = self.k.add_rms_norm(h, x, self.w[i + 1]["in_norm"], self.eps)
 
     def _mlp(self, mlp, w, x):
         gate, up = F.linear(x, w["mlp_in"]).split(mlp.intermediate_size, dim=-1)

@@ -19,14 +19,22 @@ _BLOCK_ELEMENTS = 4096          # elements per program: 4 rows of 1024, 32 rows 
 
 
 @triton.jit(do_not_specialize=["n_rows", "heads", "x_outer", "x_inner", "g_outer", "g_inner"])
-def _row_norm_kernel(X, G, W, Y, n_rows, heads, x_outer, x_inner, g_outer, g_inner, eps,
-                     D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr, KIND: tl.constexpr):
+def _row_norm_kernel(X, G, W, Y, R, n_rows, heads, x_outer, x_inner, g_outer, g_inner, eps,
+                     D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr, KIND: tl.constexpr,
+                     ADD_RESIDUAL: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
     cols = tl.arange(0, BD)
     in_cols = cols < D
     mask = (rows < n_rows)[:, None] & in_cols[None, :]
     token, head = rows // heads, rows % heads
     x = tl.load(X + (token * x_outer + head * x_inner)[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if ADD_RESIDUAL:
+        # the decoder's `h = h + x`, rounded to the stream's dtype as transformers does, written back in place to R,
+        # then normalised
+        p_res = R + rows[:, None] * D + cols[None, :]
+        x = (x + tl.load(p_res, mask=mask, other=0.0).to(tl.float32)).to(R.dtype.element_ty)
+        tl.store(p_res, x, mask=mask)
+        x = x.to(tl.float32)
     sum_sq = tl.sum(x * x, axis=1)
     if KIND == 2:
         # transformers' l2norm: x * rsqrt(sum(x^2) + eps)
@@ -58,11 +66,12 @@ def _as_rows(t: torch.Tensor) -> torch.Tensor:
 
 
 def row_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, kind: int = RMS,
-             gate: torch.Tensor | None = None) -> torch.Tensor:
+             gate: torch.Tensor | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
     """Normalise each row (last dimension) of x; returns a contiguous tensor of x's shape and dtype.
 
     kind RMS: rms_norm(x) * weight (weight already 1 + w for Qwen3.5's zero-centred norms, float32);
     GATED: rms_norm(x) * weight * silu(gate) in transformers' order of rounding; L2: x / sqrt(sum(x^2) + eps).
+    residual (contiguous, x's shape): first residual += x (in place), then the norm is of the new residual.
     """
     rows = _as_rows(x)
     tokens, heads, D = rows.shape
@@ -73,7 +82,15 @@ def row_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, kind: int
     g = _as_rows(gate) if gate is not None else rows
     BD = triton.next_power_of_2(D)
     BR = max(1, _BLOCK_ELEMENTS // BD)
+    if residual is not None and not (residual.is_contiguous() and residual.shape == x.shape):
+        raise ValueError("residual must be contiguous and of x's shape")
     _row_norm_kernel[(triton.cdiv(n_rows, BR),)](
-        rows, g, weight if weight is not None else rows, out, n_rows, heads, rows.stride(0), rows.stride(1),
-        g.stride(0), g.stride(1), eps, D=D, BD=BD, BR=BR, KIND=kind, num_warps=4)
+        rows, g, weight if weight is not None else rows, out, residual if residual is not None else out, n_rows, heads,
+        rows.stride(0), rows.stride(1), g.stride(0), g.stride(1), eps, D=D, BD=BD, BR=BR, KIND=kind,
+        ADD_RESIDUAL=residual is not None, num_warps=4)
     return out
+
+
+def add_rms_norm(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float):
+    """-> (rms_norm(residual + x) * weight, residual + x): one pass; the residual stream is updated in place."""
+    return row_norm(x, weight, eps, RMS, residual=residual), residual

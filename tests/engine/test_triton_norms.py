@@ -59,3 +59,21 @@ def test_rows_that_cannot_merge_are_copied_not_misread():
     x = torch.randn(6, 5, 16, device=DEV).transpose(0, 1)          # [5, 6, 16]: tokens not mergeable by view
     w = torch.ones(16, device=DEV)
     torch.testing.assert_close(row_norm(x[:, :, None, :], w, 1e-6), torch_rms_norm(x[:, :, None, :], w, 1e-6))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_rms_norm_updates_the_residual_then_normalises_the_rounded_sum(dtype):
+    from engine.kernels import torch_add_rms_norm
+    from engine.triton_norms import add_rms_norm
+
+    h, x = (t.contiguous() for t in _fused(3 * 7, [64, 64], dtype, seed=5))
+    h, x = h.view(3, 7, 64), x.view(3, 7, 64)
+    w = torch.rand(64, device=DEV) + 0.5
+    want_normed, want_h = torch_add_rms_norm(h.clone(), x, w, 1e-6)
+    got_normed, got_h = add_rms_norm(h, x, w, 1e-6)
+    assert got_h.data_ptr() == h.data_ptr()                       # in place: no new residual tensor per layer
+    # the same rounded sum; Triton's interpreter casts to bf16 by truncation (the GPU rounds to nearest even): 1 ulp
+    exact = DEV == "cuda" or dtype == torch.float32
+    torch.testing.assert_close(got_h, want_h, atol=0, rtol=0 if exact else 2 ** -7)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got_normed, want_normed, atol=tol, rtol=tol)
