@@ -156,7 +156,11 @@ def main(argv=None) -> dict:
                flop_per_token=flop_per_token, gemm_ceiling_tflops=ceiling / 1e12,
                date=datetime.date.today().isoformat())
     print(json.dumps(env), flush=True)
+    # Parity first: a run cut short by a time limit still shows that what it timed computes the right thing.
+    parity = _parity(eng, se_eager, h_eager, se_graph, h_graph, full, qs, dev)
+    print(f"max |p - reference| on 16 states: {json.dumps(parity)}", flush=True)
     runs = []
+    _save(args, env, runs, parity=parity)
     for L in lengths:
         for B in batches:
             S = states(eng.tok, B, L, seed=B * 1000 + L)
@@ -184,8 +188,7 @@ def main(argv=None) -> dict:
                          gpu_mem_gb=(torch.cuda.max_memory_allocated(dev) / 1e9 if dev.type == "cuda" else None))
                 runs.append(r)
                 print(_row(r), flush=True)
-                _save(args, env, runs)              # after every row: a run cut short still leaves its numbers
-    parity = _parity(eng, se_eager, h_eager, se_graph, h_graph, full, qs, dev)
+                _save(args, env, runs, parity=parity)   # after every row: a run cut short still leaves its numbers
     result = dict(env=env, runs=runs, parity=parity, graph_stats=se_graph.graphs.stats if se_graph.graphs else None)
     print(markdown(result))
     path = _save(args, env, runs, parity=parity, graph_stats=result["graph_stats"])

@@ -11,7 +11,7 @@ steps=${*:-tests engine stream}
 for step in $steps; do
   echo "=== $step $(date +%T)"
   case $step in
-    tests)   timeout "${T_TESTS:-240}" python3 -m pytest tests/engine tests/worker -m gpu -s -q -rA --tb=short \
+    tests)   timeout "${T_TESTS:-420}" python3 -m pytest tests/engine tests/worker -m gpu -s -q -rA --tb=short \
                --durations=12 -p no:cacheprovider -o addopts="" > "$OUT/gpu_tests.txt" 2>&1
              grep -E "^batch|exact|\|graphs|passed|failed|Error|^[0-9.]+s (call|setup)" "$OUT/gpu_tests.txt" | tail -40 ;;
     profile) for b in ${PROFILE_BATCHES:-32}; do timeout "${T_PROFILE:-120}" python3 bench/profile_engine.py --batch $b \
