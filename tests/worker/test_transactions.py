@@ -93,3 +93,18 @@ def test_second_instance_with_same_transactional_id_fences_the_first(stream):
     assert _read_keys(stream) == ["first-0", "second-0"]
     second.close()
     consumer.close()
+
+
+def test_watchdog_exits_with_code_5_when_a_call_overruns_and_stays_quiet_otherwise():
+    import subprocess
+    import sys
+    import time as _time
+
+    script = ("import time\nfrom worker.transactions import _Watchdog\nw = _Watchdog()\n"
+              "for _ in range(200):\n    with w.guard('quick', 0.5):\n        pass\n"
+              "with w.guard('send_offsets_to_transaction', 0.3):\n    time.sleep(10)\n")
+    started = _time.monotonic()
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=30)
+    assert done.returncode == 5, done.stderr
+    assert "send_offsets_to_transaction did not return" in done.stderr
+    assert _time.monotonic() - started < 8
