@@ -316,6 +316,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--max-batch", type=int, default=None)
     ap.add_argument("--max-wait-ms", default=None, help="comma-separated; the latency phase runs once per value")
     ap.add_argument("--latency-load", type=float, default=0.5, help="offered load as a fraction of the throughput")
+    ap.add_argument("--latency-rate", type=float, default=None, help="offered states/s (instead of --latency-load)")
     ap.add_argument("--latency-seconds", type=float, default=None)
     ap.add_argument("--latency-warmup-seconds", type=float, default=None,
                     help="load at the offered rate before latencies are measured (first-sight graph captures)")
@@ -365,7 +366,7 @@ def main(argv=None) -> dict:
         print(json.dumps(tput), flush=True)
         for mw in args.max_wait_ms:
             lat = latency_phase(args, broker.bootstrap, model_dir, schema_file, texts, logs, mw,
-                                args.latency_load * tput["states_per_s"])
+                                args.latency_rate or args.latency_load * tput["states_per_s"])
             runs.append(lat)
             print(json.dumps(lat), flush=True)
     result = dict(env=env, engine_only_states_per_s=engine_rate, runs=runs, logs=str(logs))

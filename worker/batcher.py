@@ -93,11 +93,15 @@ class Cycle:
         pending.wait_deadline = deadline
         self.waiting.append(pending)
 
+    def full(self, max_batch: int) -> bool:
+        """Whether a batch reached ``max_batch`` states."""
+        return any(len(b.members) >= max_batch for b in self.batches.values())
+
     def due(self, now: float, max_batch: int, max_wait_s: float) -> bool:
         """Whether the cycle should close now: a batch is full, or a batch (or a lone dead letter) has waited max_wait."""
         if not self.entries:
             return False
-        if any(len(b.members) >= max_batch for b in self.batches.values()):
+        if self.full(max_batch):
             return True
         first = min((b.opened_at for b in self.batches.values()), default=self.opened_at)
         return now >= first + max_wait_s

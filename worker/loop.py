@@ -179,14 +179,19 @@ class Worker:
         return min(timeout, until_due) if until_due is not None else timeout
 
     def _consume(self, timeout: float) -> None:
-        """Poll one message at a time: rebalance callbacks then run between two messages, never in the
-        middle of a fetched batch, so no message of a revoked assignment is routed after the revoke."""
+        """Wait up to ``timeout`` for a message, then take every message already fetched, up to a full batch.
+
+        Poll one message at a time: rebalance callbacks then run between two messages, never in the middle of a
+        fetched batch, so no message of a revoked assignment is routed after the revoke. --max-wait-ms ends the
+        *wait* for more states, never the taking of states already here: under a backlog, stopping at the
+        deadline made batches no bigger than what one deadline's worth of routing allowed, so the worker fell
+        behind a load it could carry with fuller batches, and latency grew without bound."""
         message = self._consumer.poll(timeout)
         count = 0
         while message is not None:
             self._route(message)
             count += 1
-            if count >= self.config.max_batch or self._cycle.due(monotonic(), self.config.max_batch, self._max_wait_s):
+            if count >= self.config.max_batch or self._cycle.full(self.config.max_batch):
                 return
             message = self._consumer.poll(0)
 
