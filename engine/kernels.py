@@ -14,6 +14,7 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+from transformers.models.qwen3_5.modeling_qwen3_5 import apply_rotary_pos_emb
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +28,9 @@ class Kernels:
     prev [B, C, K-1] | None) -> silu(conv) [B, T, C]; rms_norm(x, weight, eps) (weight already 1 + w for
     Qwen3.5's zero-centred norms, float32); gated_rms_norm(x, gate, weight, eps) = norm(x) * weight * silu(gate);
     swiglu(gate, up) = silu(gate) * up; add_rms_norm(h, x, weight, eps) -> (rms_norm(h + x), h + x), the sum rounded
-    to h's dtype before the norm as transformers does (h may be updated in place)."""
+    to h's dtype before the norm as transformers does (h may be updated in place); qk_norm_rope(q [B, T, Hq, D],
+    k [B, T, Hkv, D], q_weight, k_weight, cos, sin, eps) -> (q, k) as [B, H, T, D]: the attention's per-head
+    RMSNorms, then transformers' `apply_rotary_pos_emb`."""
     name: str
     delta_rule: Callable
     causal_conv: Callable
@@ -35,6 +38,7 @@ class Kernels:
     gated_rms_norm: Callable
     swiglu: Callable
     add_rms_norm: Callable
+    qk_norm_rope: Callable
 
 
 def select_kernels(device_type: str) -> Kernels:
@@ -63,7 +67,7 @@ def _torch_kernels() -> Kernels:
                          output_final_state=output_final_state, use_qk_l2norm_in_kernel=True)
 
     return Kernels("torch", delta_rule, torch_causal_conv, torch_rms_norm, torch_gated_rms_norm,
-                   lambda gate, up: F.silu(gate) * up, torch_add_rms_norm)
+                   lambda gate, up: F.silu(gate) * up, torch_add_rms_norm, torch_qk_norm_rope)
 
 
 def torch_causal_conv(x: torch.Tensor, weight: torch.Tensor, prev: torch.Tensor | None) -> torch.Tensor:
@@ -76,6 +80,12 @@ def torch_causal_conv(x: torch.Tensor, weight: torch.Tensor, prev: torch.Tensor 
 def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight).to(x.dtype)
+
+
+def torch_qk_norm_rope(q, k, q_weight, k_weight, cos, sin, eps):
+    q = torch_rms_norm(q, q_weight, eps).transpose(1, 2)
+    k = torch_rms_norm(k, k_weight, eps).transpose(1, 2)
+    return apply_rotary_pos_emb(q, k, cos, sin)
 
 
 def torch_add_rms_norm(h: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float):
@@ -95,7 +105,7 @@ def _fla_kernels() -> Kernels:
     from fla.modules.causal_conv1d import causal_conv1d
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
-    from engine.triton_norms import GATED, L2, add_rms_norm, row_norm
+    from engine.triton_norms import GATED, L2, add_rms_norm, rms_norm_rope, row_norm
 
     def delta_rule(q, k, v, a, b, A_log, dt_bias, initial_state, output_final_state):
         # fla's own q/k L2 norm specialises on the row-block count (a compile per new shape): ours does not.
@@ -113,4 +123,7 @@ def _fla_kernels() -> Kernels:
     def gated(x, gate, weight, eps):
         return row_norm(x, weight, eps, GATED, gate)
 
-    return Kernels("fla", delta_rule, conv, row_norm, gated, swiglu, add_rms_norm)
+    def qk_norm_rope(q, k, q_weight, k_weight, cos, sin, eps):
+        return rms_norm_rope(q, q_weight, cos, sin, eps), rms_norm_rope(k, k_weight, cos, sin, eps)
+
+    return Kernels("fla", delta_rule, conv, row_norm, gated, swiglu, add_rms_norm, qk_norm_rope)

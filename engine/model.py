@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
-from transformers.models.qwen3_5.modeling_qwen3_5 import apply_rotary_pos_emb
 
 from engine.kernels import select_kernels
 
@@ -266,10 +265,8 @@ class HybridForward:
         qg, k, v = F.linear(x, w["qkv"]).split([q_dim, kv_dim, kv_dim], dim=-1)
         q, gate = torch.chunk(qg.view(B, T, -1, 2 * D), 2, dim=-1)                         # [B, T, Hq, D] each
         gate = gate.reshape(B, T, -1)
-        q = self.k.rms_norm(q, w["q_norm"], self.eps).transpose(1, 2)                       # [B, Hq, T, D]
-        k = self.k.rms_norm(k.view(B, T, -1, D), w["k_norm"], self.eps).transpose(1, 2)    # [B, Hkv, T, D]
-        v = v.reshape(B, T, -1, D).transpose(1, 2)
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        q, k = self.k.qk_norm_rope(q, k.view(B, T, -1, D), w["q_norm"], w["k_norm"], cos, sin, self.eps)
+        v = v.reshape(B, T, -1, D).transpose(1, 2)                                         # q, k, v: [B, H, T, D]
         out = ctx.attend(i, q, k, v, attn.scaling)                                         # [B, Hq, T, D]
         out = out.transpose(1, 2).reshape(B, T, -1) * torch.sigmoid(gate)
         return attn.o_proj(out)

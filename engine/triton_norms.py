@@ -94,3 +94,58 @@ def row_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, kind: int
 def add_rms_norm(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float):
     """-> (rms_norm(residual + x) * weight, residual + x): one pass; the residual stream is updated in place."""
     return row_norm(x, weight, eps, RMS, residual=residual), residual
+
+
+@triton.jit(do_not_specialize=["n_rows", "heads", "T", "x_outer", "x_inner", "c_batch", "c_time"])
+def _rms_norm_rope_kernel(X, W, COS, SIN, Y, n_rows, heads, T, x_outer, x_inner, c_batch, c_time, eps,
+                          D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr, ROT: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
+    cols = tl.arange(0, BD)
+    in_cols = cols < D
+    row_ok = rows < n_rows
+    mask = row_ok[:, None] & in_cols[None, :]
+    token, head = rows // heads, rows % heads
+    src = X + (token * x_outer + head * x_inner)[:, None]
+    x = tl.load(src + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps)
+    w = tl.load(W + cols, mask=in_cols, other=0.0).to(tl.float32)
+    n = (x * rstd[:, None] * w[None, :]).to(Y.dtype.element_ty).to(tl.float32)       # the norm's output, rounded
+    # rotate_half over the first ROT columns: [-x2, x1]; the same row's other half, normalised and rounded alike
+    half = ROT // 2
+    partner = tl.where(cols < half, cols + half, cols - half)
+    in_rot = cols < ROT
+    rot_mask = row_ok[:, None] & in_rot[None, :]
+    xp = tl.load(src + partner[None, :], mask=rot_mask, other=0.0).to(tl.float32)
+    wp = tl.load(W + partner, mask=in_rot, other=0.0).to(tl.float32)
+    n_partner = (xp * rstd[:, None] * wp[None, :]).to(Y.dtype.element_ty).to(tl.float32)
+    rotated = tl.where((cols < half)[None, :], -n_partner, n_partner)
+    b, t = token // T, token % T
+    trig = (b * c_batch + t * c_time)[:, None] + cols[None, :]
+    cos = tl.load(COS + trig, mask=rot_mask, other=0.0).to(tl.float32)
+    sin = tl.load(SIN + trig, mask=rot_mask, other=0.0).to(tl.float32)
+    # transformers: (x * cos) + (rotate_half(x) * sin), each product and the sum rounded to the dtype
+    ty = Y.dtype.element_ty
+    roped = ((n * cos).to(ty).to(tl.float32) + (rotated * sin).to(ty).to(tl.float32))
+    y = tl.where(in_rot[None, :], roped, n)
+    dst = Y + ((b * heads + head) * T + t)[:, None] * D + cols[None, :]
+    tl.store(dst, y.to(ty), mask=mask)
+
+
+def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  eps: float) -> torch.Tensor:
+    """x [B, T, H, D] (rows may be strided views) -> RoPE(rms_norm(x) * weight) as a contiguous [B, H, T, D], with
+    transformers' `apply_rotary_pos_emb` on the first cos.shape[-1] columns (cos, sin: [B, T, rot])."""
+    B, T, H, D = x.shape
+    rows = _as_rows(x)
+    out = torch.empty(B, H, T, D, dtype=x.dtype, device=x.device)
+    n_rows = B * T * H
+    if n_rows == 0:
+        return out
+    if cos.stride(-1) != 1 or sin.stride() != cos.stride():
+        cos, sin = cos.contiguous(), sin.contiguous()
+    BD = triton.next_power_of_2(D)
+    BR = max(1, _BLOCK_ELEMENTS // BD)
+    _rms_norm_rope_kernel[(triton.cdiv(n_rows, BR),)](
+        rows, weight, cos, sin, out, n_rows, H, T, rows.stride(0), rows.stride(1), cos.stride(0), cos.stride(1), eps,
+        D=D, BD=BD, BR=BR, ROT=cos.shape[-1], num_warps=4)
+    return out
