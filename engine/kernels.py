@@ -2,7 +2,7 @@
 
 On CUDA with flash-linear-attention (fla) installed: fla's Triton kernels for the Gated DeltaNet recurrence (with
 the decay gate and beta's sigmoid computed inside it), the causal conv (with an initial state: no per-row
-concatenation of the prefix's conv inputs) and SwiGLU; RMS/gated/L2 norms from `engine.triton_norms` (fixed launch
+concatenation of the prefix's conv inputs) and SwiGLU; RMS/gated/L2 norms from `engine.triton_kernels` (fixed launch
 configuration: no per-shape autotuning). Elsewhere: PyTorch code that computes exactly what transformers' modules
 compute (what CPU tests run).
 """
@@ -30,7 +30,8 @@ class Kernels:
     swiglu(gate, up) = silu(gate) * up; add_rms_norm(h, x, weight, eps) -> (rms_norm(h + x), h + x), the sum rounded
     to h's dtype before the norm as transformers does (h may be updated in place); qk_norm_rope(q [B, T, Hq, D],
     k [B, T, Hkv, D], q_weight, k_weight, cos, sin, eps) -> (q, k) as [B, H, T, D]: the attention's per-head
-    RMSNorms, then transformers' `apply_rotary_pos_emb`."""
+    RMSNorms, then transformers' `apply_rotary_pos_emb`; gate_attention(engine.model.AttentionOut, gate [B, T, Hq, D])
+    -> [B, T, Hq * D]: the merge of a prefix/suffix split attention (if any), then transformers' sigmoid output gate."""
     name: str
     delta_rule: Callable
     causal_conv: Callable
@@ -39,6 +40,7 @@ class Kernels:
     swiglu: Callable
     add_rms_norm: Callable
     qk_norm_rope: Callable
+    gate_attention: Callable
 
 
 def select_kernels(device_type: str) -> Kernels:
@@ -67,7 +69,8 @@ def _torch_kernels() -> Kernels:
                          output_final_state=output_final_state, use_qk_l2norm_in_kernel=True)
 
     return Kernels("torch", delta_rule, torch_causal_conv, torch_rms_norm, torch_gated_rms_norm,
-                   lambda gate, up: F.silu(gate) * up, torch_add_rms_norm, torch_qk_norm_rope)
+                   lambda gate, up: F.silu(gate) * up, torch_add_rms_norm, torch_qk_norm_rope,
+                   torch_gate_attention)
 
 
 def torch_causal_conv(x: torch.Tensor, weight: torch.Tensor, prev: torch.Tensor | None) -> torch.Tensor:
@@ -88,6 +91,18 @@ def torch_qk_norm_rope(q, k, q_weight, k_weight, cos, sin, eps):
     return apply_rotary_pos_emb(q, k, cos, sin)
 
 
+def torch_gate_attention(a, gate: torch.Tensor) -> torch.Tensor:
+    from engine.model import row_major
+    o = a.o
+    B, Hq, T, D = o.shape
+    if a.o_pre is not None:
+        o_pre = row_major(a.o_pre, a.R).reshape(B, Hq, T, D)
+        lse_pre = row_major(a.lse_pre[..., None], a.R).reshape(B, Hq, T)
+        w_pre = torch.sigmoid(lse_pre - a.lse)[..., None]                                 # share of the prefix keys
+        o = (o + (o_pre - o) * w_pre).to(o.dtype)
+    return o.transpose(1, 2).reshape(B, T, -1) * torch.sigmoid(gate.reshape(B, T, -1))
+
+
 def torch_add_rms_norm(h: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float):
     h = h + x
     return torch_rms_norm(h, weight, eps), h
@@ -105,7 +120,7 @@ def _fla_kernels() -> Kernels:
     from fla.modules.causal_conv1d import causal_conv1d
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
-    from engine.triton_norms import GATED, L2, add_rms_norm, rms_norm_rope, row_norm
+    from engine.triton_kernels import GATED, L2, add_rms_norm, gate_attention, rms_norm_rope, row_norm
 
     def delta_rule(q, k, v, a, b, A_log, dt_bias, initial_state, output_final_state):
         # fla's own q/k L2 norm specialises on the row-block count (a compile per new shape): ours does not.
@@ -126,4 +141,4 @@ def _fla_kernels() -> Kernels:
     def qk_norm_rope(q, k, q_weight, k_weight, cos, sin, eps):
         return rms_norm_rope(q, q_weight, cos, sin, eps), rms_norm_rope(k, k_weight, cos, sin, eps)
 
-    return Kernels("fla", delta_rule, conv, row_norm, gated, swiglu, add_rms_norm, qk_norm_rope)
+    return Kernels("fla", delta_rule, conv, row_norm, gated, swiglu, add_rms_norm, qk_norm_rope, gate_attention)

@@ -80,8 +80,8 @@ class CausalContext:
     def keep(self, kind, i, t):
         pass
 
-    def attend(self, i, q, k, v, scale):
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    def attend(self, i, q, k, v, scale) -> "AttentionOut":
+        return AttentionOut(F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True))
 
 
 class _PrefixRecorder(CausalContext):
@@ -135,30 +135,17 @@ class SuffixContext:
             return self._attend_merged(i, q, k, v, scale)
         return self._attend_masked(i, q, k, v, scale)
 
-    def _prefix_major(self, t: torch.Tensor) -> torch.Tensor:
-        """[R*P, Hkv, G*T, X] -> [P, Hkv, R*G*T, X]: every row continuing prefix p as one matrix per (p, kv head)."""
-        _, Hkv, GT, X = t.shape
-        return t.reshape(self.R, self.P, Hkv, GT, X).permute(1, 2, 0, 3, 4).reshape(self.P, Hkv, self.R * GT, X)
-
-    def _row_major(self, t: torch.Tensor) -> torch.Tensor:
-        """The inverse of `_prefix_major`: [P, Hkv, R*G*T, X] -> [R*P, Hkv, G*T, X]."""
-        P, Hkv, RGT, X = t.shape
-        return t.reshape(P, Hkv, self.R, RGT // self.R, X).permute(2, 0, 1, 3, 4).reshape(self.R * P, Hkv, RGT // self.R, X)
-
     def _attend_merged(self, i, q, k, v, scale):
-        """Two fused attention calls merged by their log-sum-exps: the prefix part runs every row's queries against
-        the one shared prefix K/V (no copies, no mask), the suffix part is plain causal attention."""
+        """Two fused attention calls, merged later by their log-sum-exps: the prefix part runs every row's queries
+        against the one shared prefix K/V (no copies, no mask), the suffix part is plain causal attention."""
         B, Hq, T, D = q.shape
         Hkv = k.shape[1]
         G = Hq // Hkv
-        qp = self._prefix_major(q.reshape(B, Hkv, G * T, D))
+        qp = prefix_major(q.reshape(B, Hkv, G * T, D), self.R, self.P)
         o_pre, lse_pre = sdpa_with_lse(qp, self.prefix.k[i], self.prefix.v[i], causal=False, scale=scale)
-        o_pre = self._row_major(o_pre).reshape(B, Hq, T, D)
-        lse_pre = self._row_major(lse_pre[..., None]).reshape(B, Hq, T)
         kr, vr = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)            # head h reads kv head h // G
         o_self, lse_self = sdpa_with_lse(q, kr, vr, causal=True, scale=scale)
-        w_pre = torch.sigmoid(lse_pre - lse_self)[..., None]                               # share of the prefix keys
-        return (o_self + (o_pre - o_self) * w_pre).to(q.dtype)
+        return AttentionOut(o_self, lse_self, o_pre, lse_pre, self.R, self.P)
 
     def _attend_masked(self, i, q, k, v, scale):
         """Prefixes of unequal lengths (independent mode): explicit scores, padded prefix keys masked out."""
@@ -168,14 +155,39 @@ class SuffixContext:
         kp, vp = self.prefix.k[i], self.prefix.v[i]                                       # [P, Hkv, Tp, D]
         Tp = kp.shape[2]
         qs = q.reshape(B, Hkv, G * T, D)
-        s_pre = (self._prefix_major(qs) @ kp.transpose(-1, -2)).float() * scale
-        s_pre = self._row_major(s_pre + self.prefix.key_bias[:, None, None, :])           # [B, Hkv, G*T, Tp]
+        s_pre = (prefix_major(qs, self.R, self.P) @ kp.transpose(-1, -2)).float() * scale
+        s_pre = row_major(s_pre + self.prefix.key_bias[:, None, None, :], self.R)         # [B, Hkv, G*T, Tp]
         s_self = (qs @ k.transpose(-1, -2)).float() * scale                                # [B, Hkv, G*T, T]
         s_self = (s_self.view(B, Hkv, G, T, T) + self.self_bias).view(B, Hkv, G * T, T)
         a = torch.softmax(torch.cat([s_pre, s_self], -1), -1).to(q.dtype)
         a_pre, a_self = a.split([Tp, T], -1)
-        o_pre = self._row_major(self._prefix_major(a_pre) @ vp)                            # [B, Hkv, G*T, D]
-        return (o_pre + a_self @ v).reshape(B, Hq, T, D)
+        o_pre = row_major(prefix_major(a_pre, self.R, self.P) @ vp, self.R)               # [B, Hkv, G*T, D]
+        return AttentionOut((o_pre + a_self @ v).reshape(B, Hq, T, D))
+
+def prefix_major(t: torch.Tensor, R: int, P: int) -> torch.Tensor:
+    """[R*P, Hkv, G*T, X] -> [P, Hkv, R*G*T, X]: every row continuing prefix p as one matrix per (p, kv head)."""
+    _, Hkv, GT, X = t.shape
+    return t.reshape(R, P, Hkv, GT, X).permute(1, 2, 0, 3, 4).reshape(P, Hkv, R * GT, X)
+
+
+def row_major(t: torch.Tensor, R: int) -> torch.Tensor:
+    """The inverse of `prefix_major`: [P, Hkv, R*G*T, X] -> [R*P, Hkv, G*T, X]."""
+    P, Hkv, RGT, X = t.shape
+    return t.reshape(P, Hkv, R, RGT // R, X).permute(2, 0, 1, 3, 4).reshape(R * P, Hkv, RGT // R, X)
+
+
+@dataclass
+class AttentionOut:
+    """A context's attention before the output gate: `o` [B, Hq, T, D] alone, or the causal suffix half (`o`, `lse`)
+    of a merged attention plus its prefix half (`o_pre`, `lse_pre`, prefix-major over R requests and P prefixes),
+    which `Kernels.gate_attention` merges by log-sum-exp while it applies the gate."""
+    o: torch.Tensor
+    lse: torch.Tensor | None = None
+    o_pre: torch.Tensor | None = None
+    lse_pre: torch.Tensor | None = None
+    R: int = 1
+    P: int = 1
+
 
 def sdpa_with_lse(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused attention that also returns each query's log-sum-exp: -> (out [N, H, M, D], lse [N, H, M] float32)."""
@@ -264,11 +276,9 @@ class HybridForward:
         q_dim, kv_dim = attn.q_proj.out_features, attn.k_proj.out_features
         qg, k, v = F.linear(x, w["qkv"]).split([q_dim, kv_dim, kv_dim], dim=-1)
         q, gate = torch.chunk(qg.view(B, T, -1, 2 * D), 2, dim=-1)                         # [B, T, Hq, D] each
-        gate = gate.reshape(B, T, -1)
         q, k = self.k.qk_norm_rope(q, k.view(B, T, -1, D), w["q_norm"], w["k_norm"], cos, sin, self.eps)
         v = v.reshape(B, T, -1, D).transpose(1, 2)                                         # q, k, v: [B, H, T, D]
-        out = ctx.attend(i, q, k, v, attn.scaling)                                         # [B, Hq, T, D]
-        out = out.transpose(1, 2).reshape(B, T, -1) * torch.sigmoid(gate)
+        out = self.k.gate_attention(ctx.attend(i, q, k, v, attn.scaling), gate)            # [B, T, Hq * D]
         return attn.o_proj(out)
 
     def _gated_delta_net(self, lin, w, x, i, ctx):

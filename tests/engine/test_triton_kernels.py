@@ -1,6 +1,6 @@
-"""engine.triton_norms against the PyTorch norms the CPU path uses (transformers' semantics), on strided views like
+"""engine.triton_kernels against the PyTorch norms the CPU path uses (transformers' semantics), on strided views like
 the forward passes them. Runs on the GPU; on a CPU through Triton's interpreter, which Triton reads when it is first
-imported (before this module, by transformers): `TRITON_INTERPRET=1 pytest -m gpu tests/engine/test_triton_norms.py`
+imported (before this module, by transformers): `TRITON_INTERPRET=1 pytest -m gpu tests/engine/test_triton_kernels.py`
 with triton installed and fla not (where fla imports, transformers' CPU forward dispatches to its GPU kernels)."""
 import os
 
@@ -12,7 +12,7 @@ if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("no CUDA device: run with TRITON_INTERPRET=1 to use Triton's interpreter", allow_module_level=True)
 
 from engine.kernels import torch_gated_rms_norm, torch_rms_norm  # noqa: E402
-from engine.triton_norms import GATED, L2, row_norm  # noqa: E402
+from engine.triton_kernels import GATED, L2, row_norm  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -65,7 +65,7 @@ def test_rows_that_cannot_merge_are_copied_not_misread():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_add_rms_norm_updates_the_residual_then_normalises_the_rounded_sum(dtype):
     from engine.kernels import torch_add_rms_norm
-    from engine.triton_norms import add_rms_norm
+    from engine.triton_kernels import add_rms_norm
 
     h, x = (t.contiguous() for t in _fused(3 * 7, [64, 64], dtype, seed=5))
     h, x = h.view(3, 7, 64), x.view(3, 7, 64)
@@ -86,7 +86,7 @@ def test_qk_norm_rope_matches_transformers_apply_rotary_pos_emb(dtype):
     """The attention's q (a strided half of the gated q projection) and k (a slice of the fused q|k|v output) with
     partial rotary (8 of 32 columns, as Qwen3.5), written as [B, H, T, D]."""
     from engine.kernels import torch_qk_norm_rope
-    from engine.triton_norms import rms_norm_rope
+    from engine.triton_kernels import rms_norm_rope
 
     B, T, Hq, Hkv, D, rot = 2, 7, 4, 2, 32, 8
     qg, k, _v = _fused(B * T, [Hq * 2 * D, Hkv * D, Hkv * D], dtype, seed=7)
@@ -114,7 +114,7 @@ def test_the_forward_with_these_kernels_matches_the_oracle(tiny_dir):
     from engine import Engine, SchemaEngine
     from engine.kernels import _torch_kernels
     from engine.reference import score_full
-    from engine.triton_norms import GATED, add_rms_norm, rms_norm_rope, row_norm
+    from engine.triton_kernels import GATED, add_rms_norm, gate_attention, rms_norm_rope, row_norm
 
     from .conftest import make_questions, make_states
 
@@ -123,7 +123,8 @@ def test_the_forward_with_these_kernels_matches_the_oracle(tiny_dir):
         _torch_kernels(), name="triton-norms", rms_norm=row_norm, add_rms_norm=add_rms_norm,
         gated_rms_norm=lambda x, gate, weight, eps: row_norm(x, weight, eps, GATED, gate),
         qk_norm_rope=lambda q, k, qw, kw, cos, sin, eps: (rms_norm_rope(q, qw, cos, sin, eps),
-                                                          rms_norm_rope(k, kw, cos, sin, eps)))
+                                                          rms_norm_rope(k, kw, cos, sin, eps)),
+        gate_attention=gate_attention)
     qs = make_questions([2, 4, 8], temperatures=[0.7, 1.0, 1.5])
     states = make_states(6, seed=11)
     se = SchemaEngine(eng, use_graphs=False)
@@ -132,3 +133,26 @@ def test_the_forward_with_these_kernels_matches_the_oracle(tiny_dir):
         want = torch.stack(score_full(eng, qs, states, independent=independent))
         # on CUDA transformers' forward runs fla's kernels, whose tf32 dots are ~1e-3 off (test_gpu.py's float32 test)
         assert (got - want).abs().max().item() < (1e-4 if DEV == "cpu" else 5e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("P", [1, 3])
+def test_gate_attention_merges_prefix_and_suffix_halves_like_the_torch_path(dtype, P):
+    from engine.kernels import torch_gate_attention
+    from engine.model import AttentionOut
+    from engine.triton_kernels import gate_attention
+
+    R, Hkv, G, T, D = 2, 2, 2, 5, 16
+    B, Hq = R * P, Hkv * G
+    g = torch.Generator().manual_seed(9)
+    rnd = lambda *shape: torch.randn(*shape, generator=g).to(DEV)
+    o = rnd(B, T, Hq, D).to(dtype).transpose(1, 2)                   # flash attention's [B, H, T, D] is a transposed view
+    lse = rnd(B, Hq, T) * 2
+    o_pre = rnd(P, R * G * T, Hkv, D).to(dtype).transpose(1, 2)       # prefix-major [P, Hkv, R*G*T, D]
+    lse_pre = rnd(P, Hkv, R * G * T) * 2
+    gate = torch.chunk(rnd(B, T, Hq, 2 * D).to(dtype), 2, dim=-1)[1]
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for a in (AttentionOut(o, lse, o_pre, lse_pre, R, P), AttentionOut(o.contiguous())):
+        got, want = gate_attention(a, gate), torch_gate_attention(a, gate)
+        assert got.shape == (B, T, Hq * D)
+        torch.testing.assert_close(got, want, atol=tol, rtol=tol)

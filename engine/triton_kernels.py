@@ -1,12 +1,17 @@
-"""Row norms (RMSNorm, gated RMSNorm, L2 norm) as one Triton kernel with a fixed launch configuration.
+"""Fused Triton kernels of the CUDA forward, each with a fixed launch configuration (no autotuning).
+
+- `row_norm`: RMSNorm, gated RMSNorm and L2 norm of rows; `add_rms_norm`: the residual add fused into the norm after it.
+- `rms_norm_rope`: the attention's per-head q/k RMSNorm and RoPE, written as [B, H, T, D].
+- `gate_attention`: the log-sum-exp merge of the prefix and suffix halves of the attention and the output gate.
 
 Why not fla's norm kernels: they autotune and specialise on the number of row blocks (`NB`), so every new
 (batch bucket, length bucket) shape compiled and benchmarked them afresh: seconds per new shape, which showed up as
-multi-second latency spikes in the stream whenever a batch of a new size arrived. This kernel's only compile-time
-constants are the row width and the kind of norm, so it compiles once per layer shape and never tunes.
+multi-second latency spikes in the stream whenever a batch of a new size arrived. These kernels' only compile-time
+constants are row widths and flags, so they compile once per layer shape and never tune. Each reproduces
+transformers' rounding steps (the CPU path runs transformers' own formulas), so bf16 results match its modules.
 
 Inputs may be strided views (the q/k/z/gate pieces of a fused projection): a row is the last dimension, contiguous;
-rows are addressed as (token, head) with one stride per level, so no copy is made before the norm.
+rows are addressed as (token, head) with one stride per level, so no copy is made before the kernel.
 """
 from __future__ import annotations
 
@@ -148,4 +153,57 @@ def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin:
     _rms_norm_rope_kernel[(triton.cdiv(n_rows, BR),)](
         rows, weight, cos, sin, out, n_rows, H, T, rows.stride(0), rows.stride(1), cos.stride(0), cos.stride(1), eps,
         D=D, BD=BD, BR=BR, ROT=cos.shape[-1], num_warps=4)
+    return out
+
+
+@triton.jit(do_not_specialize=["n_rows", "T", "Hq", "G", "P", "s_b", "s_h", "s_t", "l_b", "l_h", "l_t",
+                               "p_p", "p_h", "p_m", "m_p", "m_h", "m_m", "g_outer", "g_inner"])
+def _gate_attention_kernel(O, LSE, OP, LSEP, GATE, Y, n_rows, T, Hq, G, P, s_b, s_h, s_t, l_b, l_h, l_t,
+                           p_p, p_h, p_m, m_p, m_h, m_m, g_outer, g_inner,
+                           D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr, MERGE: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)       # output rows (b, t, h): [B, T, Hq] order
+    cols = tl.arange(0, BD)
+    row_ok = rows < n_rows
+    mask = row_ok[:, None] & (cols < D)[None, :]
+    token, h = rows // Hq, rows % Hq
+    b, t = token // T, token % T
+    ty = Y.dtype.element_ty
+    o = tl.load(O + (b * s_b + h * s_h + t * s_t)[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if MERGE:
+        # row b continues prefix p = b % P as request r = b // P; query head h reads kv head h // G
+        r, p = b // P, b % P
+        m = r * G * T + (h % G) * T + t
+        hkv = h // G
+        o_pre = tl.load(OP + (p * p_p + hkv * p_h + m * p_m)[:, None] + cols[None, :], mask=mask, other=0.0)
+        lse_pre = tl.load(LSEP + p * m_p + hkv * m_h + m * m_m, mask=row_ok, other=0.0)
+        lse = tl.load(LSE + b * l_b + h * l_h + t * l_t, mask=row_ok, other=0.0)
+        w_pre = tl.sigmoid(lse_pre - lse)                                  # the prefix keys' share of the softmax
+        diff = (o_pre.to(tl.float32) - o).to(ty).to(tl.float32)
+        o = (o + diff * w_pre[:, None]).to(ty).to(tl.float32)
+    g = tl.load(GATE + (token * g_outer + h * g_inner)[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    y = o * tl.sigmoid(g).to(ty).to(tl.float32)
+    tl.store(Y + rows[:, None] * D + cols[None, :], y.to(ty), mask=mask)
+
+
+def gate_attention(a, gate: torch.Tensor) -> torch.Tensor:
+    """`engine.model.AttentionOut` and the output gate [B, T, Hq, D] (a strided view) -> [B, T, Hq * D]: the
+    log-sum-exp merge of the prefix and suffix halves (when split), then o * sigmoid(gate), in one pass with
+    transformers' rounding (no row-major copies of the prefix half, no transposed copy of the output)."""
+    o = a.o
+    B, Hq, T, D = o.shape
+    out = torch.empty(B, T, Hq * D, dtype=o.dtype, device=o.device)
+    n_rows = B * T * Hq
+    if n_rows == 0:
+        return out
+    rows_gate = _as_rows(gate)
+    merge = a.o_pre is not None
+    op, lsep, lse = (a.o_pre, a.lse_pre, a.lse) if merge else (o, o, o)
+    G = Hq // (op.shape[1] if merge else Hq)
+    BD = triton.next_power_of_2(D)
+    BR = max(1, _BLOCK_ELEMENTS // BD)
+    _gate_attention_kernel[(triton.cdiv(n_rows, BR),)](
+        o, lse, op, lsep, rows_gate, out, n_rows, T, Hq, G, a.P, o.stride(0), o.stride(1), o.stride(2),
+        lse.stride(0), lse.stride(1), lse.stride(2), op.stride(0), op.stride(1), op.stride(2),
+        lsep.stride(0), lsep.stride(1), lsep.stride(2), rows_gate.stride(0), rows_gate.stride(1),
+        D=D, BD=BD, BR=BR, MERGE=merge, num_warps=4)
     return out
