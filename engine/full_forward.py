@@ -7,7 +7,7 @@ from typing import Sequence
 
 import torch
 
-from engine.graphs import B_BUCKETS, TS_BUCKETS, GraphCache, bucket
+from engine.graphs import B_BUCKETS, FULL_PROMPT_STEP, GraphCache, bucket
 from engine.model import CausalContext
 from engine.prompt import DEFAULT_MAX_CTX_TOKENS, MAX_OPTIONS, ChatTemplate, parse_questions, resolve_temperatures
 from engine.readout import fill_ids, option_mask, read_slots
@@ -32,7 +32,7 @@ class FullPromptScorer:
     def score_prompts(self, qs, prompts: list[list[int]], slots: list[tuple[int, int]], temperature=None) -> torch.Tensor:
         """-> [n_states, n_questions, MAX_OPTIONS] float32 on the device."""
         dev, n, tmax = self.e.dev, len(prompts), max(map(len, prompts))
-        T_bucket = bucket(tmax, TS_BUCKETS + (4096,))         # whole prompts run longer than suffixes
+        T_bucket = -(-tmax // FULL_PROMPT_STEP) * FULL_PROMPT_STEP if tmax <= 4096 else None
         graphed = self.graphs is not None and T_bucket is not None and n <= B_BUCKETS[-1]
         B, T = (bucket(n, B_BUCKETS), T_bucket) if graphed else (n, tmax)
         n_states = len(slots) // len(qs)
