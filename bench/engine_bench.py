@@ -178,6 +178,7 @@ def main(argv=None) -> dict:
                 fn, tokens_run = calls[m]
                 if dev.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(dev)
+                started = time.perf_counter()
                 ts = timed(fn, iters, sync)
                 p50, p99 = statistics.median(ts), _pct(ts, 0.99)
                 tok_s = B * tokens_run / p50
@@ -187,7 +188,7 @@ def main(argv=None) -> dict:
                          prefix_tokens_saved_per_state=(h_eager.prefix_tokens if m.startswith("cached") else 0),
                          gpu_mem_gb=(torch.cuda.max_memory_allocated(dev) / 1e9 if dev.type == "cuda" else None))
                 runs.append(r)
-                print(_row(r), flush=True)
+                print(_row(r), f"  ({time.perf_counter() - started:.1f} s incl. warm-up and captures)", flush=True)
                 _save(args, env, runs, parity=parity)   # after every row: a run cut short still leaves its numbers
     result = dict(env=env, runs=runs, parity=parity, graph_stats=se_graph.graphs.stats if se_graph.graphs else None)
     print(markdown(result))
