@@ -1,9 +1,10 @@
 """The Qwen3.5 hybrid forward, written for scoring against a cached prefix.
 
 transformers' modules hold the weights (names match the checkpoint: `model.layers.N.linear_attn.in_proj_qkv`, ...) and
-compute embeddings and RoPE; norms, the causal conv, the delta rule and SwiGLU come from `engine.kernels` (fla's
-fused Triton kernels on CUDA, exact PyTorch elsewhere); this file owns the order of operations, the fused
-projections and the layer states, so that:
+compute embeddings and the RoPE angles; norms (with the residual adds and RoPE fused in), the causal conv, the delta
+rule, SwiGLU and the attention's merge and output gate come from `engine.kernels` (fla's and `engine.triton_kernels`'
+fused Triton kernels on CUDA, transformers' exact PyTorch formulas elsewhere); this file owns the order of
+operations, the fused projections and the layer states, so that:
 
 - a *prefix pass* (one prefix, batch 1) returns each layer's state: K/V (after RoPE) for full-attention layers, the
   last K-1 conv inputs and the recurrent state for Gated DeltaNet layers (`PrefixState`);
@@ -163,6 +164,7 @@ class SuffixContext:
         a_pre, a_self = a.split([Tp, T], -1)
         o_pre = row_major(prefix_major(a_pre, self.R, self.P) @ vp, self.R)               # [B, Hkv, G*T, D]
         return AttentionOut((o_pre + a_self @ v).reshape(B, Hq, T, D))
+
 
 def prefix_major(t: torch.Tensor, R: int, P: int) -> torch.Tensor:
     """[R*P, Hkv, G*T, X] -> [P, Hkv, R*G*T, X]: every row continuing prefix p as one matrix per (p, kv head)."""
