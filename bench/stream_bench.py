@@ -107,6 +107,9 @@ class Stream:
                "--states-topic", t.states, "--schemas-topic", t.schemas, "--probabilities-topic", t.probabilities,
                "--dead-letter-topic", t.dead_letter, "--log-level", "warning",
                "--metrics-port", str(self.metrics_ports.setdefault(i, free_port()))]
+        if device.startswith("cuda"):
+            # the states are of one length: capture every batch size's graph when the schema is prepared
+            cmd += ["--warmup-state-tokens", str(self.args.state_tokens)]
         log = open(self.logs / f"{self.name}-w{i}.log", "ab")
         self.workers[i] = subprocess.Popen(cmd, env=env, stdout=log, stderr=log, start_new_session=True)
 

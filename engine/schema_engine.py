@@ -110,6 +110,13 @@ class SchemaEngine:
             self.graphs.drop(h.id)
 
     @torch.no_grad()
+    @staticmethod
+    def batch_buckets(max_batch: int) -> list[int]:
+        """The batch sizes graphs are captured for when batches hold up to `max_batch` states (what to warm up)."""
+        if max_batch > B_BUCKETS[-1]:
+            return list(B_BUCKETS)            # larger batches run as chunks of the largest bucket plus a remainder
+        return [b for b in B_BUCKETS if b <= bucket(max_batch, B_BUCKETS)]
+
     def warmup(self, h: PreparedSchema, batch_sizes=(1, 8, 32), state_tokens=(64, 128, 256)) -> float:
         """Capture the graphs for these batch sizes and state lengths ahead of traffic (no-op without graphs).
         Returns the seconds spent."""

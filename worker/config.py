@@ -45,6 +45,7 @@ class WorkerConfig:
     max_state_chars: int = 32_768
     schema_memory_mb: float = 2048.0
     tokenizer_threads: int = 2
+    warmup_state_tokens: tuple[int, ...] = ()  # capture graphs at these state lengths when a schema is prepared
     # Kept well under Kafka's default: a worker killed mid-transaction blocks read_committed readers
     # of its output partitions until the broker aborts the transaction (or the same worker id restarts).
     transaction_timeout_ms: int = 30_000
@@ -63,6 +64,8 @@ class WorkerConfig:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 0")
         if self.max_state_chars < 1:
             raise ConfigError("--max-state-chars must be at least 1")
+        if any(n < 1 for n in self.warmup_state_tokens):
+            raise ConfigError("--warmup-state-tokens: every length must be at least 1 token")
         if self.schema_memory_mb <= 0:
             raise ConfigError("--schema-memory-mb must be positive")
         if not (self.device == "cpu" or re.fullmatch(r"cuda(:\d+)?", self.device)):

@@ -97,8 +97,11 @@ class Scorer:
     """
 
     def __init__(self, schema_engine: Any, memory_budget: int, tokenizer_threads: int = 2,
-                 gpu_thread: ThreadPoolExecutor | None = None) -> None:
+                 gpu_thread: ThreadPoolExecutor | None = None, warmup_state_tokens: Sequence[int] = (),
+                 max_batch: int = 32) -> None:
         self._se = schema_engine
+        self._warmup_state_tokens = tuple(warmup_state_tokens)
+        self._max_batch = max_batch
         self._budget = memory_budget
         # Pass the executor the model was loaded on, so every torch call of the process runs on one thread.
         self._gpu = gpu_thread or device_thread()
@@ -155,10 +158,21 @@ class Scorer:
             self.stats.prepared += 1
             self._evict_to_fit(keep=key)
         log.info("prepared schema %s v%d: %d questions, %.1f MiB", key[0], key[1], handle.n_questions, handle.nbytes / 2**20)
+        if self._warmup_state_tokens:
+            self._warm_up(key, handle)
         if self.on_event is not None:
             self.on_event("schema_prepared", {"schema_id": key[0], "version": key[1], "questions": handle.n_questions,
                                               "nbytes": int(handle.nbytes), "held_bytes": self.stats.held_bytes})
         return handle
+
+    def _warm_up(self, key: SchemaKey, handle: Any) -> None:
+        """Capture the schema's graphs for every batch size up to --max-batch at the --warmup-state-tokens lengths
+        now, once, rather than one by one as batches of new sizes first arrive (each a stall of the stream)."""
+        batch_sizes = self._se.batch_buckets(self._max_batch)
+        seconds = self._se.warmup(handle, batch_sizes=batch_sizes, state_tokens=self._warmup_state_tokens)
+        if seconds:
+            log.info("warmed up schema %s v%d: graphs for batches %s x states of %s tokens in %.1f s", key[0], key[1],
+                     batch_sizes, list(self._warmup_state_tokens), seconds)
 
     def _evict_to_fit(self, keep: SchemaKey) -> None:
         """Release least recently used, unpinned schemas until the held bytes fit the budget (lock held)."""

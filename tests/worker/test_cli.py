@@ -86,3 +86,11 @@ def test_demo_runs_the_whole_pipeline_and_stops_everything():
     for expected in ("embedded Kafka broker", "decider.schemas created", "schema support v1 prepared",
                      "batch committed", "read back 20 committed records", "angry", "worker stopped"):
         assert expected in out, out
+
+
+def test_bad_warmup_state_tokens_exit_2_naming_the_option(tmp_path):
+    flags = ["-b", "127.0.0.1:1", "--worker-id", "w", "--model", str(tmp_path)]
+    for value, says in (("128,abc", "expected comma-separated whole numbers"), ("128,0", "at least 1 token")):
+        result = decider("worker", *flags, "--warmup-state-tokens", value)
+        assert result.returncode == 2 and "--warmup-state-tokens" in result.stderr and says in result.stderr, result.stderr
+        assert "Traceback" not in result.stderr

@@ -20,7 +20,8 @@ def test_worker_on_cuda_scores_like_schema_engine(stream, model_dir):
     texts = state_texts(n, seed=13)
     stream.put_schema("tickets", QUESTIONS)
     stream.produce_states([(f"s-{i}", t) for i, t in enumerate(texts)], "tickets")
-    worker = stream.start_worker(model_dir, "gpu-0", "--device", "cuda", "--dtype", "float32", "--max-batch", "16")
+    worker = stream.start_worker(model_dir, "gpu-0", "--device", "cuda", "--dtype", "float32", "--max-batch", "16",
+                                 "--warmup-state-tokens", "32,64")
     probabilities, dead = stream.collect(n, timeout_s=180, settle_s=1.0)
     assert not dead and sorted(r["state_id"] for r in probabilities) == sorted(f"s-{i}" for i in range(n)), worker.log()
 
@@ -31,4 +32,5 @@ def test_worker_on_cuda_scores_like_schema_engine(stream, model_dir):
         i = int(record["state_id"].split("-")[1])
         for question, want in zip(record["questions"], expected[i]):
             assert question["probabilities"] == pytest.approx(want, abs=1e-4)
+    assert "warmed up schema" in worker.log(), worker.log()     # graphs for batches 1-16 at 32 and 64 tokens
     assert worker.stop() == 0, worker.log()
