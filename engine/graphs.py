@@ -25,6 +25,13 @@ def bucket(n: int, buckets: tuple[int, ...]) -> int | None:
     return next((b for b in buckets if b >= n), None)
 
 
+def batch_buckets(max_batch: int) -> list[int]:
+    """The batch buckets that batches of up to `max_batch` states run in (what a warm-up should capture)."""
+    if max_batch > B_BUCKETS[-1]:
+        return list(B_BUCKETS)            # larger batches run as chunks of the largest bucket plus a remainder
+    return [b for b in B_BUCKETS if b <= bucket(max_batch, B_BUCKETS)]
+
+
 @dataclass
 class CapturedStep:
     graph: torch.cuda.CUDAGraph

@@ -19,7 +19,7 @@ from typing import NamedTuple, Sequence
 import torch
 
 from engine.errors import InputError
-from engine.graphs import B_BUCKETS, TS_BUCKETS, GraphCache, bucket
+from engine.graphs import B_BUCKETS, TS_BUCKETS, GraphCache, batch_buckets, bucket
 from engine.model import PrefixState, SuffixContext
 from engine.prompt import (DEFAULT_MAX_CTX_TOKENS, MAX_OPTIONS, ChatTemplate, Question, parse_questions,
                            resolve_temperatures, schema_prefix_ids, schema_suffix_ids)
@@ -109,14 +109,11 @@ class SchemaEngine:
         if self.graphs:
             self.graphs.drop(h.id)
 
-    @torch.no_grad()
-    @staticmethod
-    def batch_buckets(max_batch: int) -> list[int]:
+    def batch_buckets(self, max_batch: int) -> list[int]:
         """The batch sizes graphs are captured for when batches hold up to `max_batch` states (what to warm up)."""
-        if max_batch > B_BUCKETS[-1]:
-            return list(B_BUCKETS)            # larger batches run as chunks of the largest bucket plus a remainder
-        return [b for b in B_BUCKETS if b <= bucket(max_batch, B_BUCKETS)]
+        return batch_buckets(max_batch)
 
+    @torch.no_grad()
     def warmup(self, h: PreparedSchema, batch_sizes=(1, 8, 32), state_tokens=(64, 128, 256)) -> float:
         """Capture the graphs for these batch sizes and state lengths ahead of traffic (no-op without graphs).
         Returns the seconds spent."""
