@@ -25,7 +25,7 @@ class Kernels:
     the Gated DeltaNet recurrence with q, k L2-normalised, decay g = -exp(A_log) * softplus(a + dt_bias) and
     beta = sigmoid(b), for q, k [B, T, Hk, Dk], v [B, T, Hv, Dv], a, b [B, T, Hv] and a [B, Hv, Dk, Dv] float32 state;
     causal_conv(x [B, T, C], weight [C, K],
-    prev [B, C, K-1] | None) -> silu(conv) [B, T, C]; rms_norm(x, weight, eps) (weight already 1 + w for
+    prev [B, C, K] | None: the previous K-1 inputs after one unused column, fla's layout) -> silu(conv) [B, T, C]; rms_norm(x, weight, eps) (weight already 1 + w for
     Qwen3.5's zero-centred norms, float32); gated_rms_norm(x, gate, weight, eps) = norm(x) * weight * silu(gate);
     swiglu(gate, up) = silu(gate) * up; add_rms_norm(h, x, weight, eps) -> (rms_norm(h + x), h + x), the sum rounded
     to h's dtype before the norm as transformers does (h may be updated in place); qk_norm_rope(q [B, T, Hq, D],
@@ -76,7 +76,7 @@ def _torch_kernels() -> Kernels:
 def torch_causal_conv(x: torch.Tensor, weight: torch.Tensor, prev: torch.Tensor | None) -> torch.Tensor:
     K = weight.shape[1]
     xt = x.transpose(1, 2)                                                             # [B, C, T]
-    full = F.pad(xt, (K - 1, 0)) if prev is None else torch.cat([prev.to(x.dtype), xt], -1)
+    full = F.pad(xt, (K - 1, 0)) if prev is None else torch.cat([prev[..., 1:].to(x.dtype), xt], -1)
     return F.silu(F.conv1d(full, weight[:, None, :], groups=weight.shape[0])).transpose(1, 2)
 
 
@@ -131,8 +131,8 @@ def _fla_kernels() -> Kernels:
                                       dt_bias=dt_bias, use_beta_sigmoid_in_kernel=True)
 
     def conv(x, weight, prev):
-        # fla's state holds K columns of which the last K-1 are the previous inputs
-        state = None if prev is None else F.pad(prev.to(x.dtype), (1, 0))
+        # fla's state holds K columns of which the last K-1 are the previous inputs: the prefix keeps that layout
+        state = None if prev is None else prev.to(x.dtype).contiguous()
         return causal_conv1d(x, weight=weight, initial_state=state, activation="silu")[0]
 
     def gated(x, gate, weight, eps):

@@ -31,7 +31,7 @@ class PrefixState:
     lengths: list[int]
     k: dict[int, torch.Tensor] = field(default_factory=dict)      # layer -> [P, Hkv, tpmax, D]
     v: dict[int, torch.Tensor] = field(default_factory=dict)      # layer -> [P, Hkv, tpmax, D]
-    conv: dict[int, torch.Tensor] = field(default_factory=dict)   # layer -> [P, C, K-1]
+    conv: dict[int, torch.Tensor] = field(default_factory=dict)   # layer -> [P, C, K]: a zero column, the last K-1 inputs
     rec: dict[int, torch.Tensor] = field(default_factory=dict)    # layer -> [P, Hv, Dk, Dv]
     key_bias: torch.Tensor | None = None                          # [P, tpmax]: 0 on a prefix's tokens, -inf past its end
 
@@ -289,7 +289,7 @@ class HybridForward:
         H = lin.num_v_heads
         qkv, z, b, a = F.linear(x, w["in_proj"]).split([lin.conv_dim, lin.value_dim, H, H], dim=-1)
         if ctx.records:
-            ctx.keep("conv", i, _last_inputs(qkv, K - 1))
+            ctx.keep("conv", i, _conv_state(qkv, K))
         qkv = self.k.causal_conv(qkv, w["conv"], ctx.conv_prev(i, qkv))                    # [B, T, C]
         q, k, v = torch.split(qkv, [lin.key_dim, lin.key_dim, lin.value_dim], dim=-1)
         q = q.view(B, T, -1, lin.head_k_dim)
@@ -313,7 +313,8 @@ def _fuse(linears) -> torch.Tensor:
     return fused
 
 
-def _last_inputs(x: torch.Tensor, n: int) -> torch.Tensor:
-    """[B, T, C] -> [B, C, n]: the last n time steps (zero-padded on the left when T < n), the conv's carried state."""
-    tail = x[:, -n:, :].transpose(1, 2)
-    return F.pad(tail, (n - tail.shape[-1], 0))
+def _conv_state(x: torch.Tensor, K: int) -> torch.Tensor:
+    """[B, T, C] -> [B, C, K]: the conv's carried state in fla's layout, K columns whose last K-1 are the last inputs
+    (zeros before the first), so that fla's conv reads it as it is (no padding copy per layer and pass)."""
+    tail = x[:, -(K - 1):, :].transpose(1, 2)
+    return F.pad(tail, (K - tail.shape[-1], 0))
