@@ -4,10 +4,16 @@ same transactional id fences the first."""
 
 from __future__ import annotations
 
+import contextlib
+import subprocess
+import sys
+import time
+
 import pytest
 from confluent_kafka import Consumer, TopicPartition
 
 from worker.exceptions import FencedError
+from worker.kafka_clients import reader_consumer
 from worker.transactions import OutgoingRecord, Transactions
 
 
@@ -22,6 +28,19 @@ def _producer(stream, txn_id: str) -> dict:
     return {"bootstrap.servers": stream.bootstrap, "transactional.id": txn_id, "transaction.timeout.ms": 10_000, "log_level": 0}
 
 
+@contextlib.contextmanager
+def _transactions(stream, txn_id: str):
+    """An initialised Transactions committing a fresh group consumer's offsets; both closed afterwards."""
+    consumer = _group_consumer(stream)
+    txns = Transactions(_producer(stream, txn_id), consumer, "w")
+    txns.init()
+    try:
+        yield txns
+    finally:
+        txns.close()
+        consumer.close()
+
+
 def _records(stream, n: int, tag: str) -> list[OutgoingRecord]:
     return [OutgoingRecord(stream.topics.probabilities, f"{tag}-{i}".encode(), f"value-{tag}-{i}".encode()) for i in range(n)]
 
@@ -32,9 +51,6 @@ def _read_keys(stream) -> list[str]:
 
 
 def _raw_collect(stream, timeout_s: float = 3.0):
-    from worker.kafka_clients import reader_consumer
-    import time
-
     consumer = reader_consumer(stream.bootstrap)
     consumer.assign([TopicPartition(stream.topics.probabilities, p, 0) for p in range(stream.partitions)])
     keys, eof, deadline = [], set(), time.monotonic() + timeout_s
@@ -51,33 +67,25 @@ def _raw_collect(stream, timeout_s: float = 3.0):
 
 
 def test_commit_publishes_records_and_offsets_together(stream):
-    consumer = _group_consumer(stream)
-    txns = Transactions(_producer(stream, "t-commit"), consumer, "w")
-    txns.init()
-    txns.commit(_records(stream, 5, "ok"), [TopicPartition(stream.topics.states, 0, 17)])
-    assert _read_keys(stream) == sorted(f"ok-{i}" for i in range(5))
-    assert stream.committed_offsets()[0] == 17
-    txns.close()
-    consumer.close()
+    with _transactions(stream, "t-commit") as txns:
+        txns.commit(_records(stream, 5, "ok"), [TopicPartition(stream.topics.states, 0, 17)])
+        assert _read_keys(stream) == sorted(f"ok-{i}" for i in range(5))
+        assert stream.committed_offsets()[0] == 17
 
 
 def test_abort_leaves_nothing_visible_and_no_offsets(stream):
-    consumer = _group_consumer(stream)
-    txns = Transactions(_producer(stream, "t-abort"), consumer, "w")
-    producer = txns._producer
-    txns.init()
-    # An open transaction with records in it, then the single abort path.
-    producer.begin_transaction()
-    txns._open = True
-    for record in _records(stream, 4, "aborted"):
-        producer.produce(record.topic, key=record.key, value=record.value)
-    producer.flush(10)
-    txns.abort()
-    txns.commit(_records(stream, 2, "after"), [TopicPartition(stream.topics.states, 0, 3)])
-    assert _read_keys(stream) == ["after-0", "after-1"]
-    assert stream.committed_offsets()[0] == 3
-    txns.close()
-    consumer.close()
+    with _transactions(stream, "t-abort") as txns:
+        producer = txns._producer
+        # An open transaction with records in it, then the single abort path.
+        producer.begin_transaction()
+        txns._open = True
+        for record in _records(stream, 4, "aborted"):
+            producer.produce(record.topic, key=record.key, value=record.value)
+        producer.flush(10)
+        txns.abort()
+        txns.commit(_records(stream, 2, "after"), [TopicPartition(stream.topics.states, 0, 3)])
+        assert _read_keys(stream) == ["after-0", "after-1"]
+        assert stream.committed_offsets()[0] == 3
 
 
 def test_second_instance_with_same_transactional_id_fences_the_first(stream):
@@ -96,15 +104,11 @@ def test_second_instance_with_same_transactional_id_fences_the_first(stream):
 
 
 def test_watchdog_exits_with_code_5_when_a_call_overruns_and_stays_quiet_otherwise():
-    import subprocess
-    import sys
-    import time as _time
-
     script = ("import time\nfrom worker.transactions import _Watchdog\nw = _Watchdog()\n"
               "for _ in range(200):\n    with w.guard('quick', 0.5):\n        pass\n"
               "with w.guard('send_offsets_to_transaction', 0.3):\n    time.sleep(10)\n")
-    started = _time.monotonic()
+    started = time.monotonic()
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=30)
     assert done.returncode == 5, done.stderr
     assert "send_offsets_to_transaction did not return" in done.stderr
-    assert _time.monotonic() - started < 8
+    assert time.monotonic() - started < 8
