@@ -2,8 +2,9 @@
 
 On CUDA with flash-linear-attention (fla) installed: fla's Triton kernels for the Gated DeltaNet recurrence (with
 the decay gate and beta's sigmoid computed inside it), the causal conv (with an initial state: no per-row
-concatenation of the prefix's conv inputs) and SwiGLU; RMS/gated/L2 norms from `engine.triton_kernels` (fixed launch
-configuration: no per-shape autotuning). Elsewhere: PyTorch code that computes exactly what transformers' modules
+concatenation of the prefix's conv inputs) and SwiGLU; from `engine.triton_kernels` (fixed launch configuration:
+no per-shape autotuning) the RMS/gated/L2 norms, the residual adds fused into them, q/k norm + RoPE, and the
+attention's merge with its output gate. Elsewhere: PyTorch code that computes exactly what transformers' modules
 compute (what CPU tests run).
 """
 from __future__ import annotations
@@ -21,17 +22,22 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Kernels:
-    """name; delta_rule(q, k, v, a, b, A_log, dt_bias, initial_state, output_final_state) -> (out, final state | None):
-    the Gated DeltaNet recurrence with q, k L2-normalised, decay g = -exp(A_log) * softplus(a + dt_bias) and
-    beta = sigmoid(b), for q, k [B, T, Hk, Dk], v [B, T, Hv, Dv], a, b [B, T, Hv] and a [B, Hv, Dk, Dv] float32 state;
-    causal_conv(x [B, T, C], weight [C, K],
-    prev [B, C, K] | None: the previous K-1 inputs after one unused column, fla's layout) -> silu(conv) [B, T, C]; rms_norm(x, weight, eps) (weight already 1 + w for
-    Qwen3.5's zero-centred norms, float32); gated_rms_norm(x, gate, weight, eps) = norm(x) * weight * silu(gate);
-    swiglu(gate, up) = silu(gate) * up; add_rms_norm(h, x, weight, eps) -> (rms_norm(h + x), h + x), the sum rounded
-    to h's dtype before the norm as transformers does (h may be updated in place); qk_norm_rope(q [B, T, Hq, D],
-    k [B, T, Hkv, D], q_weight, k_weight, cos, sin, eps) -> (q, k) as [B, H, T, D]: the attention's per-head
-    RMSNorms, then transformers' `apply_rotary_pos_emb`; gate_attention(engine.model.AttentionOut, gate [B, T, Hq, D])
-    -> [B, T, Hq * D]: the merge of a prefix/suffix split attention (if any), then transformers' sigmoid output gate."""
+    """name;
+    delta_rule(q, k, v, a, b, A_log, dt_bias, initial_state, output_final_state) -> (out, final state | None): the Gated
+        DeltaNet recurrence with q, k L2-normalised, decay g = -exp(A_log) * softplus(a + dt_bias) and
+        beta = sigmoid(b), for q, k [B, T, Hk, Dk], v [B, T, Hv, Dv], a, b [B, T, Hv] and a [B, Hv, Dk, Dv] float32
+        state;
+    causal_conv(x [B, T, C], weight [C, K], prev [B, C, K] | None) -> silu(conv) [B, T, C], prev in fla's layout:
+        one unused column, then the previous K-1 inputs;
+    rms_norm(x, weight, eps), weight already 1 + w for Qwen3.5's zero-centred norms, float32;
+    gated_rms_norm(x, gate, weight, eps) = norm(x) * weight * silu(gate);
+    swiglu(gate, up) = silu(gate) * up;
+    add_rms_norm(h, x, weight, eps) -> (rms_norm(h + x), h + x), the sum rounded to h's dtype before the norm as
+        transformers does (h may be updated in place);
+    qk_norm_rope(q [B, T, Hq, D], k [B, T, Hkv, D], q_weight, k_weight, cos, sin, eps) -> (q, k) as [B, H, T, D]: the
+        attention's per-head RMSNorms, then transformers' `apply_rotary_pos_emb`;
+    gate_attention(engine.model.AttentionOut, gate [B, T, Hq, D]) -> [B, T, Hq * D]: the merge of a prefix/suffix
+        split attention (if any), then transformers' sigmoid output gate."""
     name: str
     delta_rule: Callable
     causal_conv: Callable

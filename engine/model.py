@@ -70,16 +70,13 @@ class PrefixState:
 class CausalContext:
     """Context of a whole-prompt pass with no cache: plain causal attention, no state kept (the `full_fast` path)."""
 
-    records = False   # whether `keep` stores the layer states (only a prefix pass needs them)
+    records = False   # whether the pass keeps the layer states (`keep`): only a prefix pass does
 
-    def conv_prev(self, i, x):
+    def conv_prev(self, i):
         return None
 
     def rec_prev(self, i):
         return None
-
-    def keep(self, kind, i, t):
-        pass
 
     def attend(self, i, q, k, v, scale) -> "AttentionOut":
         return AttentionOut(F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True))
@@ -121,14 +118,11 @@ class SuffixContext:
         # [P, ...] -> [R * P, ...] in row order r * P + p
         return t.expand(self.R, *t.shape[1:]) if self.P == 1 else t.repeat(self.R, *([1] * (t.dim() - 1)))
 
-    def conv_prev(self, i, x):
-        return self._rows(self.prefix.conv[i]).to(x.dtype)
+    def conv_prev(self, i):
+        return self._rows(self.prefix.conv[i])
 
     def rec_prev(self, i):
         return self._rows(self.prefix.rec[i]).contiguous()
-
-    def keep(self, kind, i, t):
-        pass   # the prefix is read-only: a suffix pass never writes state back
 
     def attend(self, i, q, k, v, scale):
         """q: [B, Hq, T, D]; k, v: [B, Hkv, T, D] (this suffix). Softmax over [own prefix keys | causal suffix keys]."""
@@ -290,7 +284,7 @@ class HybridForward:
         qkv, z, b, a = F.linear(x, w["in_proj"]).split([lin.conv_dim, lin.value_dim, H, H], dim=-1)
         if ctx.records:
             ctx.keep("conv", i, _conv_state(qkv, K))
-        qkv = self.k.causal_conv(qkv, w["conv"], ctx.conv_prev(i, qkv))                    # [B, T, C]
+        qkv = self.k.causal_conv(qkv, w["conv"], ctx.conv_prev(i))                         # [B, T, C]
         q, k, v = torch.split(qkv, [lin.key_dim, lin.key_dim, lin.value_dim], dim=-1)
         q = q.view(B, T, -1, lin.head_k_dim)
         k = k.view(B, T, -1, lin.head_k_dim)

@@ -18,7 +18,6 @@ histories whose most recent part is what a decision is about; a marker token seq
 from __future__ import annotations
 
 import weakref
-
 from dataclasses import dataclass
 from typing import Any, Sequence
 

@@ -59,6 +59,12 @@ def _row_norm_kernel(X, G, W, Y, R, n_rows, heads, x_outer, x_inner, g_outer, g_
     tl.store(Y + rows[:, None] * D + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
 
+def _blocks(D: int) -> tuple[int, int]:
+    """(BD, BR): a row's width padded to a power of two, and the rows one program handles."""
+    BD = triton.next_power_of_2(D)
+    return BD, max(1, _BLOCK_ELEMENTS // BD)
+
+
 def _as_rows(t: torch.Tensor) -> torch.Tensor:
     """A [tokens, heads, D] view of t (..., [heads,] D) without copying when its strides allow it."""
     if t.stride(-1) != 1:
@@ -85,8 +91,7 @@ def row_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, kind: int
     if n_rows == 0:
         return out
     g = _as_rows(gate) if gate is not None else rows
-    BD = triton.next_power_of_2(D)
-    BR = max(1, _BLOCK_ELEMENTS // BD)
+    BD, BR = _blocks(D)
     if residual is not None and not (residual.is_contiguous() and residual.shape == x.shape):
         raise ValueError("residual must be contiguous and of x's shape")
     _row_norm_kernel[(triton.cdiv(n_rows, BR),)](
@@ -148,8 +153,7 @@ def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin:
         return out
     if cos.stride(-1) != 1 or sin.stride() != cos.stride():
         cos, sin = cos.contiguous(), sin.contiguous()
-    BD = triton.next_power_of_2(D)
-    BR = max(1, _BLOCK_ELEMENTS // BD)
+    BD, BR = _blocks(D)
     _rms_norm_rope_kernel[(triton.cdiv(n_rows, BR),)](
         rows, weight, cos, sin, out, n_rows, H, T, rows.stride(0), rows.stride(1), cos.stride(0), cos.stride(1), eps,
         D=D, BD=BD, BR=BR, ROT=cos.shape[-1], num_warps=4)
@@ -199,8 +203,7 @@ def gate_attention(a, gate: torch.Tensor) -> torch.Tensor:
     merge = a.o_pre is not None
     op, lsep, lse = (a.o_pre, a.lse_pre, a.lse) if merge else (o, o, o)
     G = Hq // (op.shape[1] if merge else Hq)
-    BD = triton.next_power_of_2(D)
-    BR = max(1, _BLOCK_ELEMENTS // BD)
+    BD, BR = _blocks(D)
     _gate_attention_kernel[(triton.cdiv(n_rows, BR),)](
         o, lse, op, lsep, rows_gate, out, n_rows, T, Hq, G, a.P, o.stride(0), o.stride(1), o.stride(2),
         lse.stride(0), lse.stride(1), lse.stride(2), op.stride(0), op.stride(1), op.stride(2),
