@@ -95,6 +95,14 @@ def _stop_on_signals() -> threading.Event:
     return stop
 
 
+ModelOpt = typer.Option(..., "--model", envvar="DECIDER_MODEL", help="Local Hugging Face model directory (Qwen3.5 family).")
+DeviceOpt = typer.Option("cpu", "--device", envvar="DECIDER_DEVICE", help="cpu, cuda or cuda:N.")
+DtypeOpt = typer.Option(None, "--dtype", envvar="DECIDER_DTYPE", help="float32, bfloat16 or float16 (default: float32 on CPU, bfloat16 on CUDA).")
+SchemaWaitOpt = typer.Option(10_000, "--schema-wait-ms", envvar="DECIDER_SCHEMA_WAIT_MS", help="How long a state naming an unknown schema waits before it is dead-lettered.")
+MaxStateCharsOpt = typer.Option(32_768, "--max-state-chars", envvar="DECIDER_MAX_STATE_CHARS", help="Longer states are dead-lettered (state_too_large).")
+TokenizerThreadsOpt = typer.Option(2, "--tokenizer-threads", envvar="DECIDER_TOKENIZER_THREADS", help="Threads tokenizing states off the GPU thread.")
+TransactionTimeoutOpt = typer.Option(30_000, "--transaction-timeout-ms", envvar="DECIDER_TRANSACTION_TIMEOUT_MS", help="Broker-side timeout of an open transaction.")
+LogLevelOpt = typer.Option("info", "--log-level", envvar="DECIDER_LOG_LEVEL", help="debug, info, warning or error.")
 LogFormatOpt = typer.Option("human", "--log-format", envvar="DECIDER_LOG_FORMAT", help="human, or json: one JSON object a line.")
 WarmupOpt = typer.Option(
     "", "--warmup-state-tokens", envvar="DECIDER_WARMUP_STATE_TOKENS",
@@ -102,6 +110,11 @@ WarmupOpt = typer.Option(
          "capture its graphs for every batch size up to --max-batch at these lengths before its first batch, instead "
          "of one at a time as batches of new sizes arrive (each capture briefly stalls the stream). ~0.1-0.5 s a "
          "graph, once per schema version. Default: capture on first sight.")
+
+
+def _require_model_dir(model: str) -> None:
+    if not Path(model).is_dir():
+        raise FatalError(f"--model {model}: no such directory", exit_code=2)
 
 
 def _token_counts(value: str) -> tuple[int, ...]:
@@ -181,22 +194,22 @@ def produce(
 @friendly_errors
 def worker(
     bootstrap: str = BootstrapOpt,
-    model: str = typer.Option(..., "--model", envvar="DECIDER_MODEL", help="Local Hugging Face model directory (Qwen3.5 family)."),
-    device: str = typer.Option("cpu", "--device", envvar="DECIDER_DEVICE", help="cpu, cuda or cuda:N."),
+    model: str = ModelOpt,
+    device: str = DeviceOpt,
     worker_id: str = typer.Option(..., "--worker-id", envvar="DECIDER_WORKER_ID", help="Stable id of this worker; its transactional id derives from it. Restart with the same id after a crash."),
     group: str = typer.Option(DEFAULT_GROUP, "--group", envvar="DECIDER_GROUP", help="Consumer group shared by the workers."),
     max_batch: int = typer.Option(32, "--max-batch", envvar="DECIDER_MAX_BATCH", help="A batch closes at this many states..."),
     max_wait_ms: int = typer.Option(50, "--max-wait-ms", envvar="DECIDER_MAX_WAIT_MS", help="...or this long after its first state."),
-    schema_wait_ms: int = typer.Option(10_000, "--schema-wait-ms", envvar="DECIDER_SCHEMA_WAIT_MS", help="How long a state naming an unknown schema waits before it is dead-lettered."),
-    max_state_chars: int = typer.Option(32_768, "--max-state-chars", envvar="DECIDER_MAX_STATE_CHARS", help="Longer states are dead-lettered (state_too_large)."),
+    schema_wait_ms: int = SchemaWaitOpt,
+    max_state_chars: int = MaxStateCharsOpt,
     schema_memory_mb: float = typer.Option(2048.0, "--schema-memory-mb", envvar="DECIDER_SCHEMA_MEMORY_MB", help="Device memory budget for prepared schemas; least recently used ones are released beyond it."),
-    dtype: Optional[str] = typer.Option(None, "--dtype", envvar="DECIDER_DTYPE", help="float32, bfloat16 or float16 (default: float32 on CPU, bfloat16 on CUDA)."),
-    tokenizer_threads: int = typer.Option(2, "--tokenizer-threads", envvar="DECIDER_TOKENIZER_THREADS", help="Threads tokenizing states off the GPU thread."),
+    dtype: Optional[str] = DtypeOpt,
+    tokenizer_threads: int = TokenizerThreadsOpt,
     warmup_state_tokens: str = WarmupOpt,
-    transaction_timeout_ms: int = typer.Option(30_000, "--transaction-timeout-ms", envvar="DECIDER_TRANSACTION_TIMEOUT_MS", help="Broker-side timeout of an open transaction."),
+    transaction_timeout_ms: int = TransactionTimeoutOpt,
     session_timeout_ms: int = typer.Option(10_000, "--session-timeout-ms", envvar="DECIDER_SESSION_TIMEOUT_MS", help="Consumer group session timeout."),
     metrics_port: Optional[int] = typer.Option(None, "--metrics-port", envvar="DECIDER_METRICS_PORT", help="Serve Prometheus metrics on this port."),
-    log_level: str = typer.Option("info", "--log-level", envvar="DECIDER_LOG_LEVEL", help="debug, info, warning or error."),
+    log_level: str = LogLevelOpt,
     log_format: str = LogFormatOpt,
     states_topic: str = StatesTopicOpt,
     schemas_topic: str = SchemasTopicOpt,
@@ -216,8 +229,7 @@ def worker(
         warmup_state_tokens=_token_counts(warmup_state_tokens),
         transaction_timeout_ms=transaction_timeout_ms, session_timeout_ms=session_timeout_ms, metrics_port=metrics_port,
     )
-    if not Path(model).is_dir():
-        raise FatalError(f"--model {model}: no such directory", exit_code=2)
+    _require_model_dir(model)
     from worker.loop import Worker
 
     _run_logged(lambda on_event: Worker(config, stop=_stop_on_signals(), on_event=on_event).run(), metrics_port)
@@ -255,7 +267,7 @@ def _run_logged(run: Callable, metrics_port: Optional[int]) -> None:
 @friendly_errors
 def replay(
     bootstrap: str = BootstrapOpt,
-    model: str = typer.Option(..., "--model", envvar="DECIDER_MODEL", help="Local Hugging Face model directory (Qwen3.5 family)."),
+    model: str = ModelOpt,
     name: str = typer.Option(..., "--name", envvar="DECIDER_REPLAY_NAME", help="Name of this replay: its progress is committed under group decider-replay.NAME; rerun with the same name to resume."),
     output_topic: str = typer.Option(..., "--output-topic", envvar="DECIDER_REPLAY_OUTPUT_TOPIC", help="Topic the probability records go to."),
     dead_letter_topic: str = DeadLetterTopicOpt,
@@ -266,18 +278,18 @@ def replay(
     to_offset: Optional[str] = typer.Option(None, "--to-offset", help="End offset, exclusive: N or P:N[,P:N] (default: the partition's end at the first run)."),
     to_time: Optional[str] = typer.Option(None, "--to-time", help="End before the first record at or after this time."),
     partitions: Optional[str] = typer.Option(None, "--partitions", help="Comma-separated partitions to replay (default: all)."),
-    device: str = typer.Option("cpu", "--device", envvar="DECIDER_DEVICE", help="cpu, cuda or cuda:N."),
-    dtype: Optional[str] = typer.Option(None, "--dtype", envvar="DECIDER_DTYPE", help="float32, bfloat16 or float16 (default: float32 on CPU, bfloat16 on CUDA)."),
+    device: str = DeviceOpt,
+    dtype: Optional[str] = DtypeOpt,
     max_batch: int = typer.Option(64, "--max-batch", envvar="DECIDER_MAX_BATCH", help="States per batch; a replay always waits for full batches."),
-    schema_wait_ms: int = typer.Option(10_000, "--schema-wait-ms", envvar="DECIDER_SCHEMA_WAIT_MS", help="How long a state naming an unknown schema waits before it is dead-lettered."),
-    max_state_chars: int = typer.Option(32_768, "--max-state-chars", envvar="DECIDER_MAX_STATE_CHARS", help="Longer states are dead-lettered (state_too_large)."),
+    schema_wait_ms: int = SchemaWaitOpt,
+    max_state_chars: int = MaxStateCharsOpt,
     schema_memory_mb: float = typer.Option(2048.0, "--schema-memory-mb", envvar="DECIDER_SCHEMA_MEMORY_MB", help="Device memory budget for prepared schemas."),
-    tokenizer_threads: int = typer.Option(2, "--tokenizer-threads", envvar="DECIDER_TOKENIZER_THREADS", help="Threads tokenizing states off the GPU thread."),
+    tokenizer_threads: int = TokenizerThreadsOpt,
     warmup_state_tokens: str = WarmupOpt,
-    transaction_timeout_ms: int = typer.Option(30_000, "--transaction-timeout-ms", envvar="DECIDER_TRANSACTION_TIMEOUT_MS", help="Broker-side timeout of an open transaction."),
+    transaction_timeout_ms: int = TransactionTimeoutOpt,
     metrics_port: Optional[int] = typer.Option(None, "--metrics-port", envvar="DECIDER_METRICS_PORT", help="Serve /metrics, /healthz and /readyz on this port."),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Progress bar with rate and ETA on stderr."),
-    log_level: str = typer.Option("info", "--log-level", envvar="DECIDER_LOG_LEVEL", help="debug, info, warning or error."),
+    log_level: str = LogLevelOpt,
     log_format: str = LogFormatOpt,
 ) -> None:
     """Score a historical range of the states topic (offsets or timestamps) into --output-topic, exactly once.
@@ -297,8 +309,7 @@ def replay(
         warmup_state_tokens=_token_counts(warmup_state_tokens),
         transaction_timeout_ms=transaction_timeout_ms, metrics_port=metrics_port,
     )
-    if not Path(model).is_dir():
-        raise FatalError(f"--model {model}: no such directory", exit_code=2)
+    _require_model_dir(model)
     try:
         chosen = [int(p) for p in partitions.split(",")] if partitions else None
     except ValueError:
@@ -385,11 +396,11 @@ def demo(
 @app.command("score")
 @friendly_errors
 def score(
-    model: str = typer.Option(..., "--model", envvar="DECIDER_MODEL", help="Local Hugging Face model directory (Qwen3.5 family)."),
+    model: str = ModelOpt,
     schema: Path = typer.Option(..., "--schema", help='Schema file: {"mode"?: "packed"|"independent", "questions": [{"id", "question", "options", "temperature"?}]}.'),
     states: Path = typer.Option(..., "--states", help='States file, one JSON object a line: {"id": "...", "state": "..."} (- reads stdin).'),
-    device: str = typer.Option("cpu", "--device", envvar="DECIDER_DEVICE", help="cpu, cuda or cuda:N."),
-    dtype: Optional[str] = typer.Option(None, "--dtype", envvar="DECIDER_DTYPE", help="float32, bfloat16 or float16 (default: float32 on CPU, bfloat16 on CUDA)."),
+    device: str = DeviceOpt,
+    dtype: Optional[str] = DtypeOpt,
     schema_id: Optional[str] = typer.Option(None, "--schema-id", help="schema_id written in the output (default: the schema file's name)."),
     batch_size: int = typer.Option(32, "--batch-size", help="States scored per forward pass."),
 ) -> None:
