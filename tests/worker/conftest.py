@@ -183,9 +183,9 @@ class Stream:
         finally:
             consumer.close()
 
-    def committed_offsets(self) -> dict[int, int]:
-        """The group's committed offset per states partition (-1001 if none)."""
-        consumer = reader_consumer(self.bootstrap, group=self.group)
+    def committed_offsets(self, group: str | None = None) -> dict[int, int]:
+        """A group's (default: the workers') committed offset per states partition (-1001 if none)."""
+        consumer = reader_consumer(self.bootstrap, group=group or self.group)
         try:
             parts = consumer.committed([TopicPartition(self.topics.states, p) for p in range(self.partitions)], timeout=10)
             return {tp.partition: tp.offset for tp in parts}

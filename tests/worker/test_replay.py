@@ -47,15 +47,6 @@ def _replay(stream: Stream, model_dir, name: str, *flags: str) -> WorkerProcess:
     return process
 
 
-def _replay_committed(stream: Stream, name: str) -> dict[int, int]:
-    consumer = reader_consumer(stream.bootstrap, group=replay_group(name))
-    try:
-        parts = consumer.committed([TopicPartition(stream.topics.states, p) for p in range(stream.partitions)], timeout=10)
-        return {tp.partition: tp.offset for tp in parts}
-    finally:
-        consumer.close()
-
-
 def test_replay_of_an_offset_range_gives_exactly_its_records(stream, model_dir, schema_engine):
     texts = state_texts(40, seed=7)
     stream.put_schema("tickets", QUESTIONS)
@@ -77,7 +68,7 @@ def test_replay_of_an_offset_range_gives_exactly_its_records(stream, model_dir, 
         assert positions[(record["source_partition"], record["source_offset"])] == record["state_id"]
         for question, want in zip(record["questions"], expected[i]):
             assert question["probabilities"] == pytest.approx(want, abs=1e-5)
-    assert _replay_committed(stream, "offsets") == ends
+    assert stream.committed_offsets(replay_group("offsets")) == ends
     log = replay.log()
     assert f"replay offsets: complete; {len(wanted)} states scored, 0 dead letters" in log
     # The group's own offsets are untouched: a replay never moves the live workers' position.
@@ -108,7 +99,7 @@ def test_replay_resumes_after_sigkill_and_stops_at_the_first_runs_end(stream, mo
     first = _replay(stream, model_dir, "resumable", "--max-batch", "2")
     first.wait_for_log("committed", timeout_s=90)
     first.kill()
-    partial = _replay_committed(stream, "resumable")
+    partial = stream.committed_offsets(replay_group("resumable"))
     done = sum(max(o, 0) for o in partial.values())
     assert 0 < done < n, f"the kill should land mid-range (committed {partial}):\n{first.log()}"
 
@@ -122,7 +113,7 @@ def test_replay_resumes_after_sigkill_and_stops_at_the_first_runs_end(stream, mo
     assert dead == []
     assert {k: v for k, v in counts.items() if v > 1} == {}
     assert set(counts) == {f"k-{i}" for i in range(n)}
-    assert _replay_committed(stream, "resumable") == ends
+    assert stream.committed_offsets(replay_group("resumable")) == ends
     log = second.log()
     assert f"complete; {n - done} states scored" in log, log
     assert "state/s" in log or "states/s" in log  # the progress bar / summary rate
