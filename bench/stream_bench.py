@@ -32,6 +32,7 @@ import threading
 import time
 from collections import Counter
 from pathlib import Path
+from urllib.request import urlopen
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -43,6 +44,7 @@ from worker.embedded_broker import EmbeddedBroker, free_port  # noqa: E402
 from worker.kafka_clients import create_topics, plain_producer, reader_consumer  # noqa: E402
 
 from confluent_kafka import OFFSET_BEGINNING, KafkaError, TopicPartition  # noqa: E402
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 # The engine benchmark's Qwen3.5-0.8B shape with the offline test tokenizer's vocabulary (the worker loads a tokenizer
 # from the model directory, and the real Qwen3.5 BPE ships only in tiktoken form). Token counts of the shape (state,
@@ -96,28 +98,24 @@ class Stream:
 
     def start_worker(self, i: int) -> None:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        device = self.args.device
+        device, gpu_flags = self.args.device, []
         if device.startswith("cuda"):
             env["CUDA_VISIBLE_DEVICES"] = str(i % max(1, self.args.gpus))
             device = "cuda:0"
+            # the states are of one length: capture every batch size's graph when the schema is prepared
+            gpu_flags = ["--warmup-state-tokens", str(self.args.state_tokens)]
         t = self.topics
         cmd = [sys.executable, "-m", "worker", "worker", "-b", self.bootstrap, "--model", str(self.model_dir),
                "--device", device, "--worker-id", f"{self.name}-w{i}", "--group", f"{self.name}-group",
                "--max-batch", str(self.args.max_batch), "--max-wait-ms", str(self.max_wait_ms),
                "--states-topic", t.states, "--schemas-topic", t.schemas, "--probabilities-topic", t.probabilities,
                "--dead-letter-topic", t.dead_letter, "--log-level", "warning",
-               "--metrics-port", str(self.metrics_ports.setdefault(i, free_port()))]
-        if device.startswith("cuda"):
-            # the states are of one length: capture every batch size's graph when the schema is prepared
-            cmd += ["--warmup-state-tokens", str(self.args.state_tokens)]
+               "--metrics-port", str(self.metrics_ports.setdefault(i, free_port())), *gpu_flags]
         log = open(self.logs / f"{self.name}-w{i}.log", "ab")
         self.workers[i] = subprocess.Popen(cmd, env=env, stdout=log, stderr=log, start_new_session=True)
 
     def worker_stage_totals(self, i: int) -> dict[str, tuple[float, float]]:
         """Worker i's Prometheus histograms of its stages: name -> (sum of seconds or states, count)."""
-        from urllib.request import urlopen
-
-        from prometheus_client.parser import text_string_to_metric_families
         text = urlopen(f"http://127.0.0.1:{self.metrics_ports[i]}/metrics", timeout=5).read().decode()
         totals = {}
         for family in text_string_to_metric_families(text):
@@ -295,8 +293,8 @@ def latency_phase(args, bootstrap, model_dir, schema_file, texts, logs, max_wait
         measured = [(1000 * t, sid, ev) for t, sid, ev in reader.visible[start_seen:] if ev is not None and sid.startswith("l-")]
         lat = sorted(t - ev for t, _, ev in measured)
         # where the time goes: event -> record built (consume, batch fill, scoring), built -> visible (commit, reader)
-        to_scored = sorted(reader.scored_at[sid] - ev for _, sid, ev in measured)
-        to_visible = sorted(t - reader.scored_at[sid] for t, sid, _ in measured)
+        to_scored = [reader.scored_at[sid] - ev for _, sid, ev in measured]
+        to_visible = [t - reader.scored_at[sid] for t, sid, _ in measured]
         return dict(phase="latency", workers=args.workers, max_wait_ms=max_wait_ms, offered_states_per_s=rate, states=n,
                     unmeasured_warmup_states=len(steady), p50_ms=statistics.median(lat),
                     p99_ms=lat[int(0.99 * (len(lat) - 1))], p50_to_scored_ms=statistics.median(to_scored),
