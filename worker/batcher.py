@@ -101,10 +101,7 @@ class Cycle:
         """Whether the cycle should close now: a batch is full, or a batch (or a lone dead letter) has waited max_wait."""
         if not self.entries:
             return False
-        if self.full(max_batch):
-            return True
-        first = min((b.opened_at for b in self.batches.values()), default=self.opened_at)
-        return now >= first + max_wait_s
+        return self.full(max_batch) or self.seconds_until_due(now, max_wait_s) == 0
 
     def seconds_until_due(self, now: float, max_wait_s: float) -> float | None:
         """How long until ``due`` turns true by time alone (None when the cycle is empty)."""
