@@ -1,10 +1,10 @@
 """The kernels behind the forward, chosen once per device.
 
 On CUDA with flash-linear-attention (fla) installed: fla's Triton kernels for the Gated DeltaNet recurrence (with
-the decay gate and beta's sigmoid computed inside it), the causal conv (with an initial state: no per-row
-concatenation of the prefix's conv inputs) and SwiGLU; from `engine.triton_kernels` (fixed launch configuration:
-no per-shape autotuning) the RMS/gated/L2 norms, the residual adds fused into them, q/k norm + RoPE, and the
-attention's merge with its output gate. Elsewhere: PyTorch code that computes exactly what transformers' modules
+the decay gate and beta's sigmoid computed inside it) and SwiGLU; from `engine.triton_kernels` (fixed launch
+configuration: no per-shape autotuning) the causal conv fused with the q/k L2 norms (continuing the prefix's conv
+state in place: no per-row concatenation of the prefix's conv inputs, no copies of q, k, v), the RMS/gated norms,
+the residual adds fused into them, q/k norm + RoPE, and the attention's merge with its output gate. Elsewhere: PyTorch code that computes exactly what transformers' modules
 compute (what CPU tests run).
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
-from transformers.models.qwen3_5.modeling_qwen3_5 import apply_rotary_pos_emb
+from transformers.models.qwen3_5.modeling_qwen3_5 import apply_rotary_pos_emb, l2norm
 
 log = logging.getLogger(__name__)
 
@@ -24,11 +24,12 @@ log = logging.getLogger(__name__)
 class Kernels:
     """name;
     delta_rule(q, k, v, a, b, A_log, dt_bias, initial_state, output_final_state) -> (out, final state | None): the Gated
-        DeltaNet recurrence with q, k L2-normalised, decay g = -exp(A_log) * softplus(a + dt_bias) and
+        DeltaNet recurrence, q and k already L2-normalised, decay g = -exp(A_log) * softplus(a + dt_bias) and
         beta = sigmoid(b), for q, k [B, T, Hk, Dk], v [B, T, Hv, Dv], a, b [B, T, Hv] and a [B, Hv, Dk, Dv] float32
         state;
-    causal_conv(x [B, T, C], weight [C, K], prev [B, C, K] | None) -> silu(conv) [B, T, C], prev in fla's layout:
-        one unused column, then the previous K-1 inputs;
+    conv_qkv(x [B, T, C], weight [C, K], prev [B, C, K] | None, key_dim, head_k_dim, head_v_dim) -> (q, k, v):
+        silu(causal conv) split into q, k [B, T, Hk, Dk] (each head L2-normalised, transformers' `l2norm`) and
+        v [B, T, Hv, Dv]; prev in fla's layout: one unused column, then the previous K-1 inputs;
     rms_norm(x, weight, eps), weight already 1 + w for Qwen3.5's zero-centred norms, float32;
     gated_rms_norm(x, gate, weight, eps) = norm(x) * weight * silu(gate);
     swiglu(gate, up) = silu(gate) * up;
@@ -40,7 +41,7 @@ class Kernels:
         split attention (if any), then transformers' sigmoid output gate."""
     name: str
     delta_rule: Callable
-    causal_conv: Callable
+    conv_qkv: Callable
     rms_norm: Callable
     gated_rms_norm: Callable
     swiglu: Callable
@@ -72,9 +73,9 @@ def _torch_kernels() -> Kernels:
             rep = v.shape[2] // q.shape[2]
             q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
         return reference(q, k, v, g=g, beta=b.sigmoid(), initial_state=initial_state,
-                         output_final_state=output_final_state, use_qk_l2norm_in_kernel=True)
+                         output_final_state=output_final_state)
 
-    return Kernels("torch", delta_rule, torch_causal_conv, torch_rms_norm, torch_gated_rms_norm,
+    return Kernels("torch", delta_rule, torch_conv_qkv, torch_rms_norm, torch_gated_rms_norm,
                    lambda gate, up: F.silu(gate) * up, torch_add_rms_norm, torch_qk_norm_rope,
                    torch_gate_attention)
 
@@ -84,6 +85,15 @@ def torch_causal_conv(x: torch.Tensor, weight: torch.Tensor, prev: torch.Tensor 
     xt = x.transpose(1, 2)                                                             # [B, C, T]
     full = F.pad(xt, (K - 1, 0)) if prev is None else torch.cat([prev[..., 1:].to(x.dtype), xt], -1)
     return F.silu(F.conv1d(full, weight[:, None, :], groups=weight.shape[0])).transpose(1, 2)
+
+
+def torch_conv_qkv(x: torch.Tensor, weight: torch.Tensor, prev: torch.Tensor | None, key_dim: int, head_k_dim: int,
+                   head_v_dim: int):
+    B, T, _ = x.shape
+    q, k, v = torch_causal_conv(x, weight, prev).split([key_dim, key_dim, x.shape[-1] - 2 * key_dim], dim=-1)
+    # transformers normalises q and k in float32 (inside its delta rule, to match fla): the same numbers
+    q, k = (l2norm(t.reshape(B, T, -1, head_k_dim).float(), dim=-1, eps=1e-6).to(x.dtype) for t in (q, k))
+    return q, k, v.reshape(B, T, -1, head_v_dim)
 
 
 def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -123,23 +133,16 @@ def torch_gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tens
 
 def _fla_kernels() -> Kernels:
     from fla.modules.activations import swiglu
-    from fla.modules.causal_conv1d import causal_conv1d
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
-    from engine.triton_kernels import GATED, L2, add_rms_norm, gate_attention, rms_norm_rope, row_norm
+    from engine.triton_kernels import GATED, add_rms_norm, conv_qkv, gate_attention, rms_norm_rope, row_norm
 
     def delta_rule(q, k, v, a, b, A_log, dt_bias, initial_state, output_final_state):
-        # fla's own q/k L2 norm specialises on the row-block count (a compile per new shape): ours does not.
-        # fla reads grouped value heads (Hv > Hk) without repeating q and k.
-        q, k = row_norm(q, None, 1e-6, L2), row_norm(k, None, 1e-6, L2)
+        # fla reads grouped value heads (Hv > Hk) without repeating q and k; q and k come L2-normalised from
+        # conv_qkv (fla's own L2 norm would be one more kernel, specialised on the row-block count per shape)
         return chunk_gated_delta_rule(q, k, v, g=a, beta=b, initial_state=initial_state,
                                       output_final_state=output_final_state, use_gate_in_kernel=True, A_log=A_log,
                                       dt_bias=dt_bias, use_beta_sigmoid_in_kernel=True)
-
-    def conv(x, weight, prev):
-        # fla's state holds K columns of which the last K-1 are the previous inputs: the prefix keeps that layout
-        state = None if prev is None else prev.to(x.dtype).contiguous()
-        return causal_conv1d(x, weight=weight, initial_state=state, activation="silu")[0]
 
     def gated(x, gate, weight, eps):
         return row_norm(x, weight, eps, GATED, gate)
@@ -147,4 +150,4 @@ def _fla_kernels() -> Kernels:
     def qk_norm_rope(q, k, q_weight, k_weight, cos, sin, eps):
         return rms_norm_rope(q, q_weight, cos, sin, eps), rms_norm_rope(k, k_weight, cos, sin, eps)
 
-    return Kernels("fla", delta_rule, conv, row_norm, gated, swiglu, add_rms_norm, qk_norm_rope, gate_attention)
+    return Kernels("fla", delta_rule, conv_qkv, row_norm, gated, swiglu, add_rms_norm, qk_norm_rope, gate_attention)

@@ -284,11 +284,7 @@ class HybridForward:
         qkv, z, b, a = F.linear(x, w["in_proj"]).split([lin.conv_dim, lin.value_dim, H, H], dim=-1)
         if ctx.records:
             ctx.keep("conv", i, _conv_state(qkv, K))
-        qkv = self.k.causal_conv(qkv, w["conv"], ctx.conv_prev(i))                         # [B, T, C]
-        q, k, v = torch.split(qkv, [lin.key_dim, lin.key_dim, lin.value_dim], dim=-1)
-        q = q.view(B, T, -1, lin.head_k_dim)
-        k = k.view(B, T, -1, lin.head_k_dim)
-        v = v.view(B, T, -1, lin.head_v_dim)
+        q, k, v = self.k.conv_qkv(qkv, w["conv"], ctx.conv_prev(i), lin.key_dim, lin.head_k_dim, lin.head_v_dim)
         out, final = self.k.delta_rule(q, k, v, a, b, lin.A_log, lin.dt_bias, ctx.rec_prev(i), ctx.records)
         if final is not None:
             ctx.keep("rec", i, final)

@@ -1,6 +1,8 @@
 """Fused Triton kernels of the CUDA forward, each with a fixed launch configuration (no autotuning).
 
-- `row_norm`: RMSNorm, gated RMSNorm and L2 norm of rows; `add_rms_norm`: the residual add fused into the norm after it.
+- `row_norm`: RMSNorm and gated RMSNorm of rows; `add_rms_norm`: the residual add fused into the norm after it.
+- `conv_qkv`: the Gated DeltaNet's causal conv + SiLU, continuing a prefix's conv state, with the q/k L2 norms,
+  written as three contiguous tensors (what fla's delta rule reads without copying).
 - `rms_norm_rope`: the attention's per-head q/k RMSNorm and RoPE, written as [B, H, T, D].
 - `gate_attention`: the log-sum-exp merge of the prefix and suffix halves of the attention and the output gate.
 
@@ -19,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-RMS, GATED, L2 = 0, 1, 2
+RMS, GATED = 0, 1
 _BLOCK_ELEMENTS = 4096          # elements per program: 4 rows of 1024, 32 rows of 128
 
 
@@ -40,22 +42,17 @@ def _row_norm_kernel(X, G, W, Y, R, n_rows, heads, x_outer, x_inner, g_outer, g_
         x = (x + tl.load(p_res, mask=mask, other=0.0).to(tl.float32)).to(R.dtype.element_ty)
         tl.store(p_res, x, mask=mask)
         x = x.to(tl.float32)
-    sum_sq = tl.sum(x * x, axis=1)
-    if KIND == 2:
-        # transformers' l2norm: x * rsqrt(sum(x^2) + eps)
-        y = x * (1.0 / tl.sqrt(sum_sq + eps))[:, None]
+    y = x * (1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps))[:, None]
+    w = tl.load(W + cols, mask=in_cols, other=0.0).to(tl.float32)
+    if KIND == 1:
+        # transformers' gated norm rounds to the input dtype after normalising and after the weight, then gates
+        # in float32
+        y = (y.to(Y.dtype.element_ty).to(tl.float32) * w[None, :]).to(Y.dtype.element_ty).to(tl.float32)
+        g = tl.load(G + (token * g_outer + head * g_inner)[:, None] + cols[None, :], mask=mask, other=0.0)
+        g = g.to(tl.float32)
+        y = y * (g * tl.sigmoid(g))
     else:
-        y = x * (1.0 / tl.sqrt(sum_sq / D + eps))[:, None]
-        w = tl.load(W + cols, mask=in_cols, other=0.0).to(tl.float32)
-        if KIND == 1:
-            # transformers' gated norm rounds to the input dtype after normalising and after the weight, then gates
-            # in float32
-            y = (y.to(Y.dtype.element_ty).to(tl.float32) * w[None, :]).to(Y.dtype.element_ty).to(tl.float32)
-            g = tl.load(G + (token * g_outer + head * g_inner)[:, None] + cols[None, :], mask=mask, other=0.0)
-            g = g.to(tl.float32)
-            y = y * (g * tl.sigmoid(g))
-        else:
-            y = y * w[None, :]
+        y = y * w[None, :]
     tl.store(Y + rows[:, None] * D + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
 
@@ -76,12 +73,12 @@ def _as_rows(t: torch.Tensor) -> torch.Tensor:
         return t.contiguous().view(shape)
 
 
-def row_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, kind: int = RMS,
+def row_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, kind: int = RMS,
              gate: torch.Tensor | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
     """Normalise each row (last dimension) of x; returns a contiguous tensor of x's shape and dtype.
 
     kind RMS: rms_norm(x) * weight (weight already 1 + w for Qwen3.5's zero-centred norms, float32);
-    GATED: rms_norm(x) * weight * silu(gate) in transformers' order of rounding; L2: x / sqrt(sum(x^2) + eps).
+    GATED: rms_norm(x) * weight * silu(gate) in transformers' order of rounding.
     residual (contiguous, x's shape): first residual += x (in place), then the norm is of the new residual.
     """
     rows = _as_rows(x)
@@ -95,7 +92,7 @@ def row_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, kind: int
     if residual is not None and not (residual.is_contiguous() and residual.shape == x.shape):
         raise ValueError("residual must be contiguous and of x's shape")
     _row_norm_kernel[(triton.cdiv(n_rows, BR),)](
-        rows, g, weight if weight is not None else rows, out, residual if residual is not None else out, n_rows, heads,
+        rows, g, weight, out, residual if residual is not None else out, n_rows, heads,
         rows.stride(0), rows.stride(1), g.stride(0), g.stride(1), eps, D=D, BD=BD, BR=BR, KIND=kind,
         ADD_RESIDUAL=residual is not None, num_warps=4)
     return out
@@ -210,3 +207,70 @@ def gate_attention(a, gate: torch.Tensor) -> torch.Tensor:
         lsep.stride(0), lsep.stride(1), lsep.stride(2), rows_gate.stride(0), rows_gate.stride(1),
         D=D, BD=BD, BR=BR, MERGE=merge, num_warps=4)
     return out
+
+
+@triton.jit(do_not_specialize=["T", "x_b", "x_t", "p_b", "p_c", "p_k"])
+def _conv_qkv_kernel(X, W, PREV, Q, K, V, T, x_b, x_t, p_b, p_c, p_k, eps,
+                     HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, KW: tl.constexpr,
+                     BT: tl.constexpr, BD: tl.constexpr, HAS_PREV: tl.constexpr):
+    # one program: BT tokens of one row (b) x one head's channels (seg: q heads, then k heads, then v heads)
+    seg = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    cols = tl.arange(0, BD)
+    is_qk = seg < 2 * HK
+    width = tl.where(is_qk, DK, DV)
+    c = tl.where(is_qk, seg * DK, 2 * HK * DK + (seg - 2 * HK) * DV) + cols
+    col_ok = cols < width
+    t_ok = t < T
+    acc = tl.zeros([BT, BD], dtype=tl.float32)
+    for j in tl.static_range(KW):
+        # y[t] = sum_j w[c, j] * x[t - (KW-1) + j]; times before the row's first token come from the prefix's state,
+        # whose columns 1..KW-1 hold the inputs at times -(KW-1)..-1 (fla's layout; zeros when there is none)
+        src_t = t - (KW - 1) + j
+        m = (t_ok & (src_t >= 0))[:, None] & col_ok[None, :]
+        x = tl.load(X + b * x_b + src_t[:, None] * x_t + c[None, :], mask=m, other=0.0).to(tl.float32)
+        if HAS_PREV:
+            mp = (t_ok & (src_t < 0))[:, None] & col_ok[None, :]
+            x += tl.load(PREV + b * p_b + c[None, :] * p_c + (KW + src_t)[:, None] * p_k, mask=mp,
+                         other=0.0).to(tl.float32)
+        w = tl.load(W + c * KW + j, mask=col_ok, other=0.0).to(tl.float32)
+        acc += x * w[None, :]
+    ty = Q.dtype.element_ty
+    y = (acc * (1.0 / (1.0 + tl.exp(-acc)))).to(ty).to(tl.float32)      # SiLU, rounded as the conv's output
+    mask = t_ok[:, None] & col_ok[None, :]
+    token = (b * T + t)[:, None]
+    if seg < HK:
+        # transformers' l2norm of the rounded conv output: x * rsqrt(sum(x^2) + eps)
+        y = y * (1.0 / tl.sqrt(tl.sum(y * y, axis=1) + eps))[:, None]
+        tl.store(Q + (token * HK + seg) * DK + cols[None, :], y.to(ty), mask=mask)
+    elif seg < 2 * HK:
+        y = y * (1.0 / tl.sqrt(tl.sum(y * y, axis=1) + eps))[:, None]
+        tl.store(K + (token * HK + seg - HK) * DK + cols[None, :], y.to(ty), mask=mask)
+    else:
+        tl.store(V + (token * HV + seg - 2 * HK) * DV + cols[None, :], y.to(ty), mask=mask)
+
+
+def conv_qkv(x: torch.Tensor, weight: torch.Tensor, prev: torch.Tensor | None, key_dim: int, head_k_dim: int,
+             head_v_dim: int, eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The Gated DeltaNet's conv in one pass: x [B, T, C] (C = q|k|v channels; may be a strided view of the fused
+    projection), weight [C, KW], prev [B, C, KW] in fla's layout (column 0 unused, then the previous KW-1 inputs;
+    any strides, so an expanded prefix state is read in place) or None -> q, k [B, T, Hk, Dk] (L2-normalised per
+    head) and v [B, T, Hv, Dv], contiguous, of silu(causal_conv(x))."""
+    B, T, C = x.shape
+    KW = weight.shape[1]
+    HK, HV = key_dim // head_k_dim, (C - 2 * key_dim) // head_v_dim
+    new = lambda H, D: torch.empty(B, T, H, D, dtype=x.dtype, device=x.device)
+    q, k, v = new(HK, head_k_dim), new(HK, head_k_dim), new(HV, head_v_dim)
+    if B * T == 0:
+        return q, k, v
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    weight = weight.contiguous()
+    BD = triton.next_power_of_2(max(head_k_dim, head_v_dim))
+    BT = max(16, min(64, _BLOCK_ELEMENTS // BD))
+    state = prev if prev is not None else x
+    _conv_qkv_kernel[(triton.cdiv(T, BT), 2 * HK + HV, B)](
+        x, weight, state, q, k, v, T, x.stride(0), x.stride(1), *(state.stride() if prev is not None else (0, 0, 0)),
+        eps, HK=HK, HV=HV, DK=head_k_dim, DV=head_v_dim, KW=KW, BT=BT, BD=BD, HAS_PREV=prev is not None, num_warps=4)
+    return q, k, v

@@ -12,7 +12,7 @@ if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("no CUDA device: run with TRITON_INTERPRET=1 to use Triton's interpreter", allow_module_level=True)
 
 from engine.kernels import torch_gated_rms_norm, torch_rms_norm  # noqa: E402
-from engine.triton_kernels import GATED, L2, row_norm  # noqa: E402
+from engine.triton_kernels import GATED, row_norm  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -49,11 +49,33 @@ def test_gated_rms_norm_rounds_like_transformers(dtype):
     torch.testing.assert_close(got, want, atol=atol, rtol=rtol)
 
 
-def test_l2_norm_is_transformers_l2norm():
-    q, _ = _fused(11, [2 * 8, 8], torch.float32, seed=2)
-    q = q.view(11, 2, 8)
-    want = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6)
-    torch.testing.assert_close(row_norm(q, None, 1e-6, L2), want, atol=1e-6, rtol=1e-5)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("P", [0, 1, 3], ids=["no-prefix", "packed", "independent"])
+def test_conv_qkv_continues_the_prefix_state_and_l2_normalises_q_and_k(dtype, P):
+    """The qkv piece of the fused projection (strided) through the causal conv + SiLU, continuing a prefix's conv
+    state as the suffix pass passes it (expanded in place for one prefix, repeated for several), q and k L2-normalised
+    per head: against the PyTorch conv and transformers' l2norm."""
+    from engine.kernels import torch_conv_qkv
+    from engine.triton_kernels import conv_qkv
+
+    B, T, Hk, Dk, Hv, Dv, KW = 6, 37, 2, 16, 4, 16, 4
+    C = 2 * Hk * Dk + Hv * Dv
+    qkv, _z = _fused(B * T, [C, Hv * Dv], dtype, seed=3)
+    qkv = qkv.view(B, T, C)
+    g = torch.Generator().manual_seed(4)
+    weight = (torch.randn(C, KW, generator=g) * 0.5).to(DEV, dtype)
+    prev = None
+    if P:
+        state = torch.randn(P, C, KW, generator=g).to(DEV, dtype)
+        state[..., 0] = 0                                              # fla's layout: the first column is unused
+        prev = state.expand(B, C, KW) if P == 1 else state.repeat(B // P, 1, 1)
+    got, want = conv_qkv(qkv, weight, prev, Hk * Dk, Dk, Dv), torch_conv_qkv(qkv, weight, prev, Hk * Dk, Dk, Dv)
+    for g_t, w_t, shape in zip(got, want, [(B, T, Hk, Dk), (B, T, Hk, Dk), (B, T, Hv, Dv)]):
+        assert g_t.shape == shape and g_t.is_contiguous()
+        # bf16: the conv's output is rounded once (then normalised and rounded again): up to 2 ulps apart
+        tol = 1e-5 if dtype == torch.float32 else 2 ** -6
+        torch.testing.assert_close(g_t, w_t.to(dtype), atol=tol, rtol=tol)
+    assert got[0].norm(dim=-1).sub(1).abs().max().item() < (1e-4 if dtype == torch.float32 else 1e-2)
 
 
 def test_rows_that_cannot_merge_are_copied_not_misread():
@@ -106,21 +128,21 @@ def test_qk_norm_rope_matches_transformers_apply_rotary_pos_emb(dtype):
 
 
 def test_the_forward_with_these_kernels_matches_the_oracle(tiny_dir):
-    """The Triton norms wired into the whole forward (in-place residual stream, [B, H, T, D] attention inputs,
-    gated norm on strided z): the cached engine against transformers' forward, float32. The recurrence and conv
-    stay PyTorch here so that it runs in the interpreter too."""
+    """The Triton kernels wired into the whole forward (in-place residual stream, the conv continuing the prefix's
+    state, [B, H, T, D] attention inputs, gated norm on strided z): the cached engine against transformers' forward,
+    float32. The recurrence stays PyTorch here so that it runs in the interpreter too."""
     import dataclasses
 
     from engine import Engine, SchemaEngine
     from engine.kernels import _torch_kernels
     from engine.reference import score_full
-    from engine.triton_kernels import GATED, add_rms_norm, gate_attention, rms_norm_rope, row_norm
+    from engine.triton_kernels import GATED, add_rms_norm, conv_qkv, gate_attention, rms_norm_rope, row_norm
 
     from .conftest import make_questions, make_states
 
     eng = Engine.load(tiny_dir, device=DEV, dtype="float32")
     eng.forward.k = dataclasses.replace(
-        _torch_kernels(), name="triton-norms", rms_norm=row_norm, add_rms_norm=add_rms_norm,
+        _torch_kernels(), name="triton", conv_qkv=conv_qkv, rms_norm=row_norm, add_rms_norm=add_rms_norm,
         gated_rms_norm=lambda x, gate, weight, eps: row_norm(x, weight, eps, GATED, gate),
         qk_norm_rope=lambda q, k, qw, kw, cos, sin, eps: (rms_norm_rope(q, qw, cos, sin, eps),
                                                           rms_norm_rope(k, kw, cos, sin, eps)),
