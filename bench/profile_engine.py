@@ -1,6 +1,8 @@
 """Where the cached path spends GPU time (torch profiler table), at one batch size and state length.
 
-    python bench/profile_engine.py --batch 32 --state-tokens 128 [--graphs]
+    python bench/profile_engine.py --batch 1,32 --state-tokens 128 [--graphs]
+
+One model build serves every batch size (building the 0.8B-shaped model takes about a minute).
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from engine import SchemaEngine  # noqa: E402
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--batch", default="32", help="comma-separated batch sizes, profiled one after another")
     ap.add_argument("--state-tokens", type=int, default=128)
     ap.add_argument("--graphs", action="store_true")
     ap.add_argument("--rows", type=int, default=30)
@@ -27,16 +29,21 @@ def main():
     eng, _ = build_engine(args)
     se = SchemaEngine(eng, use_graphs=args.graphs)
     h = se.prepare(questions(eng.tok, 10, 4, 400))
-    rows = [se.tokenize(h, s) for s in states(eng.tok, args.batch, args.state_tokens, 0)]
+    for batch in (int(b) for b in args.batch.split(",")):
+        print(f"=== batch {batch}, {args.state_tokens}-token states, graphs={args.graphs}")
+        profile_batch(se, h, states(eng.tok, batch, args.state_tokens, 0), args.rows)
+
+
+def profile_batch(se: SchemaEngine, handle, texts: list[str], n_rows: int) -> None:
+    rows = [se.tokenize(handle, s) for s in texts]
     for _ in range(3):
-        se.score_rows(h, rows)
+        se.score_rows(handle, rows)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
         for _ in range(5):
-            se.score_rows(h, rows)
+            se.score_rows(handle, rows)
         torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.rows, max_name_column_width=60))
-
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=n_rows, max_name_column_width=60))
 
 if __name__ == "__main__":
     main()

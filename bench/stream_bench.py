@@ -24,6 +24,7 @@ import datetime
 import json
 import os
 import signal
+import shutil
 import statistics
 import subprocess
 import sys
@@ -297,7 +298,8 @@ def latency_phase(args, bootstrap, model_dir, schema_file, texts, logs, max_wait
         to_visible = [t - reader.scored_at[sid] for t, sid, _ in measured]
         return dict(phase="latency", workers=args.workers, max_wait_ms=max_wait_ms, offered_states_per_s=rate, states=n,
                     unmeasured_warmup_states=len(steady), p50_ms=statistics.median(lat),
-                    p99_ms=lat[int(0.99 * (len(lat) - 1))], p50_to_scored_ms=statistics.median(to_scored),
+                    p99_ms=lat[int(0.99 * (len(lat) - 1))], max_ms=lat[-1],
+                    over_target=sum(t > max_wait_ms + 30 for t in lat), p50_to_scored_ms=statistics.median(to_scored),
                     p50_scored_to_visible_ms=statistics.median(to_visible), worker0_stage_means=stages,
                     **exactly_once(reader, warm_ids + steady + ids))
 
@@ -378,7 +380,8 @@ def main(argv=None) -> dict:
         kill = "-kill" if args.kill_one else ""
         path = out / f"{env['date']}-{env['gpu'].replace(' ', '-').lower()}-stream-{args.workers}w{kill}.json"
         path.write_text(json.dumps(result, indent=1))
-        print(f"wrote {path}")
+        shutil.copytree(logs, path.with_suffix(".logs"), dirs_exist_ok=True)   # the workers' and broker's own account
+        print(f"wrote {path} and its logs")
     return result
 
 
