@@ -223,7 +223,8 @@ class HybridForward:
         if layer.block_type == "linear_attention":
             lin = layer.linear_attn
             w["in_proj"] = _fuse([lin.in_proj_qkv, lin.in_proj_z, lin.in_proj_b, lin.in_proj_a])
-            w["conv"] = lin.conv1d.weight.detach()[:, 0, :]                                # [C, K]
+            # [C, K] stored tap-major (a K x C matrix, transposed view): the conv kernel loads one tap for all channels
+            w["conv"] = lin.conv1d.weight.detach()[:, 0, :].t().contiguous().t()
         else:
             attn = layer.self_attn
             w["qkv"] = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])

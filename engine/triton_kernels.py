@@ -6,6 +6,11 @@
 - `rms_norm_rope`: the attention's per-head q/k RMSNorm and RoPE, written as [B, H, T, D].
 - `gate_attention`: the log-sum-exp merge of the prefix and suffix halves of the attention and the output gate.
 
+Counts (rows, heads, tokens) are never specialised on; the strides of the bf16 tensors are: Triton then knows
+they are multiples of 16 (they are, for every layer shape here) and loads 16 bytes at a time. Unspecialised, it
+could not prove a row's alignment and loaded 2 bytes at a time (checked in the PTX: `ld.global.b16` against
+`ld.global.v4.b32`); a stride's divisibility takes one of two values, so it costs at most a second compile.
+
 Why not fla's norm kernels: they autotune and specialise on the number of row blocks (`NB`), so every new
 (batch bucket, length bucket) shape compiled and benchmarked them afresh: seconds per new shape, which showed up as
 multi-second latency spikes in the stream whenever a batch of a new size arrived. These kernels' only compile-time
@@ -25,7 +30,7 @@ RMS, GATED = 0, 1
 _BLOCK_ELEMENTS = 4096          # elements per program: 4 rows of 1024, 32 rows of 128
 
 
-@triton.jit(do_not_specialize=["n_rows", "heads", "x_outer", "x_inner", "g_outer", "g_inner"])
+@triton.jit(do_not_specialize=["n_rows", "heads"])
 def _row_norm_kernel(X, G, W, Y, R, n_rows, heads, x_outer, x_inner, g_outer, g_inner, eps,
                      D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr, KIND: tl.constexpr,
                      ADD_RESIDUAL: tl.constexpr):
@@ -103,7 +108,7 @@ def add_rms_norm(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, 
     return row_norm(x, weight, eps, RMS, residual=residual), residual
 
 
-@triton.jit(do_not_specialize=["n_rows", "heads", "T", "x_outer", "x_inner", "c_batch", "c_time"])
+@triton.jit(do_not_specialize=["n_rows", "heads", "T"])
 def _rms_norm_rope_kernel(X, W, COS, SIN, Y, n_rows, heads, T, x_outer, x_inner, c_batch, c_time, eps,
                           D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr, ROT: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
@@ -157,8 +162,7 @@ def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin:
     return out
 
 
-@triton.jit(do_not_specialize=["n_rows", "T", "Hq", "G", "P", "s_b", "s_h", "s_t", "l_b", "l_h", "l_t",
-                               "p_p", "p_h", "p_m", "m_p", "m_h", "m_m", "g_outer", "g_inner"])
+@triton.jit(do_not_specialize=["n_rows", "T", "Hq", "G", "P", "l_b", "l_h", "l_t", "m_p", "m_h", "m_m"])
 def _gate_attention_kernel(O, LSE, OP, LSEP, GATE, Y, n_rows, T, Hq, G, P, s_b, s_h, s_t, l_b, l_h, l_t,
                            p_p, p_h, p_m, m_p, m_h, m_m, g_outer, g_inner,
                            D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr, MERGE: tl.constexpr):
@@ -209,8 +213,8 @@ def gate_attention(a, gate: torch.Tensor) -> torch.Tensor:
     return out
 
 
-@triton.jit(do_not_specialize=["T", "x_b", "x_t", "p_b", "p_c", "p_k"])
-def _conv_qkv_kernel(X, W, PREV, Q, K, V, T, x_b, x_t, p_b, p_c, p_k, eps,
+@triton.jit(do_not_specialize=["T"])
+def _conv_qkv_kernel(X, W, PREV, Q, K, V, T, x_b, x_t, w_c, w_k, p_b, p_c, p_k, eps,
                      HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, KW: tl.constexpr,
                      BT: tl.constexpr, BD: tl.constexpr, HAS_PREV: tl.constexpr):
     # one program: BT tokens of one row (b) x one head's channels (seg: q heads, then k heads, then v heads)
@@ -224,18 +228,23 @@ def _conv_qkv_kernel(X, W, PREV, Q, K, V, T, x_b, x_t, p_b, p_c, p_k, eps,
     col_ok = cols < width
     t_ok = t < T
     acc = tl.zeros([BT, BD], dtype=tl.float32)
+    # y[t] = sum_j w[c, j] * x[t - (KW-1) + j]
     for j in tl.static_range(KW):
-        # y[t] = sum_j w[c, j] * x[t - (KW-1) + j]; times before the row's first token come from the prefix's state,
-        # whose columns 1..KW-1 hold the inputs at times -(KW-1)..-1 (fla's layout; zeros when there is none)
         src_t = t - (KW - 1) + j
         m = (t_ok & (src_t >= 0))[:, None] & col_ok[None, :]
         x = tl.load(X + b * x_b + src_t[:, None] * x_t + c[None, :], mask=m, other=0.0).to(tl.float32)
-        if HAS_PREV:
-            mp = (t_ok & (src_t < 0))[:, None] & col_ok[None, :]
-            x += tl.load(PREV + b * p_b + c[None, :] * p_c + (KW + src_t)[:, None] * p_k, mask=mp,
-                         other=0.0).to(tl.float32)
-        w = tl.load(W + c * KW + j, mask=col_ok, other=0.0).to(tl.float32)
+        w = tl.load(W + c * w_c + j * w_k, mask=col_ok, other=0.0).to(tl.float32)
         acc += x * w[None, :]
+    if HAS_PREV:
+        if tl.program_id(0) == 0:
+            # times before the row's first token come from the prefix's state, whose columns 1..KW-1 hold the inputs
+            # at times -(KW-1)..-1 (fla's layout); only the first KW-1 tokens reach back that far
+            for j in tl.static_range(KW - 1):
+                src_t = t - (KW - 1) + j
+                mp = (t_ok & (src_t < 0))[:, None] & col_ok[None, :]
+                x_prev = tl.load(PREV + b * p_b + c[None, :] * p_c + (KW + src_t)[:, None] * p_k, mask=mp, other=0.0)
+                w_tap = tl.load(W + c * w_c + j * w_k, mask=col_ok, other=0.0)
+                acc += x_prev.to(tl.float32) * w_tap.to(tl.float32)[None, :]
     ty = Q.dtype.element_ty
     y = (acc * (1.0 / (1.0 + tl.exp(-acc)))).to(ty).to(tl.float32)      # SiLU, rounded as the conv's output
     mask = t_ok[:, None] & col_ok[None, :]
@@ -254,7 +263,8 @@ def _conv_qkv_kernel(X, W, PREV, Q, K, V, T, x_b, x_t, p_b, p_c, p_k, eps,
 def conv_qkv(x: torch.Tensor, weight: torch.Tensor, prev: torch.Tensor | None, key_dim: int, head_k_dim: int,
              head_v_dim: int, eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The Gated DeltaNet's conv in one pass: x [B, T, C] (C = q|k|v channels; may be a strided view of the fused
-    projection), weight [C, KW], prev [B, C, KW] in fla's layout (column 0 unused, then the previous KW-1 inputs;
+    projection), weight [C, KW] (any strides: `HybridForward` keeps it tap-major, so a tap's weights load as one
+    contiguous vector), prev [B, C, KW] in fla's layout (column 0 unused, then the previous KW-1 inputs;
     any strides, so an expanded prefix state is read in place) or None -> q, k [B, T, Hk, Dk] (L2-normalised per
     head) and v [B, T, Hv, Dv], contiguous, of silu(causal_conv(x))."""
     B, T, C = x.shape
@@ -266,11 +276,10 @@ def conv_qkv(x: torch.Tensor, weight: torch.Tensor, prev: torch.Tensor | None, k
         return q, k, v
     if x.stride(-1) != 1:
         x = x.contiguous()
-    weight = weight.contiguous()
     BD = triton.next_power_of_2(max(head_k_dim, head_v_dim))
     BT = max(16, min(64, _BLOCK_ELEMENTS // BD))
     state = prev if prev is not None else x
     _conv_qkv_kernel[(triton.cdiv(T, BT), 2 * HK + HV, B)](
-        x, weight, state, q, k, v, T, x.stride(0), x.stride(1), *(state.stride() if prev is not None else (0, 0, 0)),
+        x, weight, state, q, k, v, T, x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), *(state.stride() if prev is not None else (0, 0, 0)),
         eps, HK=HK, HV=HV, DK=head_k_dim, DV=head_v_dim, KW=KW, BT=BT, BD=BD, HAS_PREV=prev is not None, num_warps=4)
     return q, k, v

@@ -63,7 +63,7 @@ def test_conv_qkv_continues_the_prefix_state_and_l2_normalises_q_and_k(dtype, P)
     qkv, _z = _fused(B * T, [C, Hv * Dv], dtype, seed=3)
     qkv = qkv.view(B, T, C)
     g = torch.Generator().manual_seed(4)
-    weight = (torch.randn(C, KW, generator=g) * 0.5).to(DEV, dtype)
+    weight = (torch.randn(C, KW, generator=g) * 0.5).to(DEV, dtype).t().contiguous().t()   # tap-major, as the model
     prev = None
     if P:
         state = torch.randn(P, C, KW, generator=g).to(DEV, dtype)

@@ -1,0 +1,79 @@
+"""The Triton kernels compiled for the H200 (sm_90) without a GPU, checking the PTX for what the profile cannot
+show by name: that rows of bf16 strided views load 16 bytes at a time. A stride listed in `do_not_specialize`
+hides its alignment from Triton, which then loads 2 bytes at a time (this happened: every kernel did, at a cost of
+several times their memory time). Needs triton (with its bundled ptxas), not a GPU:
+`pytest -m gpu tests/engine/test_triton_ptx.py`."""
+import os
+import re
+
+import pytest
+
+triton = pytest.importorskip("triton")
+if os.environ.get("TRITON_INTERPRET") == "1":
+    pytest.skip("the interpreter replaces the compiler", allow_module_level=True)
+
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from engine import triton_kernels as tk  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+
+def _ptx(kernel, signature: dict, constants: dict, runtime_ints: dict) -> str:
+    """PTX of `kernel` specialised as a launch with these ints would be: multiples of 16 marked divisible (Triton's
+    rule for arguments not in `do_not_specialize`), pointers 16-byte aligned (torch's allocations are)."""
+    names = list(signature)
+    unspecialised = set(kernel.do_not_specialize) | {names[i] for i in kernel.do_not_specialize if isinstance(i, int)}
+    aligned = [n for n, t in signature.items() if t.startswith("*")]
+    aligned += [n for n, v in runtime_ints.items() if v % 16 == 0 and n not in unspecialised]
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    src = ASTSource(kernel, signature, constexprs={(names.index(k),): v for k, v in constants.items()}, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
+
+
+def _scalar_bf16_loads(ptx: str) -> int:
+    return len(re.findall(r"ld\.global(?:\.\w+)*\.b16\b", ptx))
+
+
+def _ints(names, **values):
+    return {n: values.get(n, 4096) for n in names}
+
+
+def test_norm_kernels_load_strided_rows_in_16_byte_vectors():
+    # an RMSNorm over q heads inside the fused projection: rows 256 apart, heads 8192 apart
+    sig = {"X": "*bf16", "G": "*bf16", "W": "*fp32", "Y": "*bf16", "R": "*bf16", "n_rows": "i32", "heads": "i32",
+           "x_outer": "i32", "x_inner": "i32", "g_outer": "i32", "g_inner": "i32", "eps": "fp32", "D": "constexpr",
+           "BD": "constexpr", "BR": "constexpr", "KIND": "constexpr", "ADD_RESIDUAL": "constexpr"}
+    ints = _ints(["n_rows", "heads", "x_outer", "x_inner", "g_outer", "g_inner"], n_rows=5888 * 16, heads=16,
+                 x_outer=8224, x_inner=128)
+    ptx = _ptx(tk._row_norm_kernel, sig, dict(D=128, BD=128, BR=32, KIND=tk.GATED, ADD_RESIDUAL=False), ints)
+    assert _scalar_bf16_loads(ptx) == 0 and "ld.global.v4.b32" in ptx
+
+
+def test_rope_and_gate_kernels_load_strided_rows_in_16_byte_vectors():
+    sig = {"X": "*bf16", "W": "*fp32", "COS": "*bf16", "SIN": "*bf16", "Y": "*bf16", "n_rows": "i32", "heads": "i32",
+           "T": "i32", "x_outer": "i32", "x_inner": "i32", "c_batch": "i32", "c_time": "i32", "eps": "fp32",
+           "D": "constexpr", "BD": "constexpr", "BR": "constexpr", "ROT": "constexpr"}
+    ints = _ints(["n_rows", "heads", "T", "x_outer", "x_inner", "c_batch", "c_time"], n_rows=184 * 32 * 8, heads=8,
+                 T=184, x_outer=8192, x_inner=512, c_batch=184 * 64, c_time=64)
+    assert _scalar_bf16_loads(_ptx(tk._rms_norm_rope_kernel, sig, dict(D=256, BD=256, BR=16, ROT=64), ints)) == 0
+    names = ["n_rows", "T", "Hq", "G", "P", "s_b", "s_h", "s_t", "l_b", "l_h", "l_t", "p_p", "p_h", "p_m", "m_p",
+             "m_h", "m_m", "g_outer", "g_inner"]
+    sig = {"O": "*bf16", "LSE": "*fp32", "OP": "*bf16", "LSEP": "*fp32", "GATE": "*bf16", "Y": "*bf16",
+           **{n: "i32" for n in names}, "D": "constexpr", "BD": "constexpr", "BR": "constexpr", "MERGE": "constexpr"}
+    ints = _ints(names, n_rows=184 * 32 * 8, T=184, Hq=8, G=4, P=1, s_b=8 * 184 * 256, s_h=184 * 256, s_t=256,
+                 g_outer=8192, g_inner=512)
+    assert _scalar_bf16_loads(_ptx(tk._gate_attention_kernel, sig, dict(D=256, BD=256, BR=16, MERGE=True), ints)) == 0
+
+
+def test_conv_kernel_loads_the_projection_in_16_byte_vectors():
+    sig = {"X": "*bf16", "W": "*bf16", "PREV": "*bf16", "Q": "*bf16", "K": "*bf16", "V": "*bf16", "T": "i32",
+           "x_b": "i32", "x_t": "i32", "w_c": "i32", "w_k": "i32", "p_b": "i32", "p_c": "i32", "p_k": "i32",
+           "eps": "fp32", "HK": "constexpr", "HV": "constexpr", "DK": "constexpr", "DV": "constexpr", "KW": "constexpr",
+           "BT": "constexpr", "BD": "constexpr", "HAS_PREV": "constexpr"}
+    ints = _ints(["T", "x_b", "x_t", "w_c", "w_k", "p_b", "p_c", "p_k"], T=184, x_b=184 * 8224, x_t=8224, w_c=1,
+                 w_k=6144, p_b=0, p_c=4, p_k=1)
+    ptx = _ptx(tk._conv_qkv_kernel, sig, dict(HK=16, HV=16, DK=128, DV=128, KW=4, BT=32, BD=128, HAS_PREV=False), ints)
+    # the input tile of each of the 4 taps in vectors; only the 4 taps' weights (one value per channel) are scalar
+    assert "ld.global.v4.b32" in ptx and _scalar_bf16_loads(ptx) <= 4
