@@ -4,8 +4,8 @@ On CUDA with flash-linear-attention (fla) installed: fla's Triton kernels for th
 the decay gate and beta's sigmoid computed inside it) and SwiGLU; from `engine.triton_kernels` (fixed launch
 configuration: no per-shape autotuning) the causal conv fused with the q/k L2 norms (continuing the prefix's conv
 state in place: no per-row concatenation of the prefix's conv inputs, no copies of q, k, v), the RMS/gated norms,
-the residual adds fused into them, q/k norm + RoPE, and the attention's merge with its output gate. Elsewhere: PyTorch code that computes exactly what transformers' modules
-compute (what CPU tests run).
+the residual adds fused into them, q/k norm + RoPE, and the attention's merge with its output gate. Elsewhere:
+PyTorch code that computes exactly what transformers' modules compute (what CPU tests run).
 """
 from __future__ import annotations
 

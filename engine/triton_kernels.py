@@ -278,8 +278,8 @@ def conv_qkv(x: torch.Tensor, weight: torch.Tensor, prev: torch.Tensor | None, k
         x = x.contiguous()
     BD = triton.next_power_of_2(max(head_k_dim, head_v_dim))
     BT = max(16, min(64, _BLOCK_ELEMENTS // BD))
-    state = prev if prev is not None else x
+    state, state_strides = (prev, prev.stride()) if prev is not None else (x, (0, 0, 0))
     _conv_qkv_kernel[(triton.cdiv(T, BT), 2 * HK + HV, B)](
-        x, weight, state, q, k, v, T, x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), *(state.stride() if prev is not None else (0, 0, 0)),
+        x, weight, state, q, k, v, T, x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), *state_strides,
         eps, HK=HK, HV=HV, DK=head_k_dim, DV=head_v_dim, KW=KW, BT=BT, BD=BD, HAS_PREV=prev is not None, num_warps=4)
     return q, k, v
