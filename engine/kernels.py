@@ -1,11 +1,11 @@
 """The kernels behind the forward, chosen once per device.
 
 On CUDA with flash-linear-attention (fla) installed: fla's Triton kernels for the Gated DeltaNet recurrence (with
-the decay gate and beta's sigmoid computed inside it) and SwiGLU; from `engine.triton_kernels` (fixed launch
-configuration: no per-shape autotuning) the causal conv fused with the q/k L2 norms (continuing the prefix's conv
-state in place: no per-row concatenation of the prefix's conv inputs, no copies of q, k, v), the RMS/gated norms,
-the residual adds fused into them, q/k norm + RoPE, and the attention's merge with its output gate. Elsewhere:
-PyTorch code that computes exactly what transformers' modules compute (what CPU tests run).
+the decay gate and beta's sigmoid computed inside it); from `engine.triton_kernels` (fixed launch configuration:
+no per-shape autotuning, 16-byte loads) SwiGLU, the causal conv fused with the q/k L2 norms (continuing the
+prefix's conv state in place: no per-row concatenation of the prefix's conv inputs, no copies of q, k, v), the
+RMS/gated norms, the residual adds fused into them, q/k norm + RoPE, and the attention's merge with its output
+gate. Elsewhere: PyTorch code that computes exactly what transformers' modules compute (what CPU tests run).
 """
 from __future__ import annotations
 
@@ -132,10 +132,9 @@ def torch_gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tens
 
 
 def _fla_kernels() -> Kernels:
-    from fla.modules.activations import swiglu
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
-    from engine.triton_kernels import GATED, add_rms_norm, conv_qkv, gate_attention, rms_norm_rope, row_norm
+    from engine.triton_kernels import GATED, add_rms_norm, conv_qkv, gate_attention, rms_norm_rope, row_norm, swiglu
 
     def delta_rule(q, k, v, a, b, A_log, dt_bias, initial_state, output_final_state):
         # fla reads grouped value heads (Hv > Hk) without repeating q and k; q and k come L2-normalised from

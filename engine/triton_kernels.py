@@ -5,6 +5,8 @@
   written as three contiguous tensors (what fla's delta rule reads without copying).
 - `rms_norm_rope`: the attention's per-head q/k RMSNorm and RoPE, written as [B, H, T, D].
 - `gate_attention`: the log-sum-exp merge of the prefix and suffix halves of the attention and the output gate.
+- `swiglu`: the MLP's silu(gate) * up over the two halves of the fused gate|up projection (fla's kernel addresses
+  them flat, so it loads and stores 2 bytes at a time).
 
 Counts (rows, heads, tokens) are never specialised on; the strides of the bf16 tensors are: Triton then knows
 they are multiples of 16 (they are, for every layer shape here) and loads 16 bytes at a time. Unspecialised, it
@@ -283,3 +285,32 @@ def conv_qkv(x: torch.Tensor, weight: torch.Tensor, prev: torch.Tensor | None, k
         x, weight, state, q, k, v, T, x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), *state_strides,
         eps, HK=HK, HV=HV, DK=head_k_dim, DV=head_v_dim, KW=KW, BT=BT, BD=BD, HAS_PREV=prev is not None, num_warps=4)
     return q, k, v
+
+
+@triton.jit(do_not_specialize=["n_rows"])
+def _swiglu_kernel(G, U, Y, n_rows, g_row, u_row, D: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < D
+    g = tl.load(G + row * g_row + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(U + row * u_row + cols, mask=mask, other=0.0).to(tl.float32)
+    ty = Y.dtype.element_ty
+    act = (g * tl.sigmoid(g)).to(ty).to(tl.float32)          # transformers rounds silu(gate), then the product
+    tl.store(Y + row * D + cols, (act * u).to(ty), mask=mask)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate, up [..., D] (row-strided views, e.g. the halves of a fused projection) -> a contiguous
+    [..., D], rounded as transformers' `act_fn(gate) * up`."""
+    D = gate.shape[-1]
+    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    g, u = gate.reshape(-1, D), up.reshape(-1, D)          # views when the leading dimensions merge, else copies
+    n_rows = g.shape[0]
+    if n_rows == 0:
+        return out
+    if g.stride(-1) != 1 or u.stride(-1) != 1:
+        g, u = g.contiguous(), u.contiguous()
+    block = min(1024, triton.next_power_of_2(D))
+    _swiglu_kernel[(n_rows, triton.cdiv(D, block))](g, u, out, n_rows, g.stride(0), u.stride(0), D=D, BLOCK=block,
+                                                     num_warps=4)
+    return out

@@ -78,6 +78,21 @@ def test_conv_qkv_continues_the_prefix_state_and_l2_normalises_q_and_k(dtype, P)
     assert got[0].norm(dim=-1).sub(1).abs().max().item() < (1e-4 if dtype == torch.float32 else 1e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_swiglu_on_the_halves_of_the_fused_gate_up_projection(dtype):
+    import torch.nn.functional as F
+
+    from engine.triton_kernels import swiglu
+
+    gate, up = _fused(2 * 19, [1536, 1536], dtype, seed=9)         # 1536: two column blocks, the second partial
+    gate, up = gate.view(2, 19, 1536), up.view(2, 19, 1536)
+    got = swiglu(gate, up)
+    assert got.shape == gate.shape and got.is_contiguous()
+    # transformers' act_fn(gate) * up; bf16: the interpreter truncates where the GPU rounds, 1 ulp of each rounding
+    tol = 1e-5 if dtype == torch.float32 else 2 ** -6
+    torch.testing.assert_close(got, F.silu(gate) * up, atol=tol, rtol=tol)
+
+
 def test_rows_that_cannot_merge_are_copied_not_misread():
     x = torch.randn(6, 5, 16, device=DEV).transpose(0, 1)          # [5, 6, 16]: tokens not mergeable by view
     w = torch.ones(16, device=DEV)
@@ -136,13 +151,13 @@ def test_the_forward_with_these_kernels_matches_the_oracle(tiny_dir):
     from engine import Engine, SchemaEngine
     from engine.kernels import _torch_kernels
     from engine.reference import score_full
-    from engine.triton_kernels import GATED, add_rms_norm, conv_qkv, gate_attention, rms_norm_rope, row_norm
+    from engine.triton_kernels import GATED, add_rms_norm, conv_qkv, gate_attention, rms_norm_rope, row_norm, swiglu
 
     from .conftest import make_questions, make_states
 
     eng = Engine.load(tiny_dir, device=DEV, dtype="float32")
     eng.forward.k = dataclasses.replace(
-        _torch_kernels(), name="triton", conv_qkv=conv_qkv, rms_norm=row_norm, add_rms_norm=add_rms_norm,
+        _torch_kernels(), name="triton", conv_qkv=conv_qkv, swiglu=swiglu, rms_norm=row_norm, add_rms_norm=add_rms_norm,
         gated_rms_norm=lambda x, gate, weight, eps: row_norm(x, weight, eps, GATED, gate),
         qk_norm_rope=lambda q, k, qw, kw, cos, sin, eps: (rms_norm_rope(q, qw, cos, sin, eps),
                                                           rms_norm_rope(k, kw, cos, sin, eps)),

@@ -77,3 +77,12 @@ def test_conv_kernel_loads_the_projection_in_16_byte_vectors():
     ptx = _ptx(tk._conv_qkv_kernel, sig, dict(HK=16, HV=16, DK=128, DV=128, KW=4, BT=32, BD=128, HAS_PREV=False), ints)
     # the input tile of each of the 4 taps in vectors; only the 4 taps' weights (one value per channel) are scalar
     assert "ld.global.v4.b32" in ptx and _scalar_bf16_loads(ptx) <= 4
+
+
+def test_swiglu_kernel_loads_and_stores_in_16_byte_vectors():
+    # the two halves of the 0.8B model's fused gate|up output: rows 7168 apart, 3584 wide
+    sig = {"G": "*bf16", "U": "*bf16", "Y": "*bf16", "n_rows": "i32", "g_row": "i32", "u_row": "i32",
+           "D": "constexpr", "BLOCK": "constexpr"}
+    ptx = _ptx(tk._swiglu_kernel, sig, dict(D=3584, BLOCK=1024), _ints(["n_rows", "g_row", "u_row"], n_rows=5888,
+                                                                        g_row=7168, u_row=7168))
+    assert _scalar_bf16_loads(ptx) == 0 and "st.global.v4.b32" in ptx
