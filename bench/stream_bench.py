@@ -258,6 +258,7 @@ def throughput_phase(args, bootstrap, model_dir, schema_file, texts, logs) -> di
             stream, reader, warm_ids):
         ids = [f"s-{i}" for i in range(args.states)]
         start_seen = len(reader.visible)
+        before = stream.worker_stage_totals(0)
         killed = threading.Event()
 
         def maybe_kill(k: int) -> None:
@@ -273,8 +274,11 @@ def throughput_phase(args, bootstrap, model_dir, schema_file, texts, logs) -> di
         times = sorted(t for t, sid, _ in reader.visible[start_seen:])
         lo, hi = times[int(0.1 * (len(times) - 1))], times[int(0.9 * (len(times) - 1))]
         rate = (0.8 * (len(times) - 1)) / (hi - lo) if hi > lo else float("nan")
+        # a killed worker 0 restarts with fresh metrics: its stage means are not comparable then
+        stages = {} if args.kill_one else stage_means(before, stream.worker_stage_totals(0))
         return dict(phase="throughput", workers=args.workers, states=args.states, states_per_s=rate,
-                    killed_and_restarted=bool(args.kill_one), **exactly_once(reader, warm_ids + ids))
+                    killed_and_restarted=bool(args.kill_one), worker0_stage_means=stages,
+                    **exactly_once(reader, warm_ids + ids))
 
 
 def latency_phase(args, bootstrap, model_dir, schema_file, texts, logs, max_wait_ms: int, rate: float) -> dict:
