@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -11,9 +12,11 @@ from engine.prompt import MAX_OPTIONS
 
 def fill_ids(rows: Sequence[Sequence[int]], B: int, T: int, pad: int, pin: bool = False) -> torch.Tensor:
     """[B, T] int64 ids: row i holds rows[i] then `pad`; rows past len(rows) are all `pad` (unused bucket slots)."""
-    ids = torch.full((B, T), pad, dtype=torch.long)
+    # numpy copies a Python list into a row ~5x faster than a tensor per row (this runs for every batch)
+    filled = np.full((B, T), pad, dtype=np.int64)
     for i, r in enumerate(rows):
-        ids[i, :len(r)] = torch.as_tensor(r, dtype=torch.long)
+        filled[i, :len(r)] = r
+    ids = torch.from_numpy(filled)
     return ids.pin_memory() if pin else ids
 
 
