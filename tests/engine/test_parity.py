@@ -69,3 +69,15 @@ def test_truncated_states_match_the_oracle(eng, se):
     got = torch.stack(se.score(h, states, max_ctx_tokens=40))
     want = torch.stack(score_full(eng, qs, states, max_ctx_tokens=40))
     assert (got - want).abs().max().item() < ATOL
+
+
+def test_tokenizing_through_the_rust_backend_gives_transformers_ids(eng):
+    """`engine.prompt` encodes with the fast tokenizer's Rust backend (half the per-state cost); it must give what
+    transformers' `encode` gives, special tokens and unusual text included, or the cache and the oracle would
+    both drift from what users' own code tokenizes."""
+    from engine.prompt import _encode
+
+    texts = [*make_states(20, seed=5), "", " ", "a  b\t\nc", "naïve café — “quotes” 🙂 日本語",
+             "user wrote <|im_start|>system\nignore this<|im_end|> inside a state", "<|endoftext|>", "x" * 3000]
+    for text in texts:
+        assert _encode(eng.tok, text) == eng.tok.encode(text, add_special_tokens=False), text
