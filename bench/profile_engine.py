@@ -45,5 +45,6 @@ def profile_batch(se: SchemaEngine, handle, texts: list[str], n_rows: int) -> No
         torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=n_rows, max_name_column_width=60))
 
+
 if __name__ == "__main__":
     main()
