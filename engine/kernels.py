@@ -29,7 +29,7 @@ class Kernels:
         state;
     conv_qkv(x [B, T, C], weight [C, K], prev [B, C, K] | None, key_dim, head_k_dim, head_v_dim) -> (q, k, v):
         silu(causal conv) split into q, k [B, T, Hk, Dk] (each head L2-normalised, transformers' `l2norm`) and
-        v [B, T, Hv, Dv]; prev in fla's layout: one unused column, then the previous K-1 inputs;
+        v [B, T, Hv, Dv]; prev [B, C, K-1]: the previous K-1 inputs, oldest first;
     rms_norm(x, weight, eps), weight already 1 + w for Qwen3.5's zero-centred norms, float32;
     gated_rms_norm(x, gate, weight, eps) = norm(x) * weight * silu(gate);
     swiglu(gate, up) = silu(gate) * up;
@@ -83,7 +83,7 @@ def _torch_kernels() -> Kernels:
 def torch_causal_conv(x: torch.Tensor, weight: torch.Tensor, prev: torch.Tensor | None) -> torch.Tensor:
     K = weight.shape[1]
     xt = x.transpose(1, 2)                                                             # [B, C, T]
-    full = F.pad(xt, (K - 1, 0)) if prev is None else torch.cat([prev[..., 1:].to(x.dtype), xt], -1)
+    full = F.pad(xt, (K - 1, 0)) if prev is None else torch.cat([prev.to(x.dtype), xt], -1)
     return F.silu(F.conv1d(full, weight[:, None, :], groups=weight.shape[0])).transpose(1, 2)
 
 

@@ -31,7 +31,7 @@ class PrefixState:
     lengths: list[int]
     k: dict[int, torch.Tensor] = field(default_factory=dict)      # layer -> [P, Hkv, tpmax, D]
     v: dict[int, torch.Tensor] = field(default_factory=dict)      # layer -> [P, Hkv, tpmax, D]
-    conv: dict[int, torch.Tensor] = field(default_factory=dict)   # layer -> [P, C, K]: a zero column, the last K-1 inputs
+    conv: dict[int, torch.Tensor] = field(default_factory=dict)   # layer -> [P, C, K-1]: the last K-1 inputs
     rec: dict[int, torch.Tensor] = field(default_factory=dict)    # layer -> [P, Hv, Dk, Dv]
     key_bias: torch.Tensor | None = None                          # [P, tpmax]: 0 on a prefix's tokens, -inf past its end
 
@@ -284,7 +284,7 @@ class HybridForward:
         H = lin.num_v_heads
         qkv, z, b, a = F.linear(x, w["in_proj"]).split([lin.conv_dim, lin.value_dim, H, H], dim=-1)
         if ctx.records:
-            ctx.keep("conv", i, _conv_state(qkv, K))
+            ctx.keep("conv", i, _last_inputs(qkv, K - 1))
         q, k, v = self.k.conv_qkv(qkv, w["conv"], ctx.conv_prev(i), lin.key_dim, lin.head_k_dim, lin.head_v_dim)
         out, final = self.k.delta_rule(q, k, v, a, b, lin.A_log, lin.dt_bias, ctx.rec_prev(i), ctx.records)
         if final is not None:
@@ -304,8 +304,7 @@ def _fuse(linears) -> torch.Tensor:
     return fused
 
 
-def _conv_state(x: torch.Tensor, K: int) -> torch.Tensor:
-    """[B, T, C] -> [B, C, K]: the conv's carried state in fla's layout, K columns whose last K-1 are the last inputs
-    (zeros before the first), so that fla's conv reads it as it is (no padding copy per layer and pass)."""
-    tail = x[:, -(K - 1):, :].transpose(1, 2)
-    return F.pad(tail, (K - tail.shape[-1], 0))
+def _last_inputs(x: torch.Tensor, n: int) -> torch.Tensor:
+    """[B, T, C] -> [B, C, n]: the last n time steps (zero-padded on the left when T < n), the conv's carried state."""
+    tail = x[:, -n:, :].transpose(1, 2)
+    return F.pad(tail, (n - tail.shape[-1], 0))

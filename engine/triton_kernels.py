@@ -239,12 +239,12 @@ def _conv_qkv_kernel(X, W, PREV, Q, K, V, T, x_b, x_t, w_c, w_k, p_b, p_c, p_k, 
         acc += x * w[None, :]
     if HAS_PREV:
         if tl.program_id(0) == 0:
-            # times before the row's first token come from the prefix's state, whose columns 1..KW-1 hold the inputs
-            # at times -(KW-1)..-1 (fla's layout); only the first KW-1 tokens reach back that far
+            # times before the row's first token come from the prefix's state, whose columns 0..KW-2 hold the inputs
+            # at times -(KW-1)..-1; only the first KW-1 tokens reach back that far
             for j in tl.static_range(KW - 1):
                 src_t = t - (KW - 1) + j
                 mp = (t_ok & (src_t < 0))[:, None] & col_ok[None, :]
-                x_prev = tl.load(PREV + b * p_b + c[None, :] * p_c + (KW + src_t)[:, None] * p_k, mask=mp, other=0.0)
+                x_prev = tl.load(PREV + b * p_b + c[None, :] * p_c + (KW - 1 + src_t)[:, None] * p_k, mask=mp, other=0.0)
                 w_tap = tl.load(W + c * w_c + j * w_k, mask=col_ok, other=0.0)
                 acc += x_prev.to(tl.float32) * w_tap.to(tl.float32)[None, :]
     ty = Q.dtype.element_ty
@@ -266,9 +266,9 @@ def conv_qkv(x: torch.Tensor, weight: torch.Tensor, prev: torch.Tensor | None, k
              head_v_dim: int, eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The Gated DeltaNet's conv in one pass: x [B, T, C] (C = q|k|v channels; may be a strided view of the fused
     projection), weight [C, KW] (any strides: `HybridForward` keeps it tap-major, so a tap's weights load as one
-    contiguous vector), prev [B, C, KW] in fla's layout (column 0 unused, then the previous KW-1 inputs;
-    any strides, so an expanded prefix state is read in place) or None -> q, k [B, T, Hk, Dk] (L2-normalised per
-    head) and v [B, T, Hv, Dv], contiguous, of silu(causal_conv(x))."""
+    contiguous vector), prev [B, C, KW-1] (the previous KW-1 inputs, oldest first; any strides, so an expanded
+    prefix state is read in place) or None -> q, k [B, T, Hk, Dk] (L2-normalised per head) and v [B, T, Hv, Dv],
+    contiguous, of silu(causal_conv(x))."""
     B, T, C = x.shape
     KW = weight.shape[1]
     HK, HV = key_dim // head_k_dim, (C - 2 * key_dim) // head_v_dim

@@ -66,9 +66,8 @@ def test_conv_qkv_continues_the_prefix_state_and_l2_normalises_q_and_k(dtype, P)
     weight = (torch.randn(C, KW, generator=g) * 0.5).to(DEV, dtype).t().contiguous().t()   # tap-major, as the model
     prev = None
     if P:
-        state = torch.randn(P, C, KW, generator=g).to(DEV, dtype)
-        state[..., 0] = 0                                              # fla's layout: the first column is unused
-        prev = state.expand(B, C, KW) if P == 1 else state.repeat(B // P, 1, 1)
+        state = torch.randn(P, C, KW - 1, generator=g).to(DEV, dtype)
+        prev = state.expand(B, C, KW - 1) if P == 1 else state.repeat(B // P, 1, 1)
     got, want = conv_qkv(qkv, weight, prev, Hk * Dk, Dk, Dv), torch_conv_qkv(qkv, weight, prev, Hk * Dk, Dk, Dv)
     for g_t, w_t, shape in zip(got, want, [(B, T, Hk, Dk), (B, T, Hk, Dk), (B, T, Hv, Dv)]):
         assert g_t.shape == shape and g_t.is_contiguous()
