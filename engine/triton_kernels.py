@@ -251,12 +251,12 @@ def _conv_qkv_kernel(X, W, PREV, Q, K, V, T, x_b, x_t, w_c, w_k, p_b, p_c, p_k, 
     y = (acc * (1.0 / (1.0 + tl.exp(-acc)))).to(ty).to(tl.float32)      # SiLU, rounded as the conv's output
     mask = t_ok[:, None] & col_ok[None, :]
     token = (b * T + t)[:, None]
-    if seg < HK:
+    if is_qk:
         # transformers' l2norm of the rounded conv output: x * rsqrt(sum(x^2) + eps)
         y = y * (1.0 / tl.sqrt(tl.sum(y * y, axis=1) + eps))[:, None]
+    if seg < HK:
         tl.store(Q + (token * HK + seg) * DK + cols[None, :], y.to(ty), mask=mask)
-    elif seg < 2 * HK:
-        y = y * (1.0 / tl.sqrt(tl.sum(y * y, axis=1) + eps))[:, None]
+    elif is_qk:
         tl.store(K + (token * HK + seg - HK) * DK + cols[None, :], y.to(ty), mask=mask)
     else:
         tl.store(V + (token * HV + seg - 2 * HK) * DV + cols[None, :], y.to(ty), mask=mask)
