@@ -52,6 +52,7 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 # prefix) are measured with that tokenizer, so the work per state matches the engine benchmark.
 SHAPE_08B = {**{k: v for k, v in QWEN35_08B.items() if k != "vocab_size"}, "initializer_range": 0.02}
 
+
 def write_model(args, root: Path) -> Path:
     from engine.testing import write_tiny_model
     return write_tiny_model(root / "model", seed=0, **({} if args.quick else SHAPE_08B))

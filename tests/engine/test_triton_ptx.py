@@ -73,7 +73,7 @@ def test_conv_kernel_loads_the_projection_in_16_byte_vectors():
            "eps": "fp32", "HK": "constexpr", "HV": "constexpr", "DK": "constexpr", "DV": "constexpr", "KW": "constexpr",
            "BT": "constexpr", "BD": "constexpr", "HAS_PREV": "constexpr"}
     ints = _ints(["T", "x_b", "x_t", "w_c", "w_k", "p_b", "p_c", "p_k"], T=184, x_b=184 * 8224, x_t=8224, w_c=1,
-                 w_k=6144, p_b=0, p_c=4, p_k=1)
+                 w_k=6144, p_b=0, p_c=3, p_k=1)
     ptx = _ptx(tk._conv_qkv_kernel, sig, dict(HK=16, HV=16, DK=128, DV=128, KW=4, BT=32, BD=128, HAS_PREV=False), ints)
     # the input tile of each of the 4 taps in vectors; only the 4 taps' weights (one value per channel) are scalar
     assert "ld.global.v4.b32" in ptx and _scalar_bf16_loads(ptx) <= 4
