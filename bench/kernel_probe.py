@@ -1,0 +1,119 @@
+"""Kernel-level probes on the GPU for the choices the engine profile raises (not a benchmark of the product).
+
+For the 0.8B shape at one batch (default 32 rows of a 144-token suffix), times in isolation:
+- `conv_qkv` at several (tokens per program, warps) launch configurations, against the memory-speed floor of the
+  same bytes (one contiguous copy of the conv channels);
+- the suffix attention's fused flash call on grouped K/V heads directly against `repeat_interleave`d heads
+  (does the CUDA op accept Hkv < Hq, and does it give the same numbers);
+- the copy of a prefix's recurrent state expanded to every row (what fla's contiguity check forces).
+
+    python bench/kernel_probe.py [--batch 32] [--tokens 144] > probe.txt
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+
+import torch
+import triton
+
+from engine import triton_kernels as tk
+
+# Qwen3.5-0.8B: Gated DeltaNet 16 k heads x 128, 16 v heads x 128, conv width 4; attention 8 q heads, 2 kv heads, 256
+HK, DK, HV, DV, KW = 16, 128, 16, 128, 4
+FUSED = 2 * HK * DK + 2 * HV * DV + 2 * HV          # qkv | z | b | a: the in_proj row the conv reads a view of
+HQ, HKV, DA = 8, 2, 256
+
+
+def gpu_ms(fn, iters: int = 50) -> float:
+    """Median GPU milliseconds of fn() over `iters` runs, after warm-up (compilation)."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def conv_launch(x, weight, prev, BT: int, warps: int):
+    B, T, C = x.shape
+    q, k, v = (torch.empty(B, T, H, D, dtype=x.dtype, device=x.device) for H, D in ((HK, DK), (HK, DK), (HV, DV)))
+    tk._conv_qkv_kernel[(triton.cdiv(T, BT), 2 * HK + HV, B)](
+        x, weight, prev, q, k, v, T, x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), *prev.stride(),
+        1e-6, HK=HK, HV=HV, DK=DK, DV=DV, KW=KW, BT=BT, BD=128, HAS_PREV=True, num_warps=warps)
+    return q, k, v
+
+
+def probe_conv(B: int, T: int) -> dict:
+    dev = "cuda"
+    proj = torch.randn(B, T, FUSED, device=dev, dtype=torch.bfloat16)
+    x = proj[..., :2 * HK * DK + HV * DV]
+    weight = torch.randn(x.shape[-1], KW, device=dev, dtype=torch.bfloat16).t().contiguous().t()
+    prev = torch.randn(1, x.shape[-1], KW - 1, device=dev, dtype=torch.bfloat16).expand(B, -1, -1)
+    ref = tk.conv_qkv(x, weight, prev, HK * DK, DK, DV)
+    dense = torch.empty(x.shape, dtype=x.dtype, device=dev)
+    out = {"shape": [B, T, x.shape[-1]], "bytes_moved_mb": 2 * x.numel() * 2 / 1e6,
+           "copy_floor_ms": gpu_ms(lambda: dense.copy_(x)), "default_ms": gpu_ms(lambda: tk.conv_qkv(x, weight, prev, HK * DK, DK, DV)),
+           "configs": []}
+    for BT, warps in itertools.product((8, 16, 32, 64, 128), (1, 2, 4, 8)):
+        if BT * 128 // (32 * warps) > 512:      # too many elements per thread to be worth compiling
+            continue
+        try:
+            got = conv_launch(x, weight, prev, BT, warps)
+            same = all(torch.equal(a, b) for a, b in zip(got, ref))
+            ms = gpu_ms(lambda: conv_launch(x, weight, prev, BT, warps))
+            out["configs"].append(dict(BT=BT, warps=warps, ms=round(ms, 4), same=same))
+        except Exception as exc:  # report and go on: a config the compiler rejects is an answer too
+            out["configs"].append(dict(BT=BT, warps=warps, error=repr(exc)[:200]))
+    return out
+
+
+def probe_gqa(B: int, T: int) -> dict:
+    op = torch.ops.aten._scaled_dot_product_flash_attention
+    q = torch.randn(B, HQ, T, DA, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(B, HKV, T, DA, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    G = HQ // HKV
+
+    def repeated():
+        return op(q, k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1), 0.0, True, False, scale=DA ** -0.5)
+
+    def grouped():
+        return op(q, k, v, 0.0, True, False, scale=DA ** -0.5)
+
+    out = {"repeated_ms": gpu_ms(repeated)}
+    try:
+        (o1, l1), (o2, l2) = repeated()[:2], grouped()[:2]
+        out.update(grouped_ms=gpu_ms(grouped), out_max_diff=(o1.float() - o2.float()).abs().max().item(),
+                   lse_max_diff=(l1 - l2).abs().max().item())
+    except Exception as exc:
+        out["grouped_error"] = repr(exc)[:300]
+    return out
+
+
+def probe_state_copy(B: int) -> dict:
+    state = torch.randn(1, HV, DK, DV, device="cuda", dtype=torch.float32)
+    return {"rows": B, "mb_written": B * state.numel() * 4 / 1e6,
+            "expand_contiguous_ms": gpu_ms(lambda: state.expand(B, -1, -1, -1).contiguous())}
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--tokens", type=int, default=144)
+    args = ap.parse_args(argv)
+    result = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "triton": triton.__version__,
+              "conv": probe_conv(args.batch, args.tokens), "gqa": probe_gqa(args.batch, args.tokens),
+              "state_copy": probe_state_copy(args.batch)}
+    print(json.dumps(result, indent=1))
+    return result
+
+
+if __name__ == "__main__":
+    main()
