@@ -111,7 +111,7 @@ class Stream:
                "--device", device, "--worker-id", f"{self.name}-w{i}", "--group", f"{self.name}-group",
                "--max-batch", str(self.args.max_batch), "--max-wait-ms", str(self.max_wait_ms),
                "--states-topic", t.states, "--schemas-topic", t.schemas, "--probabilities-topic", t.probabilities,
-               "--dead-letter-topic", t.dead_letter, "--log-level", "warning",
+               "--dead-letter-topic", t.dead_letter, "--log-level", "info",
                "--metrics-port", str(self.metrics_ports.setdefault(i, free_port())), *gpu_flags]
         log = open(self.logs / f"{self.name}-w{i}.log", "ab")
         self.workers[i] = subprocess.Popen(cmd, env=env, stdout=log, stderr=log, start_new_session=True)
@@ -125,6 +125,9 @@ class Stream:
                 values = {sample.name.rsplit("_", 1)[-1]: sample.value for sample in family.samples
                           if sample.name.endswith(("_sum", "_count"))}
                 totals[family.name] = (values.get("sum", 0.0), values.get("count", 0.0))
+            elif family.name == "decider_engine_batches":
+                # graph captures so far: a capture inside a measured phase is a stall of ~0.1-0.5 s
+                totals["captures"] = next((s.value for s in family.samples if s.labels.get("path") == "captures"), 0.0)
         return totals
 
     def kill_worker(self, i: int) -> None:
@@ -147,12 +150,14 @@ STAGES = {"decider_batch_fill_wait_seconds": "fill_wait_ms", "decider_engine_sec
 
 
 def stage_means(before: dict, after: dict) -> dict[str, float]:
-    """Mean of each worker stage between two scrapes (ms for times, states for batch sizes)."""
+    """Mean of each worker stage between two scrapes (ms for times, states for batch sizes), and the graph captures
+    between them."""
     means = {}
     for name, label in STAGES.items():
         (s0, c0), (s1, c1) = before.get(name, (0.0, 0.0)), after.get(name, (0.0, 0.0))
         if c1 > c0:
             means[label] = round((s1 - s0) / (c1 - c0) * (1 if label == "batch_states" else 1000), 2)
+    means["graph_captures"] = int(after.get("captures", 0) - before.get("captures", 0))
     return means
 
 
