@@ -28,7 +28,7 @@ from typing import Any, Callable
 from confluent_kafka import OFFSET_BEGINNING, KafkaError, KafkaException, TopicPartition
 
 import schemas
-from worker import metrics
+from worker import gc_pauses, metrics
 from worker.batcher import Cycle, Pending, monotonic
 from worker.config import WorkerConfig
 from worker.dead_letters import Reason, SourceRecord, dead_letter
@@ -102,6 +102,9 @@ class Worker:
         self._table = SchemaTable(self.config.bootstrap, topics.schemas)
         self._table.catch_up()
         self._emit("schemas_loaded", {"schema_ids": self._table.ids()})
+        frozen = gc_pauses.freeze_loaded_objects()
+        gc_pauses.watch_collections()
+        log.info("%d objects of the loaded model and libraries exempted from garbage collection", frozen)
         self._consumer = self._make_consumer()
         self._txns = Transactions(transactional_producer_config(self.config), self._consumer, self.config.worker_id,
                                   timeout_s=self.config.transaction_timeout_ms / 1000 / 2)

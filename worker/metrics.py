@@ -31,6 +31,10 @@ COMMIT_SECONDS = Histogram(
 )
 CONSUMER_LAG = Gauge("decider_consumer_lag", "Offsets between the worker's read position and the partition's last stable "
                      "offset (librdkafka statistics)", ["topic", "partition"])
+GC_PAUSE_SECONDS = Histogram(
+    "decider_gc_pause_seconds", "Python garbage collections by generation (each pauses every thread of the worker)",
+    ["generation"], buckets=(0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1),
+)
 ENGINE_PATHS = Gauge("decider_engine_batches", "Engine batches by path: CUDA graph captures and replays, eager runs",
                      ["path"])
 
