@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import gc
 import json
 import os
 import signal
@@ -122,8 +123,9 @@ class Stream:
         totals = {}
         for family in text_string_to_metric_families(text):
             if family.name in STAGES:
+                # the GC histogram has one series per generation: only full (generation 2) collections matter here
                 values = {sample.name.rsplit("_", 1)[-1]: sample.value for sample in family.samples
-                          if sample.name.endswith(("_sum", "_count"))}
+                          if sample.name.endswith(("_sum", "_count")) and sample.labels.get("generation", "2") == "2"}
                 totals[family.name] = (values.get("sum", 0.0), values.get("count", 0.0))
             elif family.name == "decider_engine_batches":
                 # graph captures so far: a capture inside a measured phase is a stall of ~0.1-0.5 s
@@ -146,7 +148,8 @@ class Stream:
 
 
 STAGES = {"decider_batch_fill_wait_seconds": "fill_wait_ms", "decider_engine_seconds": "engine_ms",
-          "decider_transaction_commit_seconds": "commit_ms", "decider_cycle_seconds": "cycle_ms", "decider_batch_states": "batch_states"}
+          "decider_transaction_commit_seconds": "commit_ms", "decider_cycle_seconds": "cycle_ms", "decider_batch_states": "batch_states",
+          "decider_gc_pause_seconds": "full_gc_ms"}
 
 
 def stage_means(before: dict, after: dict) -> dict[str, float]:
@@ -158,6 +161,8 @@ def stage_means(before: dict, after: dict) -> dict[str, float]:
         if c1 > c0:
             means[label] = round((s1 - s0) / (c1 - c0) * (1 if label == "batch_states" else 1000), 2)
     means["graph_captures"] = int(after.get("captures", 0) - before.get("captures", 0))
+    gc0, gc1 = before.get("decider_gc_pause_seconds", (0.0, 0.0)), after.get("decider_gc_pause_seconds", (0.0, 0.0))
+    means["full_gc_collections"] = int(gc1[1] - gc0[1])
     return means
 
 
@@ -371,6 +376,10 @@ def main(argv=None) -> dict:
     print(json.dumps(env), flush=True)
     engine_rate = engine_only(args, model_dir, document, texts) * (args.workers if args.device.startswith("cuda") else 1)
     print(f"engine only: {engine_rate:,.1f} states/s (x{args.workers} workers on GPUs)", flush=True)
+    # The reader thread stamps when each record becomes visible; a full collection walking torch's and transformers'
+    # objects in this process (~0.2 s) would stamp late and count as latency. Same remedy as the worker's.
+    gc.collect()
+    gc.freeze()
     runs = []
     with EmbeddedBroker(port=free_port(), log=open(logs / "broker.log", "ab")) as broker:
         tput = throughput_phase(args, broker.bootstrap, model_dir, schema_file, texts, logs)
