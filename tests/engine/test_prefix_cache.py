@@ -37,3 +37,16 @@ def test_several_schemas_held_at_once(se):
     se.score(h2, states)
     assert torch.equal(p1, torch.stack(se.score(h1, states)))
     assert h1.id != h2.id and h1.nbytes > 0
+
+
+def test_plain_lists_are_the_tensors_cut_to_each_questions_options(se):
+    # the worker publishes score_lists; the oracle comparisons read score_rows: both must be the same numbers
+    h = se.prepare(make_questions([2, 4, 3]))
+    rows = [se.tokenize(h, s) for s in make_states(5, seed=9)]
+    tensors, lists = se.score_rows(h, rows), se.score_lists(h, rows)
+    assert len(lists) == len(tensors) == 5
+    for table, per_question in zip(tensors, lists):
+        assert [len(p) for p in per_question] == [2, 4, 3]
+        for q, probs in enumerate(per_question):
+            assert probs == table[q, :len(probs)].tolist()
+            assert abs(sum(probs) - 1) < 1e-5
