@@ -16,6 +16,7 @@ Failure rules:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -42,6 +43,22 @@ from worker.transactions import OutgoingRecord, Transactions
 log = logging.getLogger(__name__)
 
 EventSink = Callable[[str, dict[str, Any]], None]
+
+SLOW_STEP_S = 0.1
+"""A blocking step of the loop that takes this long is logged as a warning: the states consumed meanwhile wait."""
+
+
+@contextlib.contextmanager
+def _blocking_step(step: str, warn: bool = True):
+    """Time a step that blocks the loop into ``decider_loop_step_seconds``; warn when it took SLOW_STEP_S or more."""
+    started = time.perf_counter()
+    try:
+        yield
+    finally:
+        seconds = time.perf_counter() - started
+        metrics.LOOP_STEP_SECONDS.labels(step).observe(seconds)
+        if warn and seconds >= SLOW_STEP_S:
+            log.warning("slow step: %s took %.0f ms, and the loop consumed nothing meanwhile", step, seconds * 1000)
 
 
 @dataclass
@@ -276,7 +293,9 @@ class Worker:
     # ---- closing a cycle -------------------------------------------------------------------------------------
     def _close_cycle(self) -> None:
         """Bring the cycle up to date with the schema topic, then submit it, or pause until its waits resolve."""
-        self._sync_schemas(self._table.catch_up())
+        with _blocking_step("schema_catch_up"):      # a broker round trip per schema partition
+            changes = self._table.catch_up()
+        self._sync_schemas(changes)
         self._reroute_cycle(monotonic())
         self._holding = bool(self._cycle.waiting)
         if self._holding:
@@ -299,7 +318,8 @@ class Worker:
     def _commit_oldest(self) -> None:
         inflight = self._inflight[0]
         try:
-            outcomes = inflight.future.result()
+            with _blocking_step("wait_for_scores", warn=False):     # long on a CPU, by nature
+                outcomes = inflight.future.result()
         except Exception as exc:  # the scorer isolates per-state failures; anything else is a bug
             raise FatalError(f"scoring thread failed: {exc!r}") from exc
         if not self._inflight or self._inflight[0] is not inflight:
@@ -307,7 +327,8 @@ class Worker:
         records, counts = self._outputs(inflight, outcomes)
         started = time.perf_counter()
         try:
-            self._txns.commit(records, self._commit_offsets(inflight.cycle))
+            with _blocking_step("commit"):
+                self._txns.commit(records, self._commit_offsets(inflight.cycle))
         except AbortableError as exc:
             metrics.TRANSACTIONS.labels("aborted").inc()
             log.warning("transaction aborted (%s); rewinding to the committed offsets", exc)
