@@ -1,10 +1,11 @@
 """Keeping Python's garbage collector out of the latency: freeze what was loaded, report the pauses that remain.
 
 A worker holds torch, transformers and a model: some 350k objects that live as long as the process. Every full
-(generation 2) collection walks all of them: 160 ms on this 2-core machine, and the stream benchmark on the H200
-saw the worker commit nothing for 300 ms in the middle of a steady stream. ``gc.freeze()`` moves the objects alive
-at that moment to a generation the collector never walks, so later collections see only what the loop itself
-keeps; the collector still runs, and reference cycles made later are still freed.
+(generation 2) collection walks all of them, 160-205 ms on this 2-core machine, and stops every thread meanwhile:
+the open cycle's states wait. (The stream benchmark on the H200 saw a worker stop for 300 ms in a steady stream;
+the timing below is there to say whether a collection was the cause.) ``gc.freeze()`` moves the objects alive at
+that moment to a generation the collector never walks, so later collections see only what the loop itself keeps;
+the collector still runs, and reference cycles made later are still freed.
 """
 
 from __future__ import annotations
