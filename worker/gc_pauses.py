@@ -25,8 +25,9 @@ _started: list[float] = []
 
 
 def freeze_loaded_objects() -> int:
-    """Exempt every object alive now from future collections (call once the model and schemas are loaded).
-    Returns how many objects are frozen in all."""
+    """Exempt every object alive now from future collections (call once, when the model is loaded: a frozen object
+    that later becomes part of a garbage cycle is never freed, so nothing that can be released, such as a prepared
+    schema and its graphs, should be frozen). Returns how many objects are frozen in all."""
     gc.collect()                 # what is garbage already should be freed, not frozen
     gc.freeze()
     return gc.get_freeze_count()

@@ -17,7 +17,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from worker import gc_pauses, metrics
+from worker import metrics
 from worker.records import engine_questions, probabilities_problem
 
 log = logging.getLogger(__name__)
@@ -160,8 +160,6 @@ class Scorer:
         log.info("prepared schema %s v%d: %d questions, %.1f MiB", key[0], key[1], handle.n_questions, handle.nbytes / 2**20)
         if self._warmup_state_tokens:
             self._warm_up(key, handle)
-        # the prepared schema and its graphs live as long as the process: keep full collections from walking them
-        gc_pauses.freeze_loaded_objects()
         if self.on_event is not None:
             self.on_event("schema_prepared", {"schema_id": key[0], "version": key[1], "questions": handle.n_questions,
                                               "nbytes": int(handle.nbytes), "held_bytes": self.stats.held_bytes})
