@@ -27,9 +27,9 @@ class Kernels:
         DeltaNet recurrence, q and k already L2-normalised, decay g = -exp(A_log) * softplus(a + dt_bias) and
         beta = sigmoid(b), for q, k [B, T, Hk, Dk], v [B, T, Hv, Dv], a, b [B, T, Hv] and a [B, Hv, Dk, Dv] float32
         state;
-    conv_qkv(x [B, T, C], weight [C, K], prev [B, C, K] | None, key_dim, head_k_dim, head_v_dim) -> (q, k, v):
+    conv_qkv(x [B, T, C], weight [C, K], prev [B, C, K-1] | None, key_dim, head_k_dim, head_v_dim) -> (q, k, v):
         silu(causal conv) split into q, k [B, T, Hk, Dk] (each head L2-normalised, transformers' `l2norm`) and
-        v [B, T, Hv, Dv]; prev [B, C, K-1]: the previous K-1 inputs, oldest first;
+        v [B, T, Hv, Dv]; prev: the previous K-1 inputs, oldest first;
     rms_norm(x, weight, eps), weight already 1 + w for Qwen3.5's zero-centred norms, float32;
     gated_rms_norm(x, gate, weight, eps) = norm(x) * weight * silu(gate);
     swiglu(gate, up) = silu(gate) * up;
