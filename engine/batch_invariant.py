@@ -1,0 +1,180 @@
+"""Batch-invariant Triton kernels: a row's result never depends on how many rows share its launch.
+
+cuBLAS picks its GEMM kernel (tile shape, split-K, stream-K) from the problem's M, and flash attention splits the
+keys across blocks when too few query blocks would fill the GPU; both change the order in which a row's sums are
+accumulated, so the same state scored in batches of different sizes differs in its last bits, and through 24
+layers by up to 1e-2 in a probability. These kernels fix the order by construction:
+
+- `matmul`: one tiling for every M (the tile depends only on the weight's N and K), no split over K: every output
+  element is the same dot product, in the same order, whatever M, the row's position and its neighbours;
+- `attention`: each query row reads the keys in blocks of a fixed size from the first, never split: the row's
+  running max, sum and output see the same values in the same order whatever the batch, and masked (causal or
+  padded) keys add exact zeros.
+"""
+from __future__ import annotations
+
+import random
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit(do_not_specialize=["M"])
+def _matmul_kernel(X, W, Y, M, N, K: tl.constexpr, sx, sw, sy, BM: tl.constexpr, BN: tl.constexpr,
+                   BK: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr):
+    # Y[M, N] = X[M, K] @ W[N, K]^T, one BM x BN tile a program, the whole of K in BK steps
+    tile = tl.program_id(0)
+    num_m = tl.cdiv(M, BM)
+    num_n = tl.cdiv(N, BN)
+    # grouped order: programs running together share rows of X and columns of W in L2
+    per_group = GROUP_M * num_n
+    first_m = (tile // per_group) * GROUP_M
+    size_m = min(num_m - first_m, GROUP_M)
+    pm = first_m + (tile % per_group) % size_m
+    pn = (tile % per_group) // size_m
+    rm = pm * BM + tl.arange(0, BM)
+    rn = pn * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    x_ptr = X + rm[:, None].to(tl.int64) * sx + rk[None, :]
+    w_ptr = W + rn[None, :].to(tl.int64) * sw + rk[:, None]                     # [BK, BN]: a tile of W^T
+    m_ok = rm[:, None] < M
+    n_ok = rn[None, :] < N
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for _ in range(0, K, BK):
+        acc = tl.dot(tl.load(x_ptr, mask=m_ok, other=0.0), tl.load(w_ptr, mask=n_ok, other=0.0), acc,
+                     input_precision=PRECISION)
+        x_ptr += BK
+        w_ptr += BK
+    tl.store(Y + rm[:, None].to(tl.int64) * sy + rn[None, :], acc.to(Y.dtype.element_ty), mask=m_ok & n_ok)
+
+
+def matmul_config(N: int, K: int) -> tuple[int, int, int, int, int]:
+    """(BM, BN, BK, warps, stages) for a weight of N x K: a function of the weight alone, never of M."""
+    if N < 64:
+        return 64, 16, 64, 4, 3                      # the label projection: a handful of columns
+    return 128, 128, 64, 8, 3
+
+
+def matmul(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
+    """x [..., K] @ weight[N, K]^T -> [..., N], in x's dtype (float32 accumulation), batch-invariant."""
+    K = x.shape[-1]
+    N = weight.shape[0]
+    x2 = x.reshape(-1, K)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    weight = weight if weight.stride(-1) == 1 else weight.contiguous()
+    M = x2.shape[0]
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    BM, BN, BK, warps, stages = config or matmul_config(N, K)
+    if K % BK:
+        raise ValueError(f"K={K} must be a multiple of {BK}")
+    if M:
+        grid = (triton.cdiv(M, BM) * triton.cdiv(N, BN),)
+        _matmul_kernel[grid](x2, weight, y, M, N, K, x2.stride(0), weight.stride(0), y.stride(0), BM=BM, BN=BN,
+                             BK=BK, GROUP_M=8, PRECISION=_precision(x.dtype), num_warps=warps, num_stages=stages)
+    return y.view(*x.shape[:-1], N)
+
+
+def _precision(dtype: torch.dtype) -> str:
+    # float32 inputs: full-precision products (tl.dot's default for them is tf32); ignored for bf16 and fp16
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+@triton.jit(do_not_specialize=["M", "N_CTX", "H", "G"])
+def _attention_kernel(Q, K, V, O, LSE, LENS, M, N_CTX, H, G, sq_z, sq_h, sq_m, sk_z, sk_h, sk_n, sv_z, sv_h, sv_n,
+                      so_z, so_h, so_m, sl_z, sl_h, scale, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                      CAUSAL: tl.constexpr, HAS_LENS: tl.constexpr, PRECISION: tl.constexpr):
+    # one program: BM query rows of one (batch, query head); keys of kv head h // G, BN at a time from the first
+    start_m = tl.program_id(0) * BM
+    zh = tl.program_id(1)
+    z = zh // H
+    h = zh % H
+    kvh = h // G
+    if HAS_LENS:                     # keys past this batch entry's length are padding
+        N_CTX = tl.load(LENS + z)
+    rm = start_m + tl.arange(0, BM)
+    rd = tl.arange(0, D)
+    q = tl.load(Q + z.to(tl.int64) * sq_z + h * sq_h + rm[:, None].to(tl.int64) * sq_m + rd[None, :],
+                mask=rm[:, None] < M, other=0.0)
+    k_base = K + z.to(tl.int64) * sk_z + kvh * sk_h
+    v_base = V + z.to(tl.int64) * sv_z + kvh * sv_h
+    m_i = tl.full((BM,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BM,), dtype=tl.float32)
+    acc = tl.zeros((BM, D), dtype=tl.float32)
+    qk_scale = scale * 1.4426950408889634          # exp2 instead of exp
+    end = tl.minimum(start_m + BM, N_CTX) if CAUSAL else N_CTX
+    for start_n in range(0, end, BN):
+        rn = start_n + tl.arange(0, BN)
+        k = tl.load(k_base + rn[None, :].to(tl.int64) * sk_n + rd[:, None], mask=rn[None, :] < N_CTX, other=0.0)
+        s = tl.dot(q, k, input_precision=PRECISION) * qk_scale                                                  # [BM, BN]
+        keep = rn[None, :] < N_CTX
+        if CAUSAL:
+            keep = keep & (rn[None, :] <= rm[:, None])
+        s = tl.where(keep, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_base + rn[:, None].to(tl.int64) * sv_n + rd[None, :], mask=rn[:, None] < N_CTX, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    out = acc / l_i[:, None]
+    tl.store(O + z.to(tl.int64) * so_z + h * so_h + rm[:, None].to(tl.int64) * so_m + rd[None, :],
+             out.to(O.dtype.element_ty), mask=rm[:, None] < M)
+    # natural-log log-sum-exp, as the flash ops return it
+    tl.store(LSE + z.to(tl.int64) * sl_z + h * sl_h + rm, (m_i + tl.log2(l_i)) * 0.6931471805599453, mask=rm < M)
+
+
+ATTENTION_CONFIG = (128, 64, 8, 2)
+"""(query rows, keys, warps, stages) of every attention launch. The key block fixes a row's summation order, so it
+never varies; on the H200 this one ran the prefix half faster than torch's flash op at batch 32 and 128 (0.076 vs
+0.087 ms, 0.273 vs 0.301 ms a layer) and the causal suffix half slower (0.057 vs 0.045, 0.201 vs 0.133 ms):
+bench/results/2026-11-30-nvidia-h200-invariance-probe.json."""
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+              key_lengths: torch.Tensor | None = None, block_m: int | None = None, block_n: int | None = None,
+              warps: int | None = None, stages: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [Z, H, M, D], k, v [Z, Hkv, N, D] (query head h reads kv head h // (H / Hkv)) -> (out [Z, H, M, D],
+    lse [Z, H, M] float32). causal: query i sees keys 0..i (M == N). key_lengths: [Z] int32, the keys of entry z
+    past key_lengths[z] are ignored (prefixes of unequal lengths, right-padded)."""
+    cfg = ATTENTION_CONFIG
+    block_m, block_n, warps, stages = (block_m or cfg[0], block_n or cfg[1], warps or cfg[2], stages or cfg[3])
+    Z, H, M, D = q.shape
+    Hkv, N_CTX = k.shape[1], k.shape[2]
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        raise ValueError("attention: the last dimension of q, k and v must be contiguous")
+    out = torch.empty(Z, H, M, D, dtype=q.dtype, device=q.device)
+    lse = torch.empty(Z, H, M, dtype=torch.float32, device=q.device)
+    grid = (triton.cdiv(M, block_m), Z * H)
+    lens = key_lengths if key_lengths is not None else lse          # any pointer: not read without HAS_LENS
+    _attention_kernel[grid](q, k, v, out, lse, lens, M, N_CTX, H, H // Hkv, *q.stride()[:3], *k.stride()[:3],
+                            *v.stride()[:3], *out.stride()[:3], *lse.stride()[:2], scale, D=D, BM=block_m,
+                            BN=block_n, CAUSAL=causal, HAS_LENS=key_lengths is not None, PRECISION=_precision(q.dtype), num_warps=warps,
+                            num_stages=stages)
+    return out, lse
+
+
+def cublas_is_invariant(weights: list[torch.Tensor], row_counts: list[int], probe_rows: int = 16,
+                        seed: int = 0) -> bool:
+    """Whether F.linear (cuBLAS) gives a probe's rows the same bits at every row count in `row_counts` and any
+    position: cuBLAS chooses its kernel by M, and on the H200 with CUDA 13's cuBLAS every kernel it chose for this
+    model's shapes summed a row in the same order (bench/results/2026-11-30-nvidia-h200-invariance-probe.json); a
+    different library or GPU may not, so it is checked rather than assumed. Random data, one weight shape at a time."""
+    gen = torch.Generator(device=weights[0].device).manual_seed(seed)
+    positions = random.Random(seed)
+    for K in sorted({w.shape[1] for w in weights}):
+        block = torch.randn(max(row_counts), K, device=weights[0].device, generator=gen).to(weights[0].dtype)
+        probe = block[:probe_rows].clone()
+        for w in {(w.shape, w.dtype): w for w in weights if w.shape[1] == K}.values():
+            ref = torch.nn.functional.linear(probe, w)
+            for M in row_counts:
+                if M < probe_rows:
+                    continue
+                at = positions.randrange(M - probe_rows + 1)
+                x = block[:M].clone()
+                x[at:at + probe_rows] = probe
+                if not torch.equal(torch.nn.functional.linear(x, w)[at:at + probe_rows], ref):
+                    return False
+    return True
