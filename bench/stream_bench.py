@@ -12,7 +12,10 @@ Phases, each on its own set of topics so they never mix:
    records become visible to a read_committed reader, between 10% and 90% of them (start-up and tail excluded);
    with --kill-one, worker 0 is SIGKILLed at 40% and restarted with the same --worker-id;
 3. latency, once per --max-wait-ms: states produced at --latency-load x the measured throughput; latency of a state =
-   the moment its record becomes visible to a read_committed reader - its event time (set when it was produced).
+   the moment its record becomes visible to a read_committed reader - its event time (set when it was produced);
+4. with --replay: `decider replay` of the first latency phase's states topic (live, small deadline-cut batches) into
+   new topics at full batches: its scoring rate, and whether every replayed record's probabilities equal the live
+   record's bit for bit (what deterministic scoring promises).
 Every phase ends with the exactly-once check: each input state id appears exactly once across the probabilities
 and dead-letter topics, and nothing else does.
 """
@@ -319,6 +322,60 @@ def latency_phase(args, bootstrap, model_dir, schema_file, texts, logs, max_wait
                     **exactly_once(reader, warm_ids + steady + ids))
 
 
+def read_records(bootstrap: str, topic: str, partitions: int, expected: int, timeout_s: float = 60) -> dict:
+    """state id -> the probability record, for `expected` records of a topic (read_committed)."""
+    consumer = reader_consumer(bootstrap)
+    consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in range(partitions)])
+    records, deadline = {}, time.time() + timeout_s
+    try:
+        while len(records) < expected and time.time() < deadline:
+            msg = consumer.poll(0.2)
+            if msg is not None and msg.error() is None:
+                rec = schemas.decode_probability(msg.value())
+                records[rec["state_id"]] = rec
+    finally:
+        consumer.close()
+    return records
+
+
+def compare_probabilities(live: dict, replayed: dict) -> dict:
+    """Bit-for-bit comparison of the probabilities of the states present in both."""
+    common = live.keys() & replayed.keys()
+    equal, max_abs = 0, 0.0
+    for sid in common:
+        a = [p for q in live[sid]["questions"] for p in q["probabilities"]]
+        b = [p for q in replayed[sid]["questions"] for p in q["probabilities"]]
+        equal += a == b
+        max_abs = max(max_abs, max(abs(x - y) for x, y in zip(a, b)))
+    return dict(compared=len(common), bit_identical=equal, max_abs_diff=max_abs)
+
+
+def replay_phase(args, bootstrap, model_dir, live_name: str, logs) -> dict:
+    """Replay a live phase's states at full batches into new topics; its rate and its agreement with the live records."""
+    live = Topics(states=f"{live_name}.states", schemas=f"{live_name}.schemas",
+                  probabilities=f"{live_name}.probabilities", dead_letter=f"{live_name}.dead-letter")
+    out = Topics(states=live.states, schemas=live.schemas, probabilities=f"{live_name}.replay.probabilities",
+                 dead_letter=f"{live_name}.replay.dead-letter")
+    create_topics(bootstrap, out, args.partitions)
+    device = "cuda:0" if args.device.startswith("cuda") else "cpu"
+    gpu_flags = ["--warmup-state-tokens", str(args.state_tokens)] if device != "cpu" else []
+    cmd = [sys.executable, "-m", "worker", "replay", "-b", bootstrap, "--model", str(model_dir), "--device", device,
+           "--name", f"bench-{live_name}", "--states-topic", live.states, "--schemas-topic", live.schemas,
+           "--output-topic", out.probabilities, "--dead-letter-topic", out.dead_letter,
+           "--max-batch", str(args.max_batch), *gpu_flags]
+    done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=args.states / 5 + 300)
+    (logs / f"replay-{live_name}.log").write_bytes(done.stdout)
+    # the last line is the replay's summary: "replay NAME: complete; N states scored, ... (R states/s) -> topic"
+    summary = next((line for line in reversed(done.stdout.decode(errors="replace").splitlines())
+                    if line.startswith(f"replay bench-{live_name}: ")), "")
+    rate = float(summary.rsplit("(", 1)[1].split(" states/s")[0]) if "states/s" in summary else float("nan")
+    scored = int(summary.split("; ", 1)[1].split(" states scored")[0]) if "states scored" in summary else 0
+    live_records = read_records(bootstrap, live.probabilities, args.partitions, scored)
+    replayed = read_records(bootstrap, out.probabilities, args.partitions, scored)
+    return dict(phase="replay", of=live_name, exit_code=done.returncode, summary=summary, states_per_s=rate,
+                states=scored, **compare_probabilities(live_records, replayed))
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="CPU, tiny model, a few hundred states")
@@ -339,6 +396,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--latency-warmup-seconds", type=float, default=None,
                     help="load at the offered rate before latencies are measured (first-sight graph captures)")
     ap.add_argument("--partitions", type=int, default=None)
+    ap.add_argument("--replay", action="store_true",
+                    help="after the latency phases, replay the first one's states at full batches and compare records")
     ap.add_argument("--engine-seconds", type=float, default=None)
     ap.add_argument("--start-timeout", type=float, default=300)
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
@@ -391,6 +450,11 @@ def main(argv=None) -> dict:
                                 args.latency_rate or args.latency_load * tput["states_per_s"])
             runs.append(lat)
             print(json.dumps(lat), flush=True)
+        if args.replay:
+            rep = replay_phase(args, broker.bootstrap, model_dir, f"lat{args.max_wait_ms[0]}", logs)
+            rep["fraction_of_engine"] = rep["states_per_s"] / engine_rate
+            runs.append(rep)
+            print(json.dumps(rep), flush=True)
     result = dict(env=env, engine_only_states_per_s=engine_rate, runs=runs, logs=str(logs))
     print(markdown(result))
     if not args.quick:
@@ -411,6 +475,10 @@ def markdown(result: dict) -> str:
              f"engine only: {result['engine_only_states_per_s']:,.1f} states/s", "",
              "| phase | max wait ms | states/s | p50 ms | p99 ms | exactly once | dead letters |", "|---|---|---|---|---|---|---|"]
     for r in result["runs"]:
+        if r["phase"] == "replay":
+            lines.append(f"| replay of {r['of']} | | {r['states_per_s']:,.1f} | | | bit-identical to live: "
+                         f"{r['bit_identical']}/{r['compared']} (max diff {r['max_abs_diff']:.3g}) | exit {r['exit_code']} |")
+            continue
         rate = r.get("states_per_s", r.get("offered_states_per_s"))
         lines.append(f"| {r['phase']}{' (kill+restart)' if r.get('killed_and_restarted') else ''} | {r.get('max_wait_ms', '')} "
                      f"| {rate:,.1f} | {r.get('p50_ms', float('nan')):.1f} | {r.get('p99_ms', float('nan')):.1f} "

@@ -21,11 +21,14 @@ def test_stream_bench_quick_runs_end_to_end_exactly_once():
     """Embedded broker + a real worker process + load generator, on the CPU; every phase verifies exactly-once."""
     from bench.stream_bench import main as stream_main
 
-    result = stream_main(["--quick", "--states", "60", "--latency-seconds", "2"])
+    result = stream_main(["--quick", "--states", "60", "--latency-seconds", "2", "--replay"])
     phases = [r["phase"] for r in result["runs"]]
-    assert phases == ["throughput", "latency"]
-    for r in result["runs"]:
+    assert phases == ["throughput", "latency", "replay"]
+    tput, lat, replay = result["runs"]
+    for r in (tput, lat):
         assert r["ok"], r
-    tput, lat = result["runs"]
     assert tput["states_per_s"] > 0 and result["engine_only_states_per_s"] > 0
     assert 0 < lat["p50_ms"] <= lat["p99_ms"]
+    # the replay scored every state of the live latency phase, and each has a live record to compare with
+    assert replay["exit_code"] == 0 and replay["states_per_s"] > 0, replay
+    assert replay["states"] == replay["compared"] > 0, replay
