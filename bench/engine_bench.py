@@ -29,7 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine import Engine, SchemaEngine  # noqa: E402
-from engine.full_forward import FullPromptScorer  # noqa: E402
+from bench.full_forward import FullPromptScorer  # noqa: E402
 from engine.reference import score_full  # noqa: E402
 
 # The published Qwen3.5-0.8B text config (as measured in shared/measurements/gpu_probe.py).
@@ -151,7 +151,7 @@ def main(argv=None) -> dict:
     ceiling = gemm_ceiling(dev)
     env = dict(gpu=torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu",
                torch=torch.__version__, transformers=__import__("transformers").__version__, fla=_fla_version(),
-               delta_rule=se_eager.fwd.k.name, model=model_desc, dtype=args.dtype,
+               delta_rule=se_eager.fwd.kernels.name, model=model_desc, dtype=args.dtype,
                prefix_tokens=h_eager.prefix_tokens, questions=args.questions, options=args.options,
                flop_per_token=flop_per_token, gemm_ceiling_tflops=ceiling / 1e12,
                date=datetime.date.today().isoformat())
@@ -190,7 +190,7 @@ def main(argv=None) -> dict:
                 runs.append(r)
                 print(_row(r), f"  ({time.perf_counter() - started:.1f} s incl. warm-up and captures)", flush=True)
                 _save(args, env, runs, parity=parity)   # after every row: a run cut short still leaves its numbers
-    result = dict(env=env, runs=runs, parity=parity, graph_stats=se_graph.graphs.stats if se_graph.graphs else None)
+    result = dict(env=env, runs=runs, parity=parity, graph_stats=se_graph.graph_stats())
     print(markdown(result))
     path = _save(args, env, runs, parity=parity, graph_stats=result["graph_stats"])
     if path:

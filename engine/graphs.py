@@ -1,27 +1,25 @@
-"""CUDA graphs of the scoring step, one per (schema, batch bucket, length bucket), sharing one memory pool.
+"""The graph manager: CUDA graphs of a scoring step, one per (key, batch bucket, length bucket), in one memory pool.
 
-Like vLLM's graph manager: fixed buckets, warm-up on a side stream, capture largest first (so smaller graphs reuse
-the pool's blocks), replay after copying inputs into the static buffers, and slice the static output.
+Like vLLM's `cudagraph_utils.py`, `GraphManager` owns the bucket tables and picks the padded shape a batch runs at
+(`shape`), warms up and captures (largest first, so smaller graphs reuse the pool's blocks: `warmup_order`), copies
+inputs into a graph's static buffers, replays and slices the static output (`run`), and counts captures, replays and
+eager steps (`stats`). Its callers build inputs at the shape it picked and say what one step computes.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 
 TS_BUCKETS = (*range(32, 257, 8), *range(288, 1025, 32), 1280, 1536, 2048)
 """Suffix lengths graphs are captured for: steps of 8 tokens where states usually fall (a 182-token suffix runs as
 184, not 192: padding is wasted compute), coarser above; longer suffixes run eagerly."""
-FULL_PROMPT_STEP = 8
-"""Whole-prompt graphs (`full_fast`) pad to a multiple of this, up to 4096 tokens: the same granularity as the
-suffixes, so that the benchmark's comparison does not charge the recomputing server more padding than the cache."""
 B_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128)
 """Requests per graph; larger batches are split into chunks of the largest. A padded row costs as much as a real one
 (on the H200, 0.8B shape: ~2 ms per batch plus ~0.6 ms per row), and a stream's batches take whatever size its
-rate and --max-wait-ms give, so above 8 the steps are small (at most 29% of a graph's rows are padding: 17 states
-in 24). With powers of two, the stream benchmark's batches of ~19 states (716 states/s, --max-wait-ms 20) ran as
-32 rows: 20.5 ms each."""
+rate and --max-wait-ms give, so above 8 the steps are small: at most 29% of a graph's rows are padding (17 states in
+24), where powers of two would run a stream's typical batch of ~19 states (--max-wait-ms 20) as 32 rows."""
 
 
 def bucket(n: int, buckets: tuple[int, ...]) -> int | None:
@@ -34,6 +32,14 @@ def batch_buckets(max_batch: int) -> list[int]:
     if max_batch > B_BUCKETS[-1]:
         return list(B_BUCKETS)            # larger batches run as chunks of the largest bucket plus a remainder
     return [b for b in B_BUCKETS if b <= bucket(max_batch, B_BUCKETS)]
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """The shape a step runs at: R requests of T tokens (padded to a bucket when `graphed`, else as they came)."""
+    R: int
+    T: int
+    graphed: bool
 
 
 @dataclass
@@ -50,31 +56,71 @@ class CapturedStep:
         return self.output
 
 
-class GraphCache:
-    """Captured steps by key, all in one private memory pool; `stats` counts captures and replays.
+StepBuilder = Callable[[StepShape], tuple[Callable[..., torch.Tensor], object]]
+"""build(shape) -> (fn, keep): fn(*inputs) -> output, closed over whatever `keep` holds (what a graph must keep)."""
 
-    The pool belongs to this cache alone: PyTorch frees a private pool once no graph holds it, and a later capture
-    into a freed pool's handle trips an allocator assertion, so each cache (and each refill after `drop` emptied it)
-    takes a fresh handle.
+
+class GraphManager:
+    """Captured steps by (key, R, T), all in one private memory pool; `stats` counts captures, replays and eager steps.
+
+    enabled=False (CPU, or graphs switched off) runs every step eagerly at the batch's own shape.
+    The pool belongs to this manager alone: PyTorch frees a private pool once no graph holds it, and a later capture
+    into a freed pool's handle trips an allocator assertion, so each manager (and each refill after `drop` emptied
+    it) takes a fresh handle.
     """
 
-    def __init__(self):
-        self.pool = torch.cuda.graph_pool_handle()
-        self.steps: dict[tuple, CapturedStep] = {}
-        self.stats = {"captures": 0, "replays": 0}
+    def __init__(self, enabled: bool, batch_sizes: tuple[int, ...] = B_BUCKETS,
+                 token_lengths: tuple[int, ...] = TS_BUCKETS):
+        self.enabled = enabled
+        self.batch_sizes, self.token_lengths = batch_sizes, token_lengths
+        self.stats = {"captures": 0, "replays": 0, "eager": 0}
+        self._pool = None
+        self._steps: dict[tuple, CapturedStep] = {}
 
-    def run(self, key: tuple, inputs: tuple[torch.Tensor, ...], build: Callable[[], tuple[Callable, object]]):
-        """Replay the step for `key` on `inputs`, capturing it first if needed.
+    @property
+    def max_batch(self) -> int:
+        """The most requests one step runs: callers split larger batches into chunks of this."""
+        return self.batch_sizes[-1]
 
-        build() -> (fn, keep): fn(*static_inputs) -> output, closed over whatever `keep` holds.
-        """
-        step = self.steps.get(key)
+    def shape(self, n: int, tmax: int) -> StepShape:
+        """The shape a batch of n requests, the longest tmax tokens, runs at: its buckets if a graph can serve it."""
+        R, T = bucket(n, self.batch_sizes), bucket(tmax, self.token_lengths)
+        if self.enabled and R is not None and T is not None:
+            return StepShape(R, T, graphed=True)
+        return StepShape(n, tmax, graphed=False)
+
+    def warmup_order(self, batch_sizes: Iterable[int], token_lengths: Iterable[int]) -> list[StepShape]:
+        """The graphed shapes that batches of these sizes and lengths run at, largest first (captured in this order,
+        smaller graphs reuse the blocks the larger ones freed). Empty when graphs are off."""
+        shapes = {self.shape(n, t) for n in batch_sizes for t in token_lengths}
+        return sorted((s for s in shapes if s.graphed), key=lambda s: (s.R, s.T), reverse=True)
+
+    def run(self, key: tuple, shape: StepShape, inputs: tuple[torch.Tensor, ...], build: StepBuilder,
+            out_rows: int) -> torch.Tensor:
+        """One step on `inputs` (built at `shape`): replayed from its graph (captured first if needed) when
+        `shape.graphed`, else run eagerly. -> the first `out_rows` rows of the output; a graph's output is its static
+        buffer, valid until the next replay of any graph of this manager."""
+        if not shape.graphed:
+            self.stats["eager"] += 1
+            fn, _ = build(shape)
+            return fn(*inputs)[:out_rows]
+        full_key = (*key, shape.R, shape.T)
+        step = self._steps.get(full_key)
         if step is None:
-            step = self.steps[key] = self.capture(inputs, *build())
+            step = self._steps[full_key] = self._capture(inputs, *build(shape))
         self.stats["replays"] += 1
-        return step.replay(*inputs)
+        return step.replay(*inputs)[:out_rows]
 
-    def capture(self, example: tuple[torch.Tensor, ...], fn: Callable, keep: object) -> CapturedStep:
+    def drop(self, key_head) -> None:
+        """Forget the graphs whose key starts with `key_head` (a schema's, when it is released)."""
+        for key in [k for k in self._steps if k[0] == key_head]:
+            del self._steps[key]
+        if not self._steps:
+            self._pool = None
+
+    def _capture(self, example: tuple[torch.Tensor, ...], fn: Callable, keep: object) -> CapturedStep:
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
         static = tuple(x.clone() for x in example)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -83,13 +129,7 @@ class GraphCache:
                 fn(*static)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        with torch.cuda.graph(graph, pool=self._pool):
             out = fn(*static)
         self.stats["captures"] += 1
         return CapturedStep(graph, static, out, keep)
-
-    def drop(self, schema_id) -> None:
-        for key in [k for k in self.steps if k[0] == schema_id]:
-            del self.steps[key]
-        if not self.steps:
-            self.pool = torch.cuda.graph_pool_handle()

@@ -1,11 +1,8 @@
-"""The kernels behind the forward, chosen once per device.
+"""The kernel table behind the forward (`Kernels`) and its choice, once per engine (`select_kernels`).
 
-On CUDA with flash-linear-attention (fla) installed: fla's Triton kernels for the Gated DeltaNet recurrence (with
-the decay gate and beta's sigmoid computed inside it); from `engine.triton_kernels` (fixed launch configuration:
-no per-shape autotuning, 16-byte loads) SwiGLU, the causal conv fused with the q/k L2 norms (continuing the
-prefix's conv state in place: no per-row concatenation of the prefix's conv inputs, no copies of q, k, v), the
-RMS/gated norms, the residual adds fused into them, q/k norm + RoPE, and the attention's merge with its output
-gate. Elsewhere: PyTorch code that computes exactly what transformers' modules compute (what CPU tests run).
+On CUDA with flash-linear-attention (fla) installed: `engine.fla_kernels` (fla's Gated DeltaNet recurrence and the
+fused Triton kernels of `engine.triton_kernels`). Elsewhere: `engine.torch_kernels`, PyTorch code that computes
+exactly what transformers' modules compute (what CPU tests run).
 """
 from __future__ import annotations
 
@@ -13,9 +10,7 @@ import logging
 from dataclasses import dataclass
 from typing import Callable
 
-import torch
-import torch.nn.functional as F
-from transformers.models.qwen3_5.modeling_qwen3_5 import apply_rotary_pos_emb, l2norm
+from engine import torch_kernels as torch_k
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +32,7 @@ class Kernels:
         transformers does (h may be updated in place);
     qk_norm_rope(q [B, T, Hq, D], k [B, T, Hkv, D], q_weight, k_weight, cos, sin, eps) -> (q, k) as [B, H, T, D]: the
         attention's per-head RMSNorms, then transformers' `apply_rotary_pos_emb`;
-    gate_attention(engine.model.AttentionOut, gate [B, T, Hq, D]) -> [B, T, Hq * D]: the merge of a prefix/suffix
+    gate_attention(engine.attention.AttentionOut, gate [B, T, Hq, D]) -> [B, T, Hq * D]: the merge of a prefix/suffix
         split attention (if any), then transformers' sigmoid output gate."""
     name: str
     delta_rule: Callable
@@ -51,102 +46,25 @@ class Kernels:
 
 
 def select_kernels(device_type: str) -> Kernels:
+    """The kernel table for a device type ("cuda", "cpu")."""
     if device_type == "cuda":
         try:
-            return _fla_kernels()
+            return fla_kernels()
         except ImportError:
             log.warning("flash-linear-attention is not installed: the Gated DeltaNet layers run PyTorch fallbacks, "
                         "several times slower (pip install 'decider[gpu]')")
-    return _torch_kernels()
+    return torch_kernels()
 
 
-def _torch_kernels() -> Kernels:
-    from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
-    # transformers wraps its reference function to dispatch to fla whenever fla imports, whatever the device; the
-    # CPU path needs the PyTorch original underneath.
-    reference = getattr(torch_chunk_gated_delta_rule, "__wrapped__", torch_chunk_gated_delta_rule)
-
-    def delta_rule(q, k, v, a, b, A_log, dt_bias, initial_state, output_final_state):
-        # transformers' Gated DeltaNet: the gate and beta in float32 / the input dtype, q and k repeated per value head
-        g = -A_log.float().exp() * F.softplus(a.float() + dt_bias)
-        if v.shape[2] > q.shape[2]:
-            rep = v.shape[2] // q.shape[2]
-            q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
-        return reference(q, k, v, g=g, beta=b.sigmoid(), initial_state=initial_state,
-                         output_final_state=output_final_state)
-
-    return Kernels("torch", delta_rule, torch_conv_qkv, torch_rms_norm, torch_gated_rms_norm,
-                   lambda gate, up: F.silu(gate) * up, torch_add_rms_norm, torch_qk_norm_rope,
-                   torch_gate_attention)
+def torch_kernels() -> Kernels:
+    """`engine.torch_kernels`: transformers' PyTorch formulas (any device)."""
+    t = torch_k
+    return Kernels("torch", t.torch_delta_rule, t.torch_conv_qkv, t.torch_rms_norm, t.torch_gated_rms_norm,
+                   t.torch_swiglu, t.torch_add_rms_norm, t.torch_qk_norm_rope, t.torch_gate_attention)
 
 
-def torch_causal_conv(x: torch.Tensor, weight: torch.Tensor, prev: torch.Tensor | None) -> torch.Tensor:
-    K = weight.shape[1]
-    xt = x.transpose(1, 2)                                                             # [B, C, T]
-    full = F.pad(xt, (K - 1, 0)) if prev is None else torch.cat([prev.to(x.dtype), xt], -1)
-    return F.silu(F.conv1d(full, weight[:, None, :], groups=weight.shape[0])).transpose(1, 2)
-
-
-def torch_conv_qkv(x: torch.Tensor, weight: torch.Tensor, prev: torch.Tensor | None, key_dim: int, head_k_dim: int,
-                   head_v_dim: int):
-    B, T, _ = x.shape
-    q, k, v = torch_causal_conv(x, weight, prev).split([key_dim, key_dim, x.shape[-1] - 2 * key_dim], dim=-1)
-    # transformers normalises q and k in float32 (inside its delta rule, to match fla): the same numbers
-    q, k = (l2norm(t.reshape(B, T, -1, head_k_dim).float(), dim=-1, eps=1e-6).to(x.dtype) for t in (q, k))
-    return q, k, v.reshape(B, T, -1, head_v_dim)
-
-
-def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight).to(x.dtype)
-
-
-def torch_qk_norm_rope(q, k, q_weight, k_weight, cos, sin, eps):
-    q = torch_rms_norm(q, q_weight, eps).transpose(1, 2)
-    k = torch_rms_norm(k, k_weight, eps).transpose(1, 2)
-    return apply_rotary_pos_emb(q, k, cos, sin)
-
-
-def torch_gate_attention(a, gate: torch.Tensor) -> torch.Tensor:
-    from engine.model import row_major
-    o = a.o
-    B, Hq, T, D = o.shape
-    if a.o_pre is not None:
-        o_pre = row_major(a.o_pre, a.R).reshape(B, Hq, T, D)
-        lse_pre = row_major(a.lse_pre[..., None], a.R).reshape(B, Hq, T)
-        w_pre = torch.sigmoid(lse_pre - a.lse)[..., None]                                 # share of the prefix keys
-        o = (o + (o_pre - o) * w_pre).to(o.dtype)
-    return o.transpose(1, 2).reshape(B, T, -1) * torch.sigmoid(gate.reshape(B, T, -1))
-
-
-def torch_add_rms_norm(h: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float):
-    h = h + x
-    return torch_rms_norm(h, weight, eps), h
-
-
-def torch_gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # transformers' order: normalise in float32, cast, scale, then gate in float32
-    xf = x.float()
-    normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-    return ((weight * normed) * F.silu(gate.float())).to(x.dtype)
-
-
-def _fla_kernels() -> Kernels:
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-
-    from engine.triton_kernels import GATED, add_rms_norm, conv_qkv, gate_attention, rms_norm_rope, row_norm, swiglu
-
-    def delta_rule(q, k, v, a, b, A_log, dt_bias, initial_state, output_final_state):
-        # fla reads grouped value heads (Hv > Hk) without repeating q and k; q and k come L2-normalised from
-        # conv_qkv (fla's own L2 norm would be one more kernel, specialised on the row-block count per shape)
-        return chunk_gated_delta_rule(q, k, v, g=a, beta=b, initial_state=initial_state,
-                                      output_final_state=output_final_state, use_gate_in_kernel=True, A_log=A_log,
-                                      dt_bias=dt_bias, use_beta_sigmoid_in_kernel=True)
-
-    def gated(x, gate, weight, eps):
-        return row_norm(x, weight, eps, GATED, gate)
-
-    def qk_norm_rope(q, k, q_weight, k_weight, cos, sin, eps):
-        return rms_norm_rope(q, q_weight, cos, sin, eps), rms_norm_rope(k, k_weight, cos, sin, eps)
-
-    return Kernels("fla", delta_rule, conv_qkv, row_norm, gated, swiglu, add_rms_norm, qk_norm_rope, gate_attention)
+def fla_kernels() -> Kernels:
+    """`engine.fla_kernels` (CUDA only): ImportError where fla or triton is not installed."""
+    from engine import fla_kernels as f      # imports fla and triton, which CPU machines may lack
+    return Kernels("fla", f.delta_rule, f.conv_qkv, f.row_norm, f.gated_rms_norm, f.swiglu, f.add_rms_norm,
+                   f.qk_norm_rope, f.gate_attention)

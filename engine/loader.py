@@ -23,7 +23,7 @@ class Engine:
 
     Attributes: `model` (Qwen3_5ForCausalLM), `core` (its decoder), `cfg` (text config), `tok`, `dev`, `dtype`,
     `W` ([MAX_OPTIONS, hidden]: the unembedding rows of the labels " A".." H"), `label_ids`, `use_graphs`, `model_id`.
-    CUDA-graph memory pools belong to each SchemaEngine's graph cache (`engine.graphs.GraphCache`).
+    CUDA-graph memory pools belong to each SchemaEngine's graph manager (`engine.graphs.GraphManager`).
     """
 
     def __init__(self, model, tok, model_id: str, use_graphs: bool | None = None):

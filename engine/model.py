@@ -2,8 +2,9 @@
 
 transformers' modules hold the weights (names match the checkpoint: `model.layers.N.linear_attn.in_proj_qkv`, ...) and
 compute embeddings and the RoPE angles; norms (with the residual adds and RoPE fused in), the causal conv, the delta
-rule, SwiGLU and the attention's merge and output gate come from `engine.kernels` (fla's and `engine.triton_kernels`'
-fused Triton kernels on CUDA, transformers' exact PyTorch formulas elsewhere); this file owns the order of
+rule, SwiGLU and the attention's merge and output gate come from the kernel table `engine.kernels.select_kernels`
+picks (fla's and `engine.triton_kernels`' fused Triton kernels on CUDA, transformers' exact PyTorch formulas
+elsewhere); the attention calls and layouts from `engine.attention`; this file owns the order of
 operations, the fused projections and the layer states, so that:
 
 - a *prefix pass* (one prefix, batch 1) returns each layer's state: K/V (after RoPE) for full-attention layers, the
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from engine.attention import AttentionOut, prefix_major, row_major, sdpa_with_lse
 from engine.kernels import select_kernels
 
 
@@ -119,10 +121,11 @@ class SuffixContext:
         return t.expand(self.R, *t.shape[1:]) if self.P == 1 else t.repeat(self.R, *([1] * (t.dim() - 1)))
 
     def conv_prev(self, i):
-        return self._rows(self.prefix.conv[i])
+        return self._rows(self.prefix.conv[i])                                             # [R*P, C, K-1]
 
     def rec_prev(self, i):
-        return self._rows(self.prefix.rec[i]).contiguous()
+        # fla's recurrence reads the initial state as a dense [B, Hv, Dk, Dv] block; `_rows` may be a stride-0 view
+        return self._rows(self.prefix.rec[i]).contiguous()                                 # [R*P, Hv, Dk, Dv]
 
     def attend(self, i, q, k, v, scale):
         """q: [B, Hq, T, D]; k, v: [B, Hkv, T, D] (this suffix). Softmax over [own prefix keys | causal suffix keys]."""
@@ -159,50 +162,6 @@ class SuffixContext:
         return AttentionOut((o_pre + a_self @ v).reshape(B, Hq, T, D))
 
 
-def prefix_major(t: torch.Tensor, R: int, P: int) -> torch.Tensor:
-    """[R*P, Hkv, G*T, X] -> [P, Hkv, R*G*T, X]: every row continuing prefix p as one matrix per (p, kv head)."""
-    _, Hkv, GT, X = t.shape
-    return t.reshape(R, P, Hkv, GT, X).permute(1, 2, 0, 3, 4).reshape(P, Hkv, R * GT, X)
-
-
-def row_major(t: torch.Tensor, R: int) -> torch.Tensor:
-    """The inverse of `prefix_major`: [P, Hkv, R*G*T, X] -> [R*P, Hkv, G*T, X]."""
-    P, Hkv, RGT, X = t.shape
-    return t.reshape(P, Hkv, R, RGT // R, X).permute(2, 0, 1, 3, 4).reshape(R * P, Hkv, RGT // R, X)
-
-
-@dataclass
-class AttentionOut:
-    """A context's attention before the output gate: `o` [B, Hq, T, D] alone, or the causal suffix half (`o`, `lse`)
-    of a merged attention plus its prefix half (`o_pre`, `lse_pre`, prefix-major over R requests and P prefixes),
-    which `Kernels.gate_attention` merges by log-sum-exp while it applies the gate."""
-    o: torch.Tensor
-    lse: torch.Tensor | None = None
-    o_pre: torch.Tensor | None = None
-    lse_pre: torch.Tensor | None = None
-    R: int = 1
-    P: int = 1
-
-
-def sdpa_with_lse(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fused attention that also returns each query's log-sum-exp: -> (out [N, H, M, D], lse [N, H, M] float32).
-
-    k, v may hold fewer heads than q (grouped-query: head h reads kv head h // (H / Hkv)). The flash ops read the
-    groups themselves (checked on the H200: identical output and log-sum-exp, 0.065 ms against 0.110 ms with
-    `repeat_interleave`d copies at 32 x 144 tokens); only the float32 CUDA op needs the copies."""
-    M = q.shape[2]
-    if q.device.type == "cpu":
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)[:2]
-    elif q.dtype in (torch.bfloat16, torch.float16):
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)[:2]
-    else:
-        G = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)
-        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal,
-                                                                          scale=scale)[:2]
-    return out, lse[..., :M].float()
-
-
 class HybridForward:
     """Runs the decoder layers of a transformers `Qwen3_5ForCausalLM` with explicit layer states.
 
@@ -216,7 +175,7 @@ class HybridForward:
         self.cfg = causal_lm.config
         self.eps = self.cfg.rms_norm_eps
         dev = next(causal_lm.parameters()).device
-        self.k = select_kernels(dev.type)
+        self.kernels = select_kernels(dev.type)
         self.w = [self._layer_weights(layer) for layer in self.core.layers]
         self.final_norm_w = 1.0 + self.core.norm.weight.float()
 
@@ -247,13 +206,13 @@ class HybridForward:
         return rec.state
 
     def final_norm(self, hs: torch.Tensor) -> torch.Tensor:
-        return self.k.rms_norm(hs, self.final_norm_w, self.eps)
+        return self.kernels.rms_norm(hs, self.final_norm_w, self.eps)
 
     def layers(self, ids: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
         """ids, positions: [B, T] -> hidden states [B, T, hidden] before the final norm."""
         h = self.core.embed_tokens(ids)
         cos, sin = self.core.rotary_emb(h, positions[None].expand(3, -1, -1))
-        x = self.k.rms_norm(h, self.w[0]["in_norm"], self.eps)
+        x = self.kernels.rms_norm(h, self.w[0]["in_norm"], self.eps)
         last = len(self.core.layers) - 1
         # Each residual add is fused with the norm that reads its result (one pass over the stream, not two).
         for i, layer in enumerate(self.core.layers):
@@ -262,15 +221,15 @@ class HybridForward:
                 x = self._gated_delta_net(layer.linear_attn, w, x, i, ctx)
             else:
                 x = self._attention(layer.self_attn, w, x, cos, sin, i, ctx)
-            x, h = self.k.add_rms_norm(h, x, w["post_norm"], self.eps)
+            x, h = self.kernels.add_rms_norm(h, x, w["post_norm"], self.eps)
             x = self._mlp(layer.mlp, w, x)
             if i == last:
                 return h + x
-            x, h = self.k.add_rms_norm(h, x, self.w[i + 1]["in_norm"], self.eps)
+            x, h = self.kernels.add_rms_norm(h, x, self.w[i + 1]["in_norm"], self.eps)
 
     def _mlp(self, mlp, w, x):
         gate, up = F.linear(x, w["mlp_in"]).split(mlp.intermediate_size, dim=-1)
-        return mlp.down_proj(self.k.swiglu(gate, up))
+        return mlp.down_proj(self.kernels.swiglu(gate, up))
 
     def _attention(self, attn, w, x, cos, sin, i, ctx):
         B, T, _ = x.shape
@@ -278,24 +237,29 @@ class HybridForward:
         q_dim, kv_dim = attn.q_proj.out_features, attn.k_proj.out_features
         qg, k, v = F.linear(x, w["qkv"]).split([q_dim, kv_dim, kv_dim], dim=-1)
         q, gate = torch.chunk(qg.view(B, T, -1, 2 * D), 2, dim=-1)                         # [B, T, Hq, D] each
-        q, k = self.k.qk_norm_rope(q, k.view(B, T, -1, D), w["q_norm"], w["k_norm"], cos, sin, self.eps)
+        q, k = self.kernels.qk_norm_rope(q, k.view(B, T, -1, D), w["q_norm"], w["k_norm"], cos, sin, self.eps)
         v = v.reshape(B, T, -1, D).transpose(1, 2)                                         # q, k, v: [B, H, T, D]
-        out = self.k.gate_attention(ctx.attend(i, q, k, v, attn.scaling), gate)            # [B, T, Hq * D]
+        out = self.kernels.gate_attention(ctx.attend(i, q, k, v, attn.scaling), gate)            # [B, T, Hq * D]
         return attn.o_proj(out)
 
     def _gated_delta_net(self, lin, w, x, i, ctx):
-        B, T, _ = x.shape
+        B, T, _ = x.shape                                                                  # x: [B, T, hidden]
         K = lin.conv_kernel_size
         H = lin.num_v_heads
+        # qkv: [B, T, 2 * key_dim + value_dim] (conv channels C); z: [B, T, value_dim]; b, a: [B, T, Hv]
         qkv, z, b, a = F.linear(x, w["in_proj"]).split([lin.conv_dim, lin.value_dim, H, H], dim=-1)
         if ctx.records:
-            ctx.keep("conv", i, _last_inputs(qkv, K - 1))
-        q, k, v = self.k.conv_qkv(qkv, w["conv"], ctx.conv_prev(i), lin.key_dim, lin.head_k_dim, lin.head_v_dim)
-        out, final = self.k.delta_rule(q, k, v, a, b, lin.A_log, lin.dt_bias, ctx.rec_prev(i), ctx.records)
+            ctx.keep("conv", i, _last_inputs(qkv, K - 1))                                  # [B, C, K-1]
+        # q, k: [B, T, Hk, Dk] L2-normalised per head; v: [B, T, Hv, Dv]
+        q, k, v = self.kernels.conv_qkv(qkv, w["conv"], ctx.conv_prev(i), lin.key_dim, lin.head_k_dim,
+                                        lin.head_v_dim)
+        # out: [B, T, Hv, Dv]; final: [B, Hv, Dk, Dv] float32 when the context records it, else None
+        out, final = self.kernels.delta_rule(q, k, v, a, b, lin.A_log, lin.dt_bias, ctx.rec_prev(i), ctx.records)
         if final is not None:
             ctx.keep("rec", i, final)
-        out = self.k.gated_rms_norm(out, z.view(B, T, H, lin.head_v_dim), lin.norm.weight, lin.norm.variance_epsilon)
-        return lin.out_proj(out.reshape(B, T, -1))
+        out = self.kernels.gated_rms_norm(out, z.view(B, T, H, lin.head_v_dim), lin.norm.weight,
+                                          lin.norm.variance_epsilon)                       # [B, T, Hv, Dv]
+        return lin.out_proj(out.reshape(B, T, -1))                                         # [B, T, hidden]
 
 
 def _fuse(linears) -> torch.Tensor:

@@ -19,7 +19,7 @@ from typing import NamedTuple, Sequence
 import torch
 
 from engine.errors import InputError
-from engine.graphs import B_BUCKETS, TS_BUCKETS, GraphCache, batch_buckets, bucket
+from engine.graphs import GraphManager, StepShape, batch_buckets
 from engine.model import PrefixState, SuffixContext
 from engine.prompt import (DEFAULT_MAX_CTX_TOKENS, MAX_OPTIONS, ChatTemplate, Question, parse_questions,
                            resolve_temperatures, schema_prefix_ids, schema_suffix_ids)
@@ -80,10 +80,8 @@ class SchemaEngine:
                  max_ctx_tokens: int = DEFAULT_MAX_CTX_TOKENS):
         """chat: wrap prompts in a chat template (`engine.prompt.QWEN_CHAT` for Qwen3.5 instruct models)."""
         self.e, self.fwd, self.chat, self.max_ctx_tokens = engine, engine.forward, chat, max_ctx_tokens
-        self.use_graphs = use_graphs and engine.use_graphs
-        self.graphs = GraphCache() if engine.dev.type == "cuda" else None
+        self.graphs = GraphManager(enabled=use_graphs and engine.use_graphs)
         self._ids = itertools.count()
-        self.stats = dict(prepared=0, eager=0)
 
     # ---- schemas ---------------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -101,13 +99,11 @@ class SchemaEngine:
         parts = [self.fwd.prefix(schema_prefix_ids(self.e.tok, g, chat=self.chat)) for g in groups]
         h = PreparedSchema(id=next(self._ids), questions=qs, independent=bool(independent),
                            prefix=PrefixState.stack(parts), option_mask=option_mask([len(q.options) for q in qs]).to(self.e.dev))
-        self.stats["prepared"] += 1
         return h
 
     def release(self, h: PreparedSchema) -> None:
         """Forget a schema's graphs; its prefix memory goes with the last reference to `h`."""
-        if self.graphs:
-            self.graphs.drop(h.id)
+        self.graphs.drop(h.id)
 
     def batch_buckets(self, max_batch: int) -> list[int]:
         """The batch sizes graphs are captured for when batches hold up to `max_batch` states (what to warm up)."""
@@ -118,15 +114,18 @@ class SchemaEngine:
         """Capture the graphs for these batch sizes and state lengths ahead of traffic (no-op without graphs).
         Returns the seconds spent."""
         t = time.perf_counter()
-        if not (self.use_graphs and self.graphs):
-            return 0.0
         empty = self.tokenize(h, "")
-        for R in sorted(batch_sizes, reverse=True):            # largest first: smaller graphs reuse the pool
-            for n in sorted(state_tokens, reverse=True):
-                row = TokenizedState([self.e.tok.pad_token_id] * (n + len(empty.ids)), empty.slots)
-                self.score_rows(h, [row] * R)
-        torch.cuda.synchronize()
+        shapes = self.graphs.warmup_order(batch_sizes, [n + len(empty.ids) for n in state_tokens])
+        for shape in shapes:
+            row = TokenizedState([self.e.tok.pad_token_id] * shape.T, empty.slots)
+            self._score_chunk(h, [row] * shape.R, torch.ones(h.n_questions))
+        if shapes:
+            torch.cuda.synchronize()
         return time.perf_counter() - t
+
+    def graph_stats(self) -> dict[str, int]:
+        """How batches ran so far: CUDA graph `captures` and `replays` (0 without graphs), and `eager` steps."""
+        return dict(self.graphs.stats)
 
     # ---- requests --------------------------------------------------------------------------------------------------
     def tokenize(self, h: PreparedSchema, context: str, max_ctx_tokens: int | None = None) -> TokenizedState:
@@ -164,28 +163,25 @@ class SchemaEngine:
         if not rows:
             raise InputError("states: empty batch")
         inv_temp = 1.0 / torch.tensor(resolve_temperatures(h.questions, temperature))              # [n_questions]
-        chunk = B_BUCKETS[-1]
+        chunk = self.graphs.max_batch
         out = []
         for start in range(0, len(rows), chunk):
             out.append(self._score_chunk(h, rows[start:start + chunk], inv_temp))
         return torch.cat(out).view(len(rows), h.n_questions, MAX_OPTIONS)
 
     def _score_chunk(self, h: PreparedSchema, rows: Sequence[TokenizedState], inv_temp: torch.Tensor) -> torch.Tensor:
-        n, tmax = len(rows), max(len(r.ids) for r in rows)
-        graphed = self.use_graphs and self.graphs is not None and bucket(tmax, TS_BUCKETS) is not None
-        R, T = (bucket(n, B_BUCKETS), bucket(tmax, TS_BUCKETS)) if graphed else (n, tmax)
+        """-> [len(rows) * n_questions, MAX_OPTIONS] float32 on the CPU."""
+        n = len(rows)
+        shape = self.graphs.shape(n, max(len(r.ids) for r in rows))
+        R, T = shape.R, shape.T
         dev, pin = self.e.dev, self.e.dev.type == "cuda"
         ids = fill_ids([r.ids for r in rows for _ in range(h.P)], R * h.P, T, self.e.tok.pad_token_id, pin=pin)
         flat = torch.zeros(R * h.n_questions, dtype=torch.long)
         flat[:n * h.n_questions] = torch.tensor(self._slot_indices(h, rows, T))
         temps = inv_temp.repeat(R)[:, None]                                                  # [R * nq, 1]
         inputs = tuple(x.to(dev, non_blocking=True) for x in (ids, flat.pin_memory() if pin else flat, temps))
-        if graphed:
-            probs = self.graphs.run((h.id, R, T), inputs, lambda: self._graph_fn(h, R, T))
-        else:
-            self.stats["eager"] += 1
-            probs = self._step(h, SuffixContext(h.prefix, R, T, self.e.dev), *inputs)
-        return probs[:n * h.n_questions].float().cpu()
+        probs = self.graphs.run((h.id,), shape, inputs, lambda s: self._step_fn(h, s), out_rows=n * h.n_questions)
+        return probs.float().cpu()
 
     @staticmethod
     def _slot_indices(h: PreparedSchema, rows: Sequence[TokenizedState], T: int) -> list[int]:
@@ -199,6 +195,7 @@ class SchemaEngine:
         mask = h.option_mask.repeat(ctx.R, 1)                                                 # [R*nq, MAX_OPTIONS]
         return read_slots(hidden, flat, self.fwd.final_norm, self.e.W, inv_temp, mask)
 
-    def _graph_fn(self, h: PreparedSchema, R: int, T: int):
-        ctx = SuffixContext(h.prefix, R, T, self.e.dev)
+    def _step_fn(self, h: PreparedSchema, shape: StepShape):
+        """-> (fn(ids, flat, inv_temp) -> probabilities, the context it closes over) for one step at `shape`."""
+        ctx = SuffixContext(h.prefix, shape.R, shape.T, self.e.dev)
         return (lambda ids, flat, inv_temp: self._step(h, ctx, ids, flat, inv_temp)), ctx

@@ -10,12 +10,12 @@
 
 Counts (rows, heads, tokens) are never specialised on; the strides of the bf16 tensors are: Triton then knows
 they are multiples of 16 (they are, for every layer shape here) and loads 16 bytes at a time. Unspecialised, it
-could not prove a row's alignment and loaded 2 bytes at a time (checked in the PTX: `ld.global.b16` against
-`ld.global.v4.b32`); a stride's divisibility takes one of two values, so it costs at most a second compile.
+cannot prove a row's alignment and loads 2 bytes at a time (the PTX shows `ld.global.b16` instead of
+`ld.global.v4.b32`: tests/engine/test_triton_ptx.py); a stride's divisibility takes one of two values, so it costs at most a second compile.
 
 Why not fla's norm kernels: they autotune and specialise on the number of row blocks (`NB`), so every new
-(batch bucket, length bucket) shape compiled and benchmarked them afresh: seconds per new shape, which showed up as
-multi-second latency spikes in the stream whenever a batch of a new size arrived. These kernels' only compile-time
+(batch bucket, length bucket) shape compiles and benchmarks them afresh: seconds per new shape, a multi-second
+latency spike in the stream whenever a batch of a new size arrives. These kernels' only compile-time
 constants are row widths and flags, so they compile once per layer shape and never tune. Each reproduces
 transformers' rounding steps (the CPU path runs transformers' own formulas), so bf16 results match its modules.
 
@@ -193,7 +193,7 @@ def _gate_attention_kernel(O, LSE, OP, LSEP, GATE, Y, n_rows, T, Hq, G, P, s_b, 
 
 
 def gate_attention(a, gate: torch.Tensor) -> torch.Tensor:
-    """`engine.model.AttentionOut` and the output gate [B, T, Hq, D] (a strided view) -> [B, T, Hq * D]: the
+    """`engine.attention.AttentionOut` and the output gate [B, T, Hq, D] (a strided view) -> [B, T, Hq * D]: the
     log-sum-exp merge of the prefix and suffix halves (when split), then o * sigmoid(gate), in one pass with
     transformers' rounding (no row-major copies of the prefix half, no transposed copy of the output)."""
     o = a.o

@@ -11,7 +11,7 @@ triton = pytest.importorskip("triton")
 if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("no CUDA device: run with TRITON_INTERPRET=1 to use Triton's interpreter", allow_module_level=True)
 
-from engine.kernels import torch_gated_rms_norm, torch_rms_norm  # noqa: E402
+from engine.torch_kernels import torch_gated_rms_norm, torch_rms_norm  # noqa: E402
 from engine.triton_kernels import GATED, row_norm  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -55,7 +55,7 @@ def test_conv_qkv_continues_the_prefix_state_and_l2_normalises_q_and_k(dtype, P)
     """The qkv piece of the fused projection (strided) through the causal conv + SiLU, continuing a prefix's conv
     state as the suffix pass passes it (expanded in place for one prefix, repeated for several), q and k L2-normalised
     per head: against the PyTorch conv and transformers' l2norm."""
-    from engine.kernels import torch_conv_qkv
+    from engine.torch_kernels import torch_conv_qkv
     from engine.triton_kernels import conv_qkv
 
     B, T, Hk, Dk, Hv, Dv, KW = 6, 37, 2, 16, 4, 16, 4
@@ -100,7 +100,7 @@ def test_rows_that_cannot_merge_are_copied_not_misread():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_add_rms_norm_updates_the_residual_then_normalises_the_rounded_sum(dtype):
-    from engine.kernels import torch_add_rms_norm
+    from engine.torch_kernels import torch_add_rms_norm
     from engine.triton_kernels import add_rms_norm
 
     h, x = (t.contiguous() for t in _fused(3 * 7, [64, 64], dtype, seed=5))
@@ -121,7 +121,7 @@ def test_add_rms_norm_updates_the_residual_then_normalises_the_rounded_sum(dtype
 def test_qk_norm_rope_matches_transformers_apply_rotary_pos_emb(dtype):
     """The attention's q (a strided half of the gated q projection) and k (a slice of the fused q|k|v output) with
     partial rotary (8 of 32 columns, as Qwen3.5), written as [B, H, T, D]."""
-    from engine.kernels import torch_qk_norm_rope
+    from engine.torch_kernels import torch_qk_norm_rope
     from engine.triton_kernels import rms_norm_rope
 
     B, T, Hq, Hkv, D, rot = 2, 7, 4, 2, 32, 8
@@ -148,15 +148,15 @@ def test_the_forward_with_these_kernels_matches_the_oracle(tiny_dir):
     import dataclasses
 
     from engine import Engine, SchemaEngine
-    from engine.kernels import _torch_kernels
+    from engine.kernels import torch_kernels
     from engine.reference import score_full
     from engine.triton_kernels import GATED, add_rms_norm, conv_qkv, gate_attention, rms_norm_rope, row_norm, swiglu
 
     from .conftest import make_questions, make_states
 
     eng = Engine.load(tiny_dir, device=DEV, dtype="float32")
-    eng.forward.k = dataclasses.replace(
-        _torch_kernels(), name="triton", conv_qkv=conv_qkv, swiglu=swiglu, rms_norm=row_norm, add_rms_norm=add_rms_norm,
+    eng.forward.kernels = dataclasses.replace(
+        torch_kernels(), name="triton", conv_qkv=conv_qkv, swiglu=swiglu, rms_norm=row_norm, add_rms_norm=add_rms_norm,
         gated_rms_norm=lambda x, gate, weight, eps: row_norm(x, weight, eps, GATED, gate),
         qk_norm_rope=lambda q, k, qw, kw, cos, sin, eps: (rms_norm_rope(q, qw, cos, sin, eps),
                                                           rms_norm_rope(k, kw, cos, sin, eps)),
@@ -174,8 +174,8 @@ def test_the_forward_with_these_kernels_matches_the_oracle(tiny_dir):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("P", [1, 3])
 def test_gate_attention_merges_prefix_and_suffix_halves_like_the_torch_path(dtype, P):
-    from engine.kernels import torch_gate_attention
-    from engine.model import AttentionOut
+    from engine.torch_kernels import torch_gate_attention
+    from engine.attention import AttentionOut
     from engine.triton_kernels import gate_attention
 
     R, Hkv, G, T, D = 2, 2, 2, 5, 16

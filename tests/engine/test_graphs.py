@@ -1,0 +1,49 @@
+"""The graph manager's bucket table and counters on the CPU (capture and replay are test_gpu.py's)."""
+import torch
+
+from engine.graphs import B_BUCKETS, TS_BUCKETS, GraphManager, StepShape, batch_buckets
+
+from .conftest import make_questions, make_states
+
+
+def test_batch_buckets_cover_every_batch_up_to_max_batch():
+    assert batch_buckets(1) == [1]
+    assert batch_buckets(32) == [1, 2, 4, 8, 12, 16, 24, 32]
+    assert batch_buckets(44) == [1, 2, 4, 8, 12, 16, 24, 32, 40, 48]     # 41-48 states run in the 48 graph
+    assert batch_buckets(1000) == list(B_BUCKETS)            # chunks of 128 and any remainder
+
+
+def test_shapes_pad_to_buckets_and_fall_back_to_eager_past_them():
+    g = GraphManager(enabled=True)
+    assert g.shape(17, 182) == StepShape(24, 184, graphed=True)
+    assert g.shape(1, 5) == StepShape(1, 32, graphed=True)
+    assert g.shape(3, TS_BUCKETS[-1] + 1) == StepShape(3, TS_BUCKETS[-1] + 1, graphed=False)
+    assert g.shape(B_BUCKETS[-1] + 1, 40) == StepShape(B_BUCKETS[-1] + 1, 40, graphed=False)
+    assert GraphManager(enabled=False).shape(17, 182) == StepShape(17, 182, graphed=False)
+
+
+def test_warmup_order_is_largest_first_one_shape_per_bucket():
+    g = GraphManager(enabled=True)
+    order = g.warmup_order([1, 8, 7], [100, 97, 60])
+    assert order == [StepShape(8, 104, True), StepShape(8, 64, True), StepShape(1, 104, True), StepShape(1, 64, True)]
+    assert GraphManager(enabled=False).warmup_order([1, 8], [100]) == []
+
+
+def test_eager_steps_are_counted_and_sliced():
+    g = GraphManager(enabled=False)
+    shape = g.shape(3, 10)
+    out = g.run(("k",), shape, (torch.arange(12.0).view(6, 2),), lambda s: ((lambda x: x * 2), None), out_rows=4)
+    assert torch.equal(out, torch.arange(8.0).view(4, 2) * 2)
+    assert g.stats == {"captures": 0, "replays": 0, "eager": 1}
+
+
+def test_schema_engine_reports_its_graph_stats(eng):
+    from engine import SchemaEngine
+
+    se = SchemaEngine(eng)
+    h = se.prepare(make_questions([2, 3]))
+    assert se.graph_stats() == {"captures": 0, "replays": 0, "eager": 0}
+    se.score(h, make_states(3))
+    se.score(h, make_states(2, seed=1))
+    assert se.graph_stats() == {"captures": 0, "replays": 0, "eager": 2}
+    assert se.warmup(h, batch_sizes=(1, 8), state_tokens=(32,)) >= 0 and se.graph_stats()["eager"] == 2
