@@ -51,9 +51,12 @@ def _matmul_kernel(X, W, Y, M, N, K: tl.constexpr, sx, sw, sy, BM: tl.constexpr,
 
 def matmul_config(N: int, K: int) -> tuple[int, int, int, int, int]:
     """(BM, BN, BK, warps, stages) for a weight of N x K: a function of the weight alone, never of M."""
+    BK = next((b for b in (64, 32, 16) if K % b == 0), None)
+    if BK is None:
+        raise ValueError(f"batch-invariant matmul: K={K} must be a multiple of 16")
     if N < 64:
-        return 64, 16, 64, 4, 3                      # the label projection: a handful of columns
-    return 128, 128, 64, 8, 3
+        return 64, 16, BK, 4, 3                      # the label projection: a handful of columns
+    return 128, 256, BK, 8, 3
 
 
 def matmul(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
@@ -67,8 +70,6 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, int, i
     M = x2.shape[0]
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     BM, BN, BK, warps, stages = config or matmul_config(N, K)
-    if K % BK:
-        raise ValueError(f"K={K} must be a multiple of {BK}")
     if M:
         grid = (triton.cdiv(M, BM) * triton.cdiv(N, BN),)
         _matmul_kernel[grid](x2, weight, y, M, N, K, x2.stride(0), weight.stride(0), y.stride(0), BM=BM, BN=BN,

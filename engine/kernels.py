@@ -3,14 +3,23 @@
 On CUDA with flash-linear-attention (fla) installed: `engine.fla_kernels` (fla's Gated DeltaNet recurrence and the
 fused Triton kernels of `engine.triton_kernels`). Elsewhere: `engine.torch_kernels`, PyTorch code that computes
 exactly what transformers' modules compute (what CPU tests run).
+
+Deterministic on CUDA: the same table with the attention of `engine.batch_invariant` (torch's flash op splits the keys
+by batch size) and the GEMMs of cuBLAS where a check at load shows them batch-invariant for this model's shapes, else
+`engine.batch_invariant.matmul`. Every other CUDA kernel here computes a row from that row alone in a fixed order
+(checked by `bench/invariance_probe.py` and the GPU tests).
 """
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-from typing import Callable
+from dataclasses import dataclass, replace
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
 
 from engine import torch_kernels as torch_k
+from engine.attention import sdpa_with_lse
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +42,10 @@ class Kernels:
     qk_norm_rope(q [B, T, Hq, D], k [B, T, Hkv, D], q_weight, k_weight, cos, sin, eps) -> (q, k) as [B, H, T, D]: the
         attention's per-head RMSNorms, then transformers' `apply_rotary_pos_emb`;
     gate_attention(engine.attention.AttentionOut, gate [B, T, Hq, D]) -> [B, T, Hq * D]: the merge of a prefix/suffix
-        split attention (if any), then transformers' sigmoid output gate."""
+        split attention (if any), then transformers' sigmoid output gate;
+    linear(x [..., K], weight [N, K]) -> [..., N]: a bias-free projection;
+    attention(q [Z, H, M, D], k, v [Z, Hkv, N, D], causal, scale, key_lengths [Z] | None) -> (out [Z, H, M, D],
+        lse [Z, H, M] float32); key_lengths (keys of entry z past it are padding) only where `ragged_prefixes`."""
     name: str
     delta_rule: Callable
     conv_qkv: Callable
@@ -43,17 +55,42 @@ class Kernels:
     add_rms_norm: Callable
     qk_norm_rope: Callable
     gate_attention: Callable
+    linear: Callable = F.linear
+    attention: Callable = lambda q, k, v, causal, scale, key_lengths=None: sdpa_with_lse(q, k, v, causal, scale)
+    ragged_prefixes: bool = False
 
 
-def select_kernels(device_type: str) -> Kernels:
-    """The kernel table for a device type ("cuda", "cpu")."""
+def select_kernels(device_type: str, deterministic: bool = False, gemm_weights: Sequence[torch.Tensor] = ()) -> Kernels:
+    """The kernel table for a device type ("cuda", "cpu"); deterministic: batch-invariant (CUDA: `gemm_weights` are
+    the weights whose cuBLAS GEMMs are checked)."""
     if device_type == "cuda":
         try:
-            return fla_kernels()
+            table = fla_kernels()
         except ImportError:
             log.warning("flash-linear-attention is not installed: the Gated DeltaNet layers run PyTorch fallbacks, "
                         "several times slower (pip install 'decider[gpu]')")
+            table = torch_kernels()
+        return batch_invariant_kernels(table, gemm_weights) if deterministic else table
     return torch_kernels()
+
+
+def batch_invariant_kernels(table: Kernels, gemm_weights: Sequence[torch.Tensor]) -> Kernels:
+    """`table` with batch-invariant attention, and GEMMs whose summation order is proven not to depend on M."""
+    from engine import batch_invariant as bi      # imports triton
+    from engine.graphs import B_BUCKETS
+
+    # the row counts a suffix pass's GEMMs see: batch buckets x typical suffix lengths, and the answer slots
+    rows = sorted({r * t for r in B_BUCKETS for t in (1, 10, 32, 184, 1024)})
+    if bi.cublas_is_invariant(list(gemm_weights), rows):
+        linear = F.linear
+        log.info("deterministic: cuBLAS GEMMs are batch-invariant for this model's %d weight shapes (checked at %d row "
+                 "counts); attention by engine.batch_invariant", len({tuple(w.shape) for w in gemm_weights}), len(rows))
+    else:
+        linear = bi.matmul
+        log.warning("deterministic: cuBLAS GEMMs depend on the batch size on this GPU/library: using "
+                    "engine.batch_invariant.matmul (slower)")
+    return replace(table, name=table.name + "+batch-invariant", linear=linear, attention=bi.attention,
+                   ragged_prefixes=True)
 
 
 def torch_kernels() -> Kernels:

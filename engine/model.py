@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from engine.attention import AttentionOut, prefix_major, row_major, sdpa_with_lse
+from engine.attention import AttentionOut, prefix_major, row_major
 from engine.kernels import select_kernels
 
 
@@ -80,7 +80,7 @@ class CausalContext:
     def rec_prev(self, i):
         return None
 
-    def attend(self, i, q, k, v, scale) -> "AttentionOut":
+    def attend(self, i, q, k, v, scale, kernels) -> "AttentionOut":
         return AttentionOut(F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True))
 
 
@@ -95,10 +95,10 @@ class _PrefixRecorder(CausalContext):
     def keep(self, kind: str, i: int, t: torch.Tensor) -> None:
         getattr(self.state, kind)[i] = t.detach().clone()
 
-    def attend(self, i, q, k, v, scale):
+    def attend(self, i, q, k, v, scale, kernels):
         self.keep("k", i, k)
         self.keep("v", i, v)
-        return super().attend(i, q, k, v, scale)
+        return super().attend(i, q, k, v, scale, kernels)
 
 
 class SuffixContext:
@@ -112,6 +112,7 @@ class SuffixContext:
         self.positions = (lengths.repeat(R)[:, None] + torch.arange(T, device=device)[None, :]).contiguous()   # [B, T]
         # Prefixes of one length (always, packed) need no mask: the fused, merged path. Else explicit scores.
         self.uniform_prefix = len(set(prefix.lengths)) == 1
+        self.key_lengths = lengths.to(torch.int32)                                                        # [P]
         if not self.uniform_prefix:
             causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()
             self.self_bias = torch.zeros(T, T, device=device).masked_fill(~causal, float("-inf"))            # [T, T]
@@ -127,21 +128,24 @@ class SuffixContext:
         # fla's recurrence reads the initial state as a dense [B, Hv, Dk, Dv] block; `_rows` may be a stride-0 view
         return self._rows(self.prefix.rec[i]).contiguous()                                 # [R*P, Hv, Dk, Dv]
 
-    def attend(self, i, q, k, v, scale):
+    def attend(self, i, q, k, v, scale, kernels):
         """q: [B, Hq, T, D]; k, v: [B, Hkv, T, D] (this suffix). Softmax over [own prefix keys | causal suffix keys]."""
         if self.uniform_prefix:
-            return self._attend_merged(i, q, k, v, scale)
+            return self._attend_merged(i, q, k, v, scale, kernels.attention, None)
+        if kernels.ragged_prefixes:
+            return self._attend_merged(i, q, k, v, scale, kernels.attention, self.key_lengths)
         return self._attend_masked(i, q, k, v, scale)
 
-    def _attend_merged(self, i, q, k, v, scale):
+    def _attend_merged(self, i, q, k, v, scale, attention, key_lengths):
         """Two fused attention calls, merged later by their log-sum-exps: the prefix part runs every row's queries
-        against the one shared prefix K/V (no copies, no mask), the suffix part is plain causal attention."""
+        against the one shared prefix K/V (no copies; prefixes of unequal lengths masked by `key_lengths`), the
+        suffix part is plain causal attention."""
         B, Hq, T, D = q.shape
         Hkv = k.shape[1]
         G = Hq // Hkv
-        qp = prefix_major(q.reshape(B, Hkv, G * T, D), self.R, self.P)
-        o_pre, lse_pre = sdpa_with_lse(qp, self.prefix.k[i], self.prefix.v[i], causal=False, scale=scale)
-        o_self, lse_self = sdpa_with_lse(q, k, v, causal=True, scale=scale)              # head h reads kv head h // G
+        qp = prefix_major(q.reshape(B, Hkv, G * T, D), self.R, self.P)                  # [P, Hkv, R*G*T, D]
+        o_pre, lse_pre = attention(qp, self.prefix.k[i], self.prefix.v[i], False, scale, key_lengths)
+        o_self, lse_self = attention(q, k, v, True, scale)                               # head h reads kv head h // G
         return AttentionOut(o_self, lse_self, o_pre, lse_pre, self.R, self.P)
 
     def _attend_masked(self, i, q, k, v, scale):
@@ -170,13 +174,15 @@ class HybridForward:
     not doubled and transformers' forward (the oracle) still runs on the same numbers.
     """
 
-    def __init__(self, causal_lm):
+    def __init__(self, causal_lm, deterministic: bool = False, label_weight: torch.Tensor | None = None):
+        """deterministic: batch-invariant kernels (`engine.kernels.select_kernels`); label_weight: the read-out's
+        [MAX_OPTIONS, hidden] matrix, whose GEMM the deterministic check covers too."""
         self.core = causal_lm.model
         self.cfg = causal_lm.config
         self.eps = self.cfg.rms_norm_eps
         dev = next(causal_lm.parameters()).device
-        self.kernels = select_kernels(dev.type)
         self.w = [self._layer_weights(layer) for layer in self.core.layers]
+        self.kernels = select_kernels(dev.type, deterministic, self._gemm_weights(label_weight))
         self.final_norm_w = 1.0 + self.core.norm.weight.float()
 
     @staticmethod
@@ -195,6 +201,15 @@ class HybridForward:
             w["q_norm"] = 1.0 + attn.q_norm.weight.float()
             w["k_norm"] = 1.0 + attn.k_norm.weight.float()
         return w
+
+    def _gemm_weights(self, label_weight: torch.Tensor | None) -> list[torch.Tensor]:
+        fused = [w[name] for w in self.w for name in ("mlp_in", "in_proj", "qkv") if name in w]
+        projections = [m.weight for layer in self.core.layers for m in (layer.mlp.down_proj, self._out_proj(layer))]
+        return fused + projections + ([label_weight] if label_weight is not None else [])
+
+    @staticmethod
+    def _out_proj(layer):
+        return layer.linear_attn.out_proj if layer.block_type == "linear_attention" else layer.self_attn.o_proj
 
     @torch.no_grad()
     def prefix(self, ids: list[int]) -> PrefixState:
@@ -228,26 +243,26 @@ class HybridForward:
             x, h = self.kernels.add_rms_norm(h, x, self.w[i + 1]["in_norm"], self.eps)
 
     def _mlp(self, mlp, w, x):
-        gate, up = F.linear(x, w["mlp_in"]).split(mlp.intermediate_size, dim=-1)
-        return mlp.down_proj(self.kernels.swiglu(gate, up))
+        gate, up = self.kernels.linear(x, w["mlp_in"]).split(mlp.intermediate_size, dim=-1)
+        return self.kernels.linear(self.kernels.swiglu(gate, up), mlp.down_proj.weight)
 
     def _attention(self, attn, w, x, cos, sin, i, ctx):
         B, T, _ = x.shape
         D = attn.head_dim
         q_dim, kv_dim = attn.q_proj.out_features, attn.k_proj.out_features
-        qg, k, v = F.linear(x, w["qkv"]).split([q_dim, kv_dim, kv_dim], dim=-1)
+        qg, k, v = self.kernels.linear(x, w["qkv"]).split([q_dim, kv_dim, kv_dim], dim=-1)
         q, gate = torch.chunk(qg.view(B, T, -1, 2 * D), 2, dim=-1)                         # [B, T, Hq, D] each
         q, k = self.kernels.qk_norm_rope(q, k.view(B, T, -1, D), w["q_norm"], w["k_norm"], cos, sin, self.eps)
         v = v.reshape(B, T, -1, D).transpose(1, 2)                                         # q, k, v: [B, H, T, D]
-        out = self.kernels.gate_attention(ctx.attend(i, q, k, v, attn.scaling), gate)            # [B, T, Hq * D]
-        return attn.o_proj(out)
+        out = self.kernels.gate_attention(ctx.attend(i, q, k, v, attn.scaling, self.kernels), gate)            # [B, T, Hq * D]
+        return self.kernels.linear(out, attn.o_proj.weight)
 
     def _gated_delta_net(self, lin, w, x, i, ctx):
         B, T, _ = x.shape                                                                  # x: [B, T, hidden]
         K = lin.conv_kernel_size
         H = lin.num_v_heads
         # qkv: [B, T, 2 * key_dim + value_dim] (conv channels C); z: [B, T, value_dim]; b, a: [B, T, Hv]
-        qkv, z, b, a = F.linear(x, w["in_proj"]).split([lin.conv_dim, lin.value_dim, H, H], dim=-1)
+        qkv, z, b, a = self.kernels.linear(x, w["in_proj"]).split([lin.conv_dim, lin.value_dim, H, H], dim=-1)
         if ctx.records:
             ctx.keep("conv", i, _last_inputs(qkv, K - 1))                                  # [B, C, K-1]
         # q, k: [B, T, Hk, Dk] L2-normalised per head; v: [B, T, Hv, Dv]
@@ -259,7 +274,7 @@ class HybridForward:
             ctx.keep("rec", i, final)
         out = self.kernels.gated_rms_norm(out, z.view(B, T, H, lin.head_v_dim), lin.norm.weight,
                                           lin.norm.variance_epsilon)                       # [B, T, Hv, Dv]
-        return lin.out_proj(out.reshape(B, T, -1))                                         # [B, T, hidden]
+        return self.kernels.linear(out.reshape(B, T, -1), lin.out_proj.weight)                  # [B, T, hidden]
 
 
 def _fuse(linears) -> torch.Tensor:

@@ -193,7 +193,7 @@ class SchemaEngine:
     def _step(self, h: PreparedSchema, ctx: SuffixContext, ids, flat, inv_temp) -> torch.Tensor:
         hidden = self.fwd.layers(ids, ctx.positions, ctx)                                     # [R*P, T, H]
         mask = h.option_mask.repeat(ctx.R, 1)                                                 # [R*nq, MAX_OPTIONS]
-        return read_slots(hidden, flat, self.fwd.final_norm, self.e.W, inv_temp, mask)
+        return read_slots(hidden, flat, self.fwd.final_norm, self.e.W, inv_temp, mask, self.fwd.kernels.linear)
 
     def _step_fn(self, h: PreparedSchema, shape: StepShape):
         """-> (fn(ids, flat, inv_temp) -> probabilities, the context it closes over) for one step at `shape`."""

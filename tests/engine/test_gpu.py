@@ -35,23 +35,29 @@ def gpu_eng(tiny_dir):
 
 
 @pytest.fixture(scope="module")
+def det_eng(tiny_dir):
+    return Engine.load(tiny_dir, device="cuda", dtype="bfloat16", deterministic=True)
+
+
+@pytest.fixture(scope="module")
 def exact_eng(tiny_dir):
     # float32 on the GPU: transformers' CPU forward cannot run where fla is installed (it dispatches to Triton)
     return Engine.load(tiny_dir, device="cuda", dtype="float32")
 
 
+@pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
 @pytest.mark.parametrize("independent", [False, True], ids=["packed", "independent"])
 @pytest.mark.parametrize("batch", [1, 5, 70])
-def test_bf16_graphs_match_the_oracle(exact_eng, gpu_eng, independent, batch):
+def test_bf16_graphs_match_the_oracle(exact_eng, gpu_eng, det_eng, independent, batch, deterministic):
     qs = make_questions(list(range(2, 9)), temperatures=[0.5, 1.0, 2.0, 0.8, 1.3, 1.0, 0.7])
     states = make_states(batch, seed=batch)
-    se = SchemaEngine(gpu_eng, use_graphs=True)
+    se = SchemaEngine(det_eng if deterministic else gpu_eng, use_graphs=True)
     h = se.prepare(qs, independent=independent)
     got = torch.stack(se.score(h, states))
     ref_bf16 = torch.stack(score_full(gpu_eng, qs, states, independent=independent))
     exact = torch.stack(score_full(exact_eng, qs, states, independent=independent))  # float32
     err_engine, err_oracle = (got - exact).abs(), (ref_bf16 - exact).abs()
-    print(f"batch {batch} independent={independent}: |engine-exact| max {err_engine.max():.2e} mean "
+    print(f"batch {batch} independent={independent} deterministic={deterministic}: |engine-exact| max {err_engine.max():.2e} mean "
           f"{err_engine.mean():.2e}  |oracle_bf16-exact| max {err_oracle.max():.2e} mean {err_oracle.mean():.2e}  "
           f"|engine-oracle_bf16| max {(got - ref_bf16).abs().max().item():.2e}")
     assert err_engine.mean() <= 1.5 * err_oracle.mean() + 1e-3

@@ -1,0 +1,103 @@
+"""Deterministic scoring on a CUDA device (pytest -m gpu): a state's probabilities are bit-identical whatever its batch.
+
+The 0.8B shape in bf16 with graphs, 10 questions x 4 options: 210 states of 64, 128 and 256 tokens each scored alone,
+then in shuffled mixed-length batches of 2, 7, 32, 61 and 128 at random positions among random neighbours (so in
+other batch buckets and length buckets), must give `torch.equal` probabilities; so must eager and graph runs, and
+independent schemas (prefixes of unequal lengths). The default path is measured beside it and only reported.
+"""
+import random
+
+import pytest
+import torch
+
+from engine import Engine, SchemaEngine
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA device", allow_module_level=True)
+
+from bench.engine_bench import QWEN35_08B, questions, states  # noqa: E402
+
+BATCHES = (2, 7, 32, 61, 128)
+
+
+@pytest.fixture(scope="module")
+def model_and_tok():
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    from engine.testing import build_tokenizer
+    tok = build_tokenizer()
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**{**QWEN35_08B, "vocab_size": len(tok)},
+                                                     pad_token_id=tok.pad_token_id))
+    return model.to(torch.bfloat16).eval(), tok
+
+
+@pytest.fixture(scope="module")
+def engines(model_and_tok):
+    model, tok = model_and_tok
+    return {det: Engine(model, tok, model_id="0.8b-shaped", deterministic=det) for det in (True, False)}
+
+
+@pytest.fixture(scope="module")
+def texts(model_and_tok):
+    tok = model_and_tok[1]
+    return [t for n, seed in ((64, 1), (128, 2), (256, 3)) for t in states(tok, 70, n, seed)]
+
+
+def score_in_batches(se, h, texts: list[str], size: int, seed: int) -> dict[int, torch.Tensor]:
+    """Every text scored once, inside shuffled batches of `size` (the last one smaller) -> index -> probabilities."""
+    order = list(range(len(texts)))
+    random.Random(seed).shuffle(order)
+    out = {}
+    for start in range(0, len(order), size):
+        chunk = order[start:start + size]
+        for i, p in zip(chunk, se.score(h, [texts[i] for i in chunk])):
+            out[i] = p
+    return out
+
+
+def mismatches(alone: list[torch.Tensor], batched: dict[int, torch.Tensor]) -> tuple[int, float]:
+    diffs = [(alone[i] - p).abs().max().item() for i, p in batched.items() if not torch.equal(alone[i], p)]
+    return len(diffs), max(diffs, default=0.0)
+
+
+@pytest.mark.parametrize("independent", [False, True], ids=["packed", "independent"])
+def test_probabilities_do_not_depend_on_the_batch(engines, model_and_tok, texts, independent):
+    tok = model_and_tok[1]
+    qs = questions(tok, 10, 4, 400)
+    subset = texts if not independent else texts[::3]        # independent: 10 rows a state
+    report = {}
+    for det in (True, False):
+        se = SchemaEngine(engines[det])
+        h = se.prepare(qs, independent=independent)
+        alone = [se.score(h, [t])[0] for t in subset]
+        rows = {size: mismatches(alone, score_in_batches(se, h, subset, size, seed=size)) for size in BATCHES}
+        report[det] = rows
+        print(f"deterministic={det} independent={independent}: "
+              + ", ".join(f"batch {s}: {n} differ (max {d:.2e})" for s, (n, d) in rows.items()))
+    assert all(n == 0 for n, _ in report[True].values()), report[True]
+
+
+def test_graphs_and_eager_agree_bit_for_bit(engines, model_and_tok, texts):
+    qs = questions(model_and_tok[1], 10, 4, 400)
+    graphed, eager = SchemaEngine(engines[True]), SchemaEngine(engines[True], use_graphs=False)
+    sample = texts[::7]
+    a = graphed.score(graphed.prepare(qs), sample)
+    b = eager.score(eager.prepare(qs), sample)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert graphed.graph_stats()["replays"] > 0 and eager.graph_stats()["replays"] == 0
+
+
+def test_a_fresh_engine_gives_the_same_bits(engines, model_and_tok, texts):
+    """What a replay in another process relies on: a second engine on the same weights reproduces the first."""
+    model, tok = model_and_tok
+    qs = questions(tok, 10, 4, 400)
+    first = SchemaEngine(engines[True])
+    second = SchemaEngine(Engine(model, tok, model_id="0.8b-shaped", deterministic=True))
+    sample = texts[::5]
+    a = first.score(first.prepare(qs), sample)
+    b = second.score(second.prepare(qs), list(reversed(sample)))[::-1]
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
