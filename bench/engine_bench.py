@@ -156,7 +156,9 @@ def main(argv=None) -> dict:
     ceiling = gemm_ceiling(dev)
     env = dict(gpu=torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu",
                torch=torch.__version__, transformers=__import__("transformers").__version__, fla=_fla_version(),
-               delta_rule=se_eager.fwd.kernels.name, model=model_desc, dtype=args.dtype,
+               delta_rule=se_eager.fwd.kernels.name,
+               deterministic_kernels=se_det.fwd.kernels.name if se_det is not None else None,
+               model=model_desc, dtype=args.dtype,
                prefix_tokens=h_eager.prefix_tokens, questions=args.questions, options=args.options,
                flop_per_token=flop_per_token, gemm_ceiling_tflops=ceiling / 1e12,
                date=datetime.date.today().isoformat())

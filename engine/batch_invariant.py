@@ -157,25 +157,48 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, s
     return out, lse
 
 
-def cublas_is_invariant(weights: list[torch.Tensor], row_counts: list[int], probe_rows: int = 16,
-                        seed: int = 0) -> bool:
-    """Whether F.linear (cuBLAS) gives a probe's rows the same bits at every row count in `row_counts` and any
-    position: cuBLAS chooses its kernel by M, and on the H200 with CUDA 13's cuBLAS every kernel it chose for this
-    model's shapes summed a row in the same order (bench/results/2026-11-30-nvidia-h200-invariance-probe.json); a
-    different library or GPU may not, so it is checked rather than assumed. Random data, one weight shape at a time."""
-    gen = torch.Generator(device=weights[0].device).manual_seed(seed)
+def cublas_is_invariant(weight: torch.Tensor, row_counts: list[int], probe_rows: int = 16, seed: int = 0) -> bool:
+    """Whether F.linear (cuBLAS) gives a probe's rows the same bits at every row count in `row_counts` and at any
+    position among random neighbours. cuBLAS chooses its kernel by M; on the H200 with CUDA 13's cuBLAS the kernels it
+    chose for this model's layer shapes summed a row in the same order from 184 rows up
+    (bench/results/2026-11-30-nvidia-h200-invariance-probe.json), but a narrow weight or a small M can get a split-K
+    kernel, and another library or GPU may choose otherwise: so it is checked, weight shape by weight shape."""
+    gen = torch.Generator(device=weight.device).manual_seed(seed)
     positions = random.Random(seed)
-    for K in sorted({w.shape[1] for w in weights}):
-        block = torch.randn(max(row_counts), K, device=weights[0].device, generator=gen).to(weights[0].dtype)
-        probe = block[:probe_rows].clone()
-        for w in {(w.shape, w.dtype): w for w in weights if w.shape[1] == K}.values():
-            ref = torch.nn.functional.linear(probe, w)
-            for M in row_counts:
-                if M < probe_rows:
-                    continue
-                at = positions.randrange(M - probe_rows + 1)
-                x = block[:M].clone()
-                x[at:at + probe_rows] = probe
-                if not torch.equal(torch.nn.functional.linear(x, w)[at:at + probe_rows], ref):
-                    return False
+    block = torch.randn(max(row_counts), weight.shape[1], device=weight.device, generator=gen).to(weight.dtype)
+    w = torch.randn(weight.shape, device=weight.device, generator=gen).to(weight.dtype) / weight.shape[1] ** 0.5
+    probe = block[:probe_rows].clone()
+    ref = torch.nn.functional.linear(probe, w)
+    for M in row_counts:
+        at = positions.randrange(M - probe_rows + 1)
+        neighbours = block[at:at + probe_rows].clone()
+        block[at:at + probe_rows] = probe
+        same = torch.equal(torch.nn.functional.linear(block[:M], w)[at:at + probe_rows], ref)
+        block[at:at + probe_rows] = neighbours
+        if not same:
+            return False
     return True
+
+
+class InvariantLinear:
+    """`F.linear` with a summation order that does not depend on the row count: per weight shape, cuBLAS where
+    `cublas_is_invariant` holds over `row_counts`, else `matmul`. Fewer rows than `min_rows` are zero-padded up to it,
+    so cuBLAS never sees the small row counts where it switches to split-K kernels; at those sizes a GEMM's time is
+    the weight's read, which the padding does not change."""
+
+    def __init__(self, weights: list[torch.Tensor], row_counts: list[int], min_rows: int = 256):
+        self.min_rows = min_rows
+        counts = sorted({max(min_rows, m) for m in row_counts})
+        shapes = {(tuple(w.shape), w.dtype): w for w in weights}
+        self.cublas = {shape for (shape, _), w in shapes.items() if cublas_is_invariant(w, counts)}
+        self.triton = {shape for shape, _ in shapes} - self.cublas
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if tuple(weight.shape) not in self.cublas:
+            return matmul(x, weight)
+        rows = x.reshape(-1, x.shape[-1])                                              # [M, K]
+        M = rows.shape[0]
+        if M >= self.min_rows:
+            return torch.nn.functional.linear(x, weight)
+        padded = torch.nn.functional.pad(rows, (0, 0, 0, self.min_rows - M))           # [min_rows, K]
+        return torch.nn.functional.linear(padded, weight)[:M].view(*x.shape[:-1], weight.shape[0])

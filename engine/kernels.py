@@ -12,6 +12,7 @@ by batch size) and the GEMMs of cuBLAS where a check at load shows them batch-in
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
@@ -79,29 +80,12 @@ def batch_invariant_kernels(table: Kernels, gemm_weights: Sequence[torch.Tensor]
     from engine import batch_invariant as bi      # imports triton
     from engine.graphs import B_BUCKETS
 
-    # the row counts a suffix pass's GEMMs see: batch buckets x typical suffix lengths, and the answer slots
-    rows = sorted({r * t for r in B_BUCKETS for t in (1, 10, 32, 184, 1024)})
-    if bi.cublas_is_invariant(list(gemm_weights), rows):
-        linear = F.linear
-        log.info("deterministic: cuBLAS GEMMs are batch-invariant for this model's %d weight shapes (checked at %d row "
-                 "counts); attention by engine.batch_invariant", len({tuple(w.shape) for w in gemm_weights}), len(rows))
-    else:
-        linear = bi.matmul
-        log.warning("deterministic: cuBLAS GEMMs depend on the batch size on this GPU/library: using "
-                    "engine.batch_invariant.matmul (slower)")
-    return replace(table, name=table.name + "+batch-invariant", linear=linear, attention=bi.attention,
-                   ragged_prefixes=True)
-
-
-def torch_kernels() -> Kernels:
-    """`engine.torch_kernels`: transformers' PyTorch formulas (any device)."""
-    t = torch_k
-    return Kernels("torch", t.torch_delta_rule, t.torch_conv_qkv, t.torch_rms_norm, t.torch_gated_rms_norm,
-                   t.torch_swiglu, t.torch_add_rms_norm, t.torch_qk_norm_rope, t.torch_gate_attention)
-
-
-def fla_kernels() -> Kernels:
-    """`engine.fla_kernels` (CUDA only): ImportError where fla or triton is not installed."""
-    from engine import fla_kernels as f      # imports fla and triton, which CPU machines may lack
-    return Kernels("fla", f.delta_rule, f.conv_qkv, f.row_norm, f.gated_rms_norm, f.swiglu, f.add_rms_norm,
-                   f.qk_norm_rope, f.gate_attention)
+    # the row counts a suffix pass's GEMMs see: batch buckets x suffix lengths, and the answer slots' read-out
+    rows = sorted({r * t for r in B_BUCKETS for t in (1, 10, 32, 64, 128, 184, 256, 512, 1024)})
+    started = time.perf_counter()
+    linear = bi.InvariantLinear(list(gemm_weights), rows)
+    log.info("deterministic: GEMMs of %d weight shapes by cuBLAS (batch-invariant at %d row counts), %s by the Triton "
+             "matmul; checked in %.1f s", len(linear.cublas), len(rows), sorted(linear.triton) or "none",
+             time.perf_counter() - started)
+    return replace(table, name=f"{table.name}+batch-invariant({len(linear.cublas)} cuBLAS, {len(linear.triton)} "
+                   "Triton GEMM shapes)", linear=linear, attention=bi.attention, ragged_prefixes=True)
