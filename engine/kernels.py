@@ -75,6 +75,18 @@ def select_kernels(device_type: str, deterministic: bool = False, gemm_weights: 
     return torch_kernels()
 
 
+def torch_kernels() -> Kernels:
+    """`engine.torch_kernels`: transformers' PyTorch formulas (any device)."""
+    t = torch_k
+    return Kernels("torch", t.torch_delta_rule, t.torch_conv_qkv, t.torch_rms_norm, t.torch_gated_rms_norm,
+                   t.torch_swiglu, t.torch_add_rms_norm, t.torch_qk_norm_rope, t.torch_gate_attention)
+
+
+def fla_kernels() -> Kernels:
+    """`engine.fla_kernels` (CUDA only): ImportError where fla or triton is not installed."""
+    from engine import fla_kernels as f      # imports fla and triton, which CPU machines may lack
+    return Kernels("fla", f.delta_rule, f.conv_qkv, f.row_norm, f.gated_rms_norm, f.swiglu, f.add_rms_norm,
+                   f.qk_norm_rope, f.gate_attention)
 def batch_invariant_kernels(table: Kernels, gemm_weights: Sequence[torch.Tensor]) -> Kernels:
     """`table` with batch-invariant attention, and GEMMs whose summation order is proven not to depend on M."""
     from engine import batch_invariant as bi      # imports triton
