@@ -155,7 +155,7 @@ def schema_put(
     schemas_topic: str = SchemasTopicOpt,
 ) -> None:
     """Publish a question schema as a new version of ID."""
-    from worker.clients import put_schema
+    from worker.commands import put_schema
 
     record = put_schema(bootstrap, Topics(schemas=schemas_topic), schema_id, file, version)
     typer.echo(f"schema {schema_id} version {record['version']} published ({len(record['questions'])} questions)")
@@ -169,7 +169,7 @@ def schema_delete(
     schemas_topic: str = SchemasTopicOpt,
 ) -> None:
     """Delete a schema (tombstone); later states naming it go to the dead-letter topic."""
-    from worker.clients import delete_schema
+    from worker.commands import delete_schema
 
     delete_schema(bootstrap, Topics(schemas=schemas_topic), schema_id)
     typer.echo(f"schema {schema_id} deleted")
@@ -184,7 +184,7 @@ def produce(
     states_topic: str = StatesTopicOpt,
 ) -> None:
     """Publish states (keyed by state id) to the states topic."""
-    from worker.clients import produce_states, read_state_lines
+    from worker.commands import produce_states, read_state_lines
 
     count = produce_states(bootstrap, Topics(states=states_topic), read_state_lines(file, schema_id))
     typer.echo(f"{count} states published to {states_topic}")
@@ -339,13 +339,13 @@ def tail(
     dead_letter_topic: str = DeadLetterTopicOpt,
 ) -> None:
     """Print committed output records (read_committed: aborted attempts never show)."""
-    from worker import clients
+    from worker import commands
 
     if topic not in ("probabilities", "dead-letter"):
         raise FatalError(f"--topic must be probabilities or dead-letter, not {topic!r}", exit_code=2)
     name = probabilities_topic if topic == "probabilities" else dead_letter_topic
-    for record in clients.tail(bootstrap, name, topic, from_beginning, max_records, timeout):
-        typer.echo(clients.json_line(record) if as_json else _summary(topic, record))
+    for record in commands.tail(bootstrap, name, topic, from_beginning, max_records, timeout):
+        typer.echo(commands.json_line(record) if as_json else _summary(topic, record))
         sys.stdout.flush()
 
 
