@@ -5,6 +5,6 @@ Modules, one concern each: ``config`` (the frozen per-process configuration), ``
 engine's device thread and prepared-schema budget), ``transactions`` (the exactly-once commit),
 ``dead_letters``, ``records`` (JSON files <-> Avro records <-> engine input), ``loop`` (the processor),
 ``metrics``, ``health`` (the /metrics, /healthz, /readyz endpoint), ``logs`` (structured event logs),
-``settings`` (the TOML config file and secret redaction), ``replay`` (``decider replay``), ``commands`` (what
+``config_file`` (the TOML config file and secret redaction), ``replay`` (``decider replay``), ``commands`` (what
 the CLI's schema/produce/tail commands do), ``cli``, ``offline`` (``decider score``), ``embedded_broker`` and ``demo``.
 """

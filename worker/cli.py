@@ -65,7 +65,7 @@ def friendly_errors(command: Callable) -> Callable:
 def _redacted(text: str) -> str:
     """``text`` without any secret of the config file's [kafka] table."""
     from worker.kafka_clients import client_settings
-    from worker.settings import redact_text
+    from worker.config_file import redact_text
 
     return redact_text(text, client_settings())
 
@@ -239,7 +239,7 @@ def _run_logged(run: Callable, metrics_port: Optional[int]) -> None:
     """Run a loop with its events logged, counted in the metrics and driving /readyz; log a fatal end."""
     from worker import logs, metrics
     from worker.kafka_clients import client_settings
-    from worker.settings import redact
+    from worker.config_file import redact
 
     health = None
     if metrics_port:
@@ -424,7 +424,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     import os
 
     from worker.kafka_clients import use_client_settings
-    from worker.settings import load_config_file, split_config_flag
+    from worker.config_file import load_config_file, split_config_flag
 
     try:
         path, args = split_config_flag(sys.argv[1:] if argv is None else argv, os.environ)

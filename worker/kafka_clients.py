@@ -16,7 +16,7 @@ _QUIET = {"log_level": 0}
 
 # librdkafka settings of the config file's [kafka] table (security.protocol, sasl.*, ssl.*, ...), applied to
 # every client this process creates. Set once by the CLI before any client exists, like the bootstrap
-# address they accompany; ``worker.settings`` validates them (and refuses the keys decider sets itself).
+# address they accompany; ``worker.config_file`` validates them (and refuses the keys decider sets itself).
 _PASSTHROUGH: dict[str, Any] = {}
 
 
@@ -27,7 +27,7 @@ def use_client_settings(settings: Mapping[str, Any]) -> None:
 
 
 def client_settings() -> dict[str, Any]:
-    """The pass-through settings in effect (a copy; redact before showing it: ``worker.settings.redact``)."""
+    """The pass-through settings in effect (a copy; redact before showing it: ``worker.config_file.redact``)."""
     return dict(_PASSTHROUGH)
 
 

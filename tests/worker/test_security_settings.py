@@ -18,7 +18,7 @@ from tests.worker.conftest import REPO
 from worker.config import WorkerConfig
 from worker.embedded_broker import free_port
 from worker.kafka_clients import effective_client_configs, use_client_settings
-from worker.settings import REDACTED, load_config_file, redact, redact_text
+from worker.config_file import REDACTED, load_config_file, redact, redact_text
 
 PASSWORD = "s3cr3t-Hunter2-do-not-log"
 CA = "/etc/ssl/certs/ca-certificates.crt"
