@@ -11,7 +11,6 @@ import os
 import shutil
 import tempfile
 import threading
-import time
 from importlib.resources import files
 from pathlib import Path
 from typing import Any
@@ -30,7 +29,7 @@ EXAMPLES = files("worker").joinpath("examples")
 
 def run_demo(model_dir: str | None = None, port: int | None = None, records_shown: int = 3, timeout_s: float = 180.0) -> None:
     """Run the demo end to end; raises ``FatalError`` if the pipeline does not deliver every record."""
-    # The worker runs in this process: OpenMP must wait passively (see worker.loop.load_scorer), and
+    # The worker runs in this process: OpenMP must wait passively (see worker.scorer.load_scorer), and
     # that is only read when torch first starts OpenMP, so set it before anything imports torch.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     console = Console(highlight=False)
@@ -143,4 +142,3 @@ def _show_records(console: Console, bootstrap: str, topics: Topics, expected: in
             cells = "  ".join(f"{o} {p:.2f}" for o, p in zip(question["options"], question["probabilities"]))
             table.add_row(question["id"], cells)
         console.print(table)
-    time.sleep(0)  # keep output ordering with the worker thread's prints

@@ -143,8 +143,12 @@ class Stream:
         assert self._producer.flush(10) == 0
 
     # ---- workers ---------------------------------------------------------------------------------------------
-    def start_worker(self, model_dir: Path, worker_id: str, *extra: str, env: dict[str, str] | None = None) -> WorkerProcess:
-        args = [sys.executable, "-m", "worker", "worker", "-b", self.bootstrap, "--model", str(model_dir),
+    def start_worker(self, model_dir: Path, worker_id: str, *extra: str, env: dict[str, str] | None = None,
+                     fail_on: str | None = None) -> WorkerProcess:
+        """A worker on this stream; with ``fail_on``, states containing that text fail in the scoring step
+        (``tests.worker.faults``)."""
+        entry = ["-m", "worker"] if fail_on is None else ["-m", "tests.worker.faults", fail_on]
+        args = [sys.executable, *entry, "worker", "-b", self.bootstrap, "--model", str(model_dir),
                 "--worker-id", worker_id, "--group", self.group,
                 "--states-topic", self.topics.states, "--schemas-topic", self.topics.schemas,
                 "--probabilities-topic", self.topics.probabilities, "--dead-letter-topic", self.topics.dead_letter,
