@@ -90,18 +90,29 @@ def test_no_import_cycle_among_the_projects_modules():
 
 
 def _environment_keys(tree: ast.AST) -> list[str]:
-    """String keys read through ``os.environ[...]``, ``os.environ.get(...)``, ``os.getenv(...)`` or ``environ.get``."""
+    """Environment variable names a module reads: keys of ``os.environ[...]``, ``os.environ.get/setdefault/pop(...)``
+    and ``os.getenv(...)``, and typer/click options' ``envvar=``; a key held in a module-level string constant counts."""
+    constants = {target.id: node.value.value for node in getattr(tree, "body", []) if isinstance(node, ast.Assign)
+                 and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)
+                 for target in node.targets if isinstance(target, ast.Name)}
+
+    def value(node: ast.AST) -> str | None:
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            return node.value
+        return constants.get(node.id) if isinstance(node, ast.Name) else None
+
     keys = []
     for node in ast.walk(tree):
-        if isinstance(node, ast.Subscript) and _is_environ(node.value) and isinstance(node.slice, ast.Constant):
-            keys.append(node.slice.value)
-        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
+        if isinstance(node, ast.Subscript) and _is_environ(node.value):
+            keys.append(value(node.slice))
+        elif isinstance(node, ast.Call):
             func = node.func
             reads = (isinstance(func, ast.Attribute) and func.attr in ("get", "setdefault", "pop") and _is_environ(func.value)) \
                 or (isinstance(func, ast.Attribute) and func.attr == "getenv") or (isinstance(func, ast.Name) and func.id == "getenv")
-            if reads:
-                keys.append(node.args[0].value)
-    return [k for k in keys if isinstance(k, str)]
+            if reads and node.args:
+                keys.append(value(node.args[0]))
+            keys.extend(value(k.value) for k in node.keywords if k.arg == "envvar")
+    return [k for k in keys if k is not None]
 
 
 def _is_environ(node: ast.AST) -> bool:
@@ -116,10 +127,13 @@ def test_no_production_module_reads_a_test_only_environment_variable():
 
 
 def test_the_checks_catch_what_they_look_for(tmp_path):
-    """The scanners themselves: a cycle, an engine import of Kafka and a test-only variable are all found."""
-    source = "import os\nfrom confluent_kafka import Consumer\n\ndef f():\n    return os.environ.get('DECIDER_FAULT_X')\n"
-    tree = ast.parse(source)
-    assert _environment_keys(tree) == ["DECIDER_FAULT_X"]
+    """The scanners themselves: an engine import of Kafka and test-only variables, however they are read, are found."""
+    source = ("import os\nimport typer\nfrom confluent_kafka import Consumer\nFAULT_ENV = 'DECIDER_FAULT_INJECT_SCORING'\n\n"
+              "def f(environ):\n    a = os.environ.get(FAULT_ENV)\n    b = environ['DECIDER_TEST_MODE']\n"
+              "    return typer.Option(None, envvar='DECIDER_INJECT_X'), os.getenv('HOME')\n")
+    keys = _environment_keys(ast.parse(source))
+    assert sorted(keys) == ["DECIDER_FAULT_INJECT_SCORING", "DECIDER_INJECT_X", "DECIDER_TEST_MODE", "HOME"]
+    assert [k for k in keys if TEST_ONLY_ENV.search(k)] == ["DECIDER_FAULT_INJECT_SCORING", "DECIDER_TEST_MODE", "DECIDER_INJECT_X"]
     path = tmp_path / "m.py"
     path.write_text(source)
     assert "confluent_kafka.Consumer" in _imports("engine.m", path)
