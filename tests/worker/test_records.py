@@ -22,7 +22,7 @@ def test_decode_source_gives_the_state_or_the_reason():
     assert decode_source(_source(encode_state("s-1", "support", "late order")), 100)["state"] == "late order"
     cases = [
         (None, Reason.UNDECODABLE, "no value"),
-        (b"\xff\xfe not avro", Reason.UNDECODABLE, ""),
+        (b"\xff\xfe not avro", Reason.UNDECODABLE, "not a valid io.decider.StateEvent"),
         (encode_state("", "support", "text"), Reason.INVALID_FIELDS, "state_id is empty"),
         (encode_state("s-1", "support", "   "), Reason.INVALID_FIELDS, "state text is empty"),
         (encode_state("s-1", "support", "x" * 101), Reason.STATE_TOO_LARGE, "101 characters; the limit is 100"),
