@@ -31,6 +31,7 @@ schema_app = typer.Typer(help="Publish or delete question schemas.", no_args_is_
 app.add_typer(topics_app, name="topics")
 app.add_typer(schema_app, name="schema")
 
+
 def friendly_errors(command: Callable) -> Callable:
     """Turn the worker's named errors and Kafka errors into one line on stderr (secrets redacted) and an exit code."""
 
