@@ -42,7 +42,7 @@ class Topics:
 
 @dataclass(frozen=True)
 class WorkerConfig:
-    """Everything ``decider worker`` needs; built once, never mutated."""
+    """Everything a loop (``decider worker`` or ``decider replay``) needs; built once, never mutated."""
 
     bootstrap: str
     model_dir: str
