@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import schemas  # noqa: E402
 from bench.engine_bench import QWEN35_08B, questions, states  # noqa: E402
-from worker.clients import put_schema  # noqa: E402
+from worker.commands import put_schema  # noqa: E402
 from worker.config import Topics  # noqa: E402
 from worker.embedded_broker import EmbeddedBroker, free_port  # noqa: E402
 from worker.kafka_clients import create_topics, plain_producer, reader_consumer  # noqa: E402

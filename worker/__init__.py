@@ -1,10 +1,16 @@
 """decider's Kafka side: the exactly-once stream processor, its CLI and the embedded development broker.
 
-Modules, one concern each: ``config`` (the frozen per-process configuration), ``exceptions``,
-``kafka_clients`` (client settings and topic admin), ``schema_table``, ``batcher``, ``scorer`` (the
-engine's device thread and prepared-schema budget), ``transactions`` (the exactly-once commit),
-``dead_letters``, ``records`` (JSON files <-> Avro records <-> engine input), ``loop`` (the processor),
-``metrics``, ``health`` (the /metrics, /healthz, /readyz endpoint), ``logs`` (structured event logs),
-``settings`` (the TOML config file and secret redaction), ``replay`` (``decider replay``), ``clients`` (what
-the CLI's schema/produce/tail commands do), ``cli``, ``offline`` (``decider score``), ``embedded_broker`` and ``demo``.
+Modules, one concern each, in the order a state meets them:
+``loop`` (the processor: poll -> decode -> route -> batch -> score -> records -> transaction),
+``assignment`` (where states come from: the consumer group), ``records`` (the record types and conversions:
+source record, decoded state, dead-letter reasons, output records; users' JSON files), ``routing`` (which batch a
+state joins, kept right as schemas change), ``schema_table`` (the schemas topic as a table), ``batcher`` (the
+open cycle's bookkeeping), ``scorer`` (the engine's device thread, tokenizer pool and prepared-schema budget),
+``outputs`` (a cycle's probability records and dead letters, in input order), ``transactions`` (the exactly-once
+commit). Around it: ``config`` (the frozen per-process configuration), ``config_file`` (the TOML config file and
+secret redaction), ``exceptions``, ``kafka_clients`` (client settings and topic admin), ``metrics``, ``health``
+(the /metrics, /healthz, /readyz endpoint), ``logs`` (structured event logs), ``gc_pauses``, ``ops`` (running a
+loop as an operated process), ``replay`` (``decider replay``: the loop over a fixed range), ``cli`` and
+``cli_options`` (the command line and its shared options), ``commands`` (what the CLI's schema/produce/tail
+commands do), ``offline`` (``decider score``), ``embedded_broker`` and ``demo``.
 """

@@ -6,21 +6,20 @@ first batch of a cycle closes, every other open batch (states of other schemas, 
 same partitions) is scored with it and the whole cycle commits as one transaction. States that name a
 schema not seen yet wait in the cycle (up to ``--schema-wait-ms``); the cycle cannot commit past them.
 
-Tokenization starts as each state arrives, on the scorer's tokenizer pool, so by the time a batch
-closes its rows are usually ready and the GPU thread only scores.
+Only bookkeeping lives here: the loop prepares schemas and starts tokenizing (``worker.scorer``) and hands
+the cycle the futures; the batcher never calls the scorer.
 """
 
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from confluent_kafka import TopicPartition
 
-from worker.dead_letters import SourceRecord
-from worker.scorer import BatchJob, Scorer, SchemaKey
-from worker.transactions import OutgoingRecord
+from worker.records import OutgoingRecord, Reason, SchemaKey, SourceRecord
 
 
 @dataclass
@@ -29,7 +28,8 @@ class Pending:
 
     source: SourceRecord
     state: dict[str, Any] | None = None  # the decoded StateEvent
-    outcome: OutgoingRecord | None = None  # decided without scoring (a dead letter)
+    dead_letter: OutgoingRecord | None = None  # decided without scoring ...
+    reason: Reason | None = None  # ... for this reason
     batch_key: SchemaKey | None = None  # in this batch ...
     batch_index: int = -1  # ... at this position
     wait_deadline: float | None = None  # waiting for its schema until this monotonic time
@@ -37,17 +37,18 @@ class Pending:
 
 @dataclass
 class Batch:
-    """States of one schema version, in arrival order, with their tokenization futures."""
+    """States of one schema version, in arrival order, with the prepared schema's and their tokenization futures."""
 
     schema: dict[str, Any]
-    handle: Any  # Future of the prepared schema
+    handle: Future  # of the prepared schema
     opened_at: float
     members: list[Pending] = field(default_factory=list)
-    rows: list[Any] = field(default_factory=list)  # Futures of tokenized rows
+    rows: list[Future] = field(default_factory=list)  # of tokenized rows, one per member
 
-    def job(self) -> BatchJob:
-        """What the scorer runs for this batch."""
-        return BatchJob(self.handle, list(self.rows), [m.state["state"] for m in self.members])
+    @property
+    def key(self) -> SchemaKey:
+        """(schema id, version) of this batch."""
+        return (self.schema["schema_id"], self.schema["version"])
 
 
 class Cycle:
@@ -75,18 +76,16 @@ class Cycle:
         """The offsets to commit with this cycle: next offset to read, per partition consumed."""
         return [TopicPartition(topic, partition, offset) for (topic, partition), offset in self._next_offsets.items()]
 
-    def add_to_batch(self, pending: Pending, schema: dict[str, Any], scorer: Scorer, now: float) -> None:
-        """Queue ``pending`` for scoring with ``schema`` (prepared on first sight) and start tokenizing it."""
+    def add_to_batch(self, pending: Pending, schema: dict[str, Any], handle: Future, row: Future, now: float) -> None:
+        """Queue ``pending`` in ``schema``'s batch, with the futures of the prepared schema and of its tokenized row."""
         key: SchemaKey = (schema["schema_id"], schema["version"])
         batch = self.batches.get(key)
         if batch is None:
-            batch = self.batches[key] = Batch(schema=schema, handle=scorer.acquire(schema), opened_at=now)
-        else:
-            scorer.acquire(schema)  # one pin per state, released when the cycle ends
+            batch = self.batches[key] = Batch(schema=schema, handle=handle, opened_at=now)
         pending.batch_key, pending.batch_index = key, len(batch.members)
         pending.wait_deadline = None
         batch.members.append(pending)
-        batch.rows.append(scorer.tokenize(batch.handle, pending.state["state"]))
+        batch.rows.append(row)
 
     def add_waiting(self, pending: Pending, deadline: float) -> None:
         """Hold ``pending`` until its schema appears or ``deadline`` passes."""
@@ -115,30 +114,20 @@ class Cycle:
         waiting, self.waiting = self.waiting, []
         return waiting
 
-    def take_stale(self, latest_version: Callable[[str], int | None], scorer: Scorer) -> list[Pending]:
-        """Remove and return the states of batches whose schema got a new version (or a tombstone) since
-        they arrived, so the caller can route them to the latest version known when the cycle closes."""
-        stale: list[Pending] = []
-        for key in list(self.batches):
-            if latest_version(key[0]) == key[1]:
-                continue
-            batch = self.batches.pop(key)
+    def take_stale(self, latest_version: Callable[[str], int | None]) -> list[Batch]:
+        """Remove and return the batches whose schema got a new version (or a tombstone) since they opened, so
+        the caller can release their schema and route their states to the latest version known now."""
+        stale = [self.batches.pop(key) for key in list(self.batches) if latest_version(key[0]) != key[1]]
+        for batch in stale:
             for member in batch.members:
-                scorer.release_pin(key)
                 member.batch_key, member.batch_index = None, -1
-                stale.append(member)
         return stale
 
-    def jobs(self) -> tuple[list[SchemaKey], list[BatchJob]]:
-        """The scoring work of this cycle, one job per batch."""
-        keys = list(self.batches)
-        return keys, [self.batches[k].job() for k in keys]
-
-    def release_pins(self, scorer: Scorer) -> None:
-        """Let the scorer evict the schemas this cycle held (after commit or when dropped)."""
+    def pins(self) -> Iterator[SchemaKey]:
+        """The schema key of every batched state: one pin each on its prepared schema, held until the cycle ends."""
         for key, batch in self.batches.items():
             for _ in batch.members:
-                scorer.release_pin(key)
+                yield key
 
 
 def monotonic() -> float:

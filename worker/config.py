@@ -1,9 +1,11 @@
-"""One frozen configuration object per process, built once at the CLI from flags and ``DECIDER_*`` env vars."""
+"""One frozen configuration object per process, built once at the CLI from flags, ``DECIDER_*`` environment
+variables and the config file (``worker.config_file``). The defaults written here are the CLI's defaults too."""
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from typing import Any, Mapping
 
 from worker.exceptions import ConfigError
 
@@ -12,6 +14,16 @@ DEFAULT_SCHEMAS_TOPIC = "decider.schemas"
 DEFAULT_PROBABILITIES_TOPIC = "decider.probabilities"
 DEFAULT_DEAD_LETTER_TOPIC = "decider.dead-letter"
 DEFAULT_GROUP = "decider"
+REPLAY_MAX_BATCH = 64  # a replay is throughput-bound: fuller batches than a live worker's default
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """How to reach the Kafka cluster: the bootstrap servers and the librdkafka settings of the config file's
+    ``[kafka]`` table (security.protocol, sasl.*, ssl.*, ...), which every client decider creates gets."""
+
+    bootstrap: str
+    settings: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -30,7 +42,7 @@ class Topics:
 
 @dataclass(frozen=True)
 class WorkerConfig:
-    """Everything ``decider worker`` needs; built once, never mutated."""
+    """Everything a loop (``decider worker`` or ``decider replay``) needs; built once, never mutated."""
 
     bootstrap: str
     model_dir: str
@@ -40,7 +52,7 @@ class WorkerConfig:
     group: str = DEFAULT_GROUP
     topics: Topics = field(default_factory=Topics)
     max_batch: int = 32
-    max_wait_ms: int = 50
+    max_wait_ms: int | None = 50  # None: no deadline, cycles close only when a batch is full (replay)
     schema_wait_ms: int = 10_000
     max_state_chars: int = 32_768
     schema_memory_mb: float = 2048.0
@@ -51,6 +63,7 @@ class WorkerConfig:
     transaction_timeout_ms: int = 30_000
     session_timeout_ms: int = 10_000
     metrics_port: int | None = None
+    kafka: Mapping[str, Any] = field(default_factory=dict)  # the config file's [kafka] table
 
     def __post_init__(self) -> None:
         if not self.bootstrap:
@@ -60,7 +73,7 @@ class WorkerConfig:
         if self.max_batch < 1:
             raise ConfigError("--max-batch must be at least 1")
         for name in ("max_wait_ms", "schema_wait_ms"):
-            if getattr(self, name) < 0:
+            if (getattr(self, name) or 0) < 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 0")
         if self.max_state_chars < 1:
             raise ConfigError("--max-state-chars must be at least 1")
@@ -70,6 +83,11 @@ class WorkerConfig:
             raise ConfigError("--schema-memory-mb must be positive")
         if not (self.device == "cpu" or re.fullmatch(r"cuda(:\d+)?", self.device)):
             raise ConfigError(f"--device {self.device!r} must be cpu, cuda or cuda:N")
+
+    @property
+    def cluster(self) -> Cluster:
+        """The cluster every client of this process connects to."""
+        return Cluster(self.bootstrap, self.kafka)
 
     @property
     def transactional_id(self) -> str:

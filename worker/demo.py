@@ -11,7 +11,6 @@ import os
 import shutil
 import tempfile
 import threading
-import time
 from importlib.resources import files
 from pathlib import Path
 from typing import Any
@@ -19,7 +18,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from worker import clients
+from worker import commands
 from worker.config import Topics, WorkerConfig
 from worker.embedded_broker import EmbeddedBroker, free_port
 from worker.exceptions import FatalError
@@ -30,7 +29,7 @@ EXAMPLES = files("worker").joinpath("examples")
 
 def run_demo(model_dir: str | None = None, port: int | None = None, records_shown: int = 3, timeout_s: float = 180.0) -> None:
     """Run the demo end to end; raises ``FatalError`` if the pipeline does not deliver every record."""
-    # The worker runs in this process: OpenMP must wait passively (see worker.loop.load_scorer), and
+    # The worker runs in this process: OpenMP must wait passively (see worker.scorer.load_scorer), and
     # that is only read when torch first starts OpenMP, so set it before anything imports torch.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     console = Console(highlight=False)
@@ -47,11 +46,11 @@ def run_demo(model_dir: str | None = None, port: int | None = None, records_show
             model = model_dir or _tiny_model(console, scratch / "tiny-model")
 
             schema_file = Path(str(EXAMPLES.joinpath("support_schema.json")))
-            record = clients.put_schema(broker.bootstrap, topics, "support", schema_file)
+            record = commands.put_schema(broker.bootstrap, topics, "support", schema_file)
             console.print(f"[green]✓[/] schema [bold]support[/] v{record['version']} published: "
                           + ", ".join(q["id"] for q in record["questions"]))
-            states = clients.read_state_lines(Path(str(EXAMPLES.joinpath("support_states.jsonl"))), "support")
-            clients.produce_states(broker.bootstrap, topics, states)
+            states = commands.read_state_lines(Path(str(EXAMPLES.joinpath("support_states.jsonl"))), "support")
+            commands.produce_states(broker.bootstrap, topics, states)
             console.print(f"[green]✓[/] {len(states)} support tickets published to [bold]{topics.states}[/]")
 
             progress = _Progress(console, expected=len(states))
@@ -130,7 +129,7 @@ def _start_worker(config: WorkerConfig, stop: threading.Event, progress: _Progre
 
 
 def _show_records(console: Console, bootstrap: str, topics: Topics, expected: int, shown: int) -> None:
-    records = list(clients.tail(bootstrap, topics.probabilities, "probabilities", from_beginning=True,
+    records = list(commands.tail(bootstrap, topics.probabilities, "probabilities", from_beginning=True,
                                 max_records=expected, idle_timeout_s=10))
     console.print(f"[green]✓[/] read back {len(records)} committed records from [bold]{topics.probabilities}[/] (read_committed)")
     for record in sorted(records, key=lambda r: r["state_id"])[:shown]:
@@ -143,4 +142,3 @@ def _show_records(console: Console, bootstrap: str, topics: Topics, expected: in
             cells = "  ".join(f"{o} {p:.2f}" for o, p in zip(question["options"], question["probabilities"]))
             table.add_row(question["id"], cells)
         console.print(table)
-    time.sleep(0)  # keep output ordering with the worker thread's prints

@@ -1,13 +1,16 @@
 """Named error types of the worker, by what the caller must do about them.
 
-- ``RetriableError``: the same call may succeed if tried again (a broker briefly unavailable).
 - ``AbortableError``: the open transaction is lost; abort it, rewind the consumer to the last
   committed offsets and process the records again. No output of the aborted attempt is ever visible.
 - ``FatalError``: this process cannot go on (fenced by a newer instance, bad configuration, bad model
   path); exit non-zero with the message, which is written for a user to act on.
 
+Retriable Kafka errors have no type here: ``worker.transactions`` retries what librdkafka marks retriable, within
+the transaction timeout, and turns what is left into one of these.
+
 Exit codes of ``decider worker``: 1 fatal, 2 configuration, 3 fenced, 4 broker or topic unavailable,
-5 a Kafka client call hung past its timeout (``worker.transactions`` watchdog; restart to recover).
+5 a Kafka client call hung past its timeout (``worker.transactions``' watchdog exits the process directly, since
+the hung call cannot be interrupted; restart to recover).
 """
 
 from __future__ import annotations
@@ -15,10 +18,6 @@ from __future__ import annotations
 
 class DeciderError(Exception):
     """Base of every error the worker raises on purpose."""
-
-
-class RetriableError(DeciderError):
-    """A transient failure; retry the same operation."""
 
 
 class AbortableError(DeciderError):

@@ -2,8 +2,7 @@
 
 A worker holds torch, transformers and a model: some 350k objects that live as long as the process. Every full
 (generation 2) collection walks all of them, 160-205 ms on this 2-core machine, and stops every thread meanwhile:
-the open cycle's states wait. (The stream benchmark on the H200 saw a worker stop for 300 ms in a steady stream;
-the timing below is there to say whether a collection was the cause.) ``gc.freeze()`` moves the objects alive at
+the open cycle's states wait; the timing below tells whether a stall of the stream was a collection. ``gc.freeze()`` moves the objects alive at
 that moment to a generation the collector never walks, so later collections see only what the loop itself keeps;
 the collector still runs, and reference cycles made later are still freed.
 """

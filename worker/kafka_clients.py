@@ -2,49 +2,41 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer
 from confluent_kafka.admin import AdminClient, NewTopic
 
-from worker.config import Topics, WorkerConfig
+from worker.config import Cluster, Topics, WorkerConfig
 from worker.exceptions import BrokerUnavailableError
 from worker.metrics import on_consumer_stats
 
 # librdkafka logs every failed connection attempt to stderr; the CLI reports unreachable brokers itself.
 _QUIET = {"log_level": 0}
 
-# librdkafka settings of the config file's [kafka] table (security.protocol, sasl.*, ssl.*, ...), applied to
-# every client this process creates. Set once by the CLI before any client exists, like the bootstrap
-# address they accompany; ``worker.settings`` validates them (and refuses the keys decider sets itself).
-_PASSTHROUGH: dict[str, Any] = {}
+
+def as_cluster(cluster: Cluster | str) -> Cluster:
+    """``cluster`` itself, or a bare bootstrap address as a cluster with no extra client settings."""
+    return cluster if isinstance(cluster, Cluster) else Cluster(cluster)
 
 
-def use_client_settings(settings: Mapping[str, Any]) -> None:
-    """Make ``settings`` part of every Kafka client created from now on (replaces earlier ones)."""
-    _PASSTHROUGH.clear()
-    _PASSTHROUGH.update(settings)
+def base_config(cluster: Cluster | str) -> dict[str, Any]:
+    """What every client gets: the bootstrap address, quiet librdkafka logs, then the ``[kafka]`` settings
+    (``worker.config_file`` validated them and refused the keys decider sets itself)."""
+    cluster = as_cluster(cluster)
+    return {"bootstrap.servers": cluster.bootstrap, **_QUIET, **cluster.settings}
 
 
-def client_settings() -> dict[str, Any]:
-    """The pass-through settings in effect (a copy; redact before showing it: ``worker.settings.redact``)."""
-    return dict(_PASSTHROUGH)
+def admin_client(cluster: Cluster | str) -> AdminClient:
+    """An admin client for ``cluster``."""
+    return AdminClient(base_config(cluster))
 
 
-def base_config(bootstrap: str) -> dict[str, Any]:
-    """What every client gets: the bootstrap address, quiet librdkafka logs, then the pass-through settings."""
-    return {"bootstrap.servers": bootstrap, **_QUIET, **_PASSTHROUGH}
-
-
-def admin_client(bootstrap: str) -> AdminClient:
-    """An admin client for ``bootstrap``."""
-    return AdminClient(base_config(bootstrap))
-
-
-def check_broker(bootstrap: str, timeout_s: float = 5.0) -> dict:
+def check_broker(cluster: Cluster | str, timeout_s: float = 5.0) -> dict:
     """Return the cluster's topic metadata, or raise ``BrokerUnavailableError`` with a clear message."""
+    bootstrap = as_cluster(cluster).bootstrap
     try:
-        return admin_client(bootstrap).list_topics(timeout=timeout_s).topics
+        return admin_client(cluster).list_topics(timeout=timeout_s).topics
     except KafkaException as exc:
         raise BrokerUnavailableError(
             f"no Kafka broker answered at {bootstrap} within {timeout_s:.0f} s ({exc.args[0].str()}); "
@@ -52,9 +44,10 @@ def check_broker(bootstrap: str, timeout_s: float = 5.0) -> dict:
         ) from exc
 
 
-def require_topics(bootstrap: str, names: Iterable[str], timeout_s: float = 5.0) -> dict[str, int]:
+def require_topics(cluster: Cluster | str, names: Iterable[str], timeout_s: float = 5.0) -> dict[str, int]:
     """Partition count of each topic in ``names``; ``BrokerUnavailableError`` if any is missing."""
-    topics = check_broker(bootstrap, timeout_s)
+    bootstrap = as_cluster(cluster).bootstrap
+    topics = check_broker(cluster, timeout_s)
     counts: dict[str, int] = {}
     missing = []
     for name in names:
@@ -70,9 +63,9 @@ def require_topics(bootstrap: str, names: Iterable[str], timeout_s: float = 5.0)
     return counts
 
 
-def create_topics(bootstrap: str, topics: Topics, partitions: int, replication: int = 1) -> dict[str, str]:
+def create_topics(cluster: Cluster | str, topics: Topics, partitions: int, replication: int = 1) -> dict[str, str]:
     """Create the four topics; returns ``{name: "created" | "exists"}``. Idempotent."""
-    check_broker(bootstrap)
+    check_broker(cluster)
     requests = [
         NewTopic(topics.states, partitions, replication),
         # The schema topic is a table: compaction keeps the latest version per schema id (and
@@ -82,7 +75,7 @@ def create_topics(bootstrap: str, topics: Topics, partitions: int, replication: 
         NewTopic(topics.dead_letter, partitions, replication),
     ]
     outcome: dict[str, str] = {}
-    admin = admin_client(bootstrap)  # must outlive the futures: a collected client cancels them
+    admin = admin_client(cluster)  # must outlive the futures: a collected client cancels them
     for name, future in admin.create_topics(requests, request_timeout=15).items():
         try:
             future.result()
@@ -94,10 +87,10 @@ def create_topics(bootstrap: str, topics: Topics, partitions: int, replication: 
     return outcome
 
 
-def plain_producer(bootstrap: str) -> Producer:
+def plain_producer(cluster: Cluster | str) -> Producer:
     """An idempotent, non-transactional producer for the CLI's schema put / produce commands."""
     return Producer({
-        **base_config(bootstrap),
+        **base_config(cluster),
         "enable.idempotence": True,  # retries never duplicate or reorder a produced state
         # Java-client-compatible key hashing, so a state id lands on the same partition whoever produces it.
         "partitioner": "murmur2_random",
@@ -105,18 +98,18 @@ def plain_producer(bootstrap: str) -> Producer:
     })
 
 
-def reader_consumer(bootstrap: str, group: str | None = None) -> Consumer:
+def reader_consumer(cluster: Cluster | str, group: str | None = None) -> Consumer:
     """A read_committed consumer for reading topics whole (the schema table, tail).
 
     Without a group it never commits: readers assign partitions themselves and keep no position.
     """
-    return Consumer(reader_consumer_config(bootstrap, group))
+    return Consumer(reader_consumer_config(cluster, group))
 
 
-def reader_consumer_config(bootstrap: str, group: str | None = None) -> dict[str, Any]:
+def reader_consumer_config(cluster: Cluster | str, group: str | None = None) -> dict[str, Any]:
     """Settings of ``reader_consumer``."""
     config = {
-        **base_config(bootstrap),
+        **base_config(cluster),
         # Only records of committed transactions: aborted attempts of a worker are never shown.
         "isolation.level": "read_committed",
         "enable.auto.commit": False,
@@ -129,15 +122,10 @@ def reader_consumer_config(bootstrap: str, group: str | None = None) -> dict[str
     return config
 
 
-def worker_consumer(config: WorkerConfig) -> Consumer:
-    """The states consumer of the exactly-once loop (subscribes through the consumer group)."""
-    return Consumer(worker_consumer_config(config))
-
-
 def worker_consumer_config(config: WorkerConfig) -> dict[str, Any]:
-    """Settings of the states consumer of the exactly-once loop."""
+    """Settings of the states consumer of the exactly-once loop (subscribes through the consumer group)."""
     return {
-        **base_config(config.bootstrap),
+        **base_config(config.cluster),
         "group.id": config.group,
         # Static membership: a worker restarted with the same --worker-id (after a crash or kill -9) takes
         # its partitions back at once instead of waiting for the dead member's session to expire. A clean
@@ -163,10 +151,26 @@ def worker_consumer_config(config: WorkerConfig) -> dict[str, Any]:
     }
 
 
+def replay_consumer_config(config: WorkerConfig) -> dict[str, Any]:
+    """Settings of a replay's states consumer: assigned partitions, offsets committed only in transactions."""
+    return {
+        **base_config(config.cluster),
+        "group.id": config.group,  # only holds the committed offsets; never joined (assign(), no subscribe)
+        "enable.auto.commit": False,
+        "isolation.level": "read_committed",
+        # A partition whose range ends at the topic's end is finished when the reader reaches it.
+        "enable.partition.eof": True,
+        "auto.offset.reset": "earliest",
+        "fetch.wait.max.ms": 100,
+        "statistics.interval.ms": 2000,
+        "stats_cb": on_consumer_stats,
+    }
+
+
 def transactional_producer_config(config: WorkerConfig) -> dict:
     """Settings of the producer whose transactions carry output records, dead letters and input offsets."""
     return {
-        **base_config(config.bootstrap),
+        **base_config(config.cluster),
         # Derived from --worker-id: a restarted worker fences its predecessor and aborts its open transaction.
         "transactional.id": config.transactional_id,
         "transaction.timeout.ms": config.transaction_timeout_ms,
@@ -174,12 +178,3 @@ def transactional_producer_config(config: WorkerConfig) -> dict:
         "linger.ms": 2,  # a whole batch is produced at once, then flushed; no point waiting longer
     }
 
-
-def effective_client_configs(config: WorkerConfig) -> dict[str, dict[str, Any]]:
-    """Every client configuration a worker with ``config`` creates, by role (what librdkafka is handed)."""
-    return {
-        "consumer": worker_consumer_config(config),
-        "transactional_producer": transactional_producer_config(config),
-        "admin": base_config(config.bootstrap),
-        "schema_reader": reader_consumer_config(config.bootstrap),
-    }

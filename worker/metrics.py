@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import json
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
-from prometheus_client import Counter, Gauge, Histogram, start_http_server
+from prometheus_client import Counter, Gauge, Histogram
 
 STATES_SCORED = Counter("decider_states_scored_total", "States scored and committed", ["schema_id"])
 DEAD_LETTERS = Counter("decider_dead_letters_total", "States sent to the dead-letter topic", ["reason"])
@@ -44,6 +44,16 @@ ENGINE_PATHS = Gauge("decider_engine_batches", "Engine batches by path: CUDA gra
                      ["path"])
 
 
+def count_committed(cycle_seconds: float, scored: Mapping[str, int], dead_letters: Mapping[str, int]) -> None:
+    """A cycle committed: its latency, its probability records by schema id, its dead letters by reason code."""
+    TRANSACTIONS.labels("committed").inc()
+    CYCLE_SECONDS.observe(cycle_seconds)
+    for schema_id, count in scored.items():
+        STATES_SCORED.labels(schema_id).inc(count)
+    for reason, count in dead_letters.items():
+        DEAD_LETTERS.labels(reason).inc(count)
+
+
 def on_event(kind: str, info: dict[str, Any]) -> None:
     """Update the metrics the loop reports as events (``Worker(on_event=...)``)."""
     if kind == "committed" and "commit_ms" in info:
@@ -72,7 +82,3 @@ def watch_scorer(engine_stats: Callable[[], dict[str, int]], prepared: Callable[
     PREPARED_SCHEMAS.set_function(lambda: prepared()[0])
     PREPARED_BYTES.set_function(lambda: prepared()[1])
 
-
-def serve(port: int) -> None:
-    """Expose /metrics on ``port`` (a daemon thread)."""
-    start_http_server(port)

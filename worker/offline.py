@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import IO, Iterator
 
 from worker.exceptions import ConfigError
-from worker.clients import read_state_lines
+from worker.commands import read_state_lines
 from worker.records import engine_questions, load_schema_file, question_schema_record
 
 
@@ -44,7 +44,7 @@ def score_file(model_dir: str, schema_path: str | Path, states_path: str | Path,
 
 def write_scores(results: Iterator[dict], out: IO[str], err: IO[str] = sys.stderr) -> int:
     """Print each result as a JSON line; a summary goes to `err`.  -> the count."""
-    from worker.clients import json_line
+    from worker.commands import json_line
 
     t, n = time.perf_counter(), 0
     for n, result in enumerate(results, 1):

@@ -1,20 +1,109 @@
-"""Conversions between users' JSON files, Avro records and what the engine takes.
+"""Records in every form decider handles, and the conversions between them.
 
-Users write JSON (schema files, state lines); topics carry Avro (``schemas``); the engine takes a list
-of ``{"question", "options"}`` dicts. The checks a state must pass before scoring live here too.
+The stream's path, in the order a state takes it: a consumed ``SourceRecord`` is decoded into a StateEvent
+(``decode_source``; ``Unscorable`` with a ``Reason`` when it cannot be scored), and leaves as an
+``OutgoingRecord`` for the transaction: its ProbabilityRecord (``probability_record``) or a dead letter
+(``dead_letter``). Users' files are JSON (schema files, state lines) and become Avro records here too; the
+engine takes a list of ``{"question", "options"}`` dicts (``engine_questions``).
 """
 
 from __future__ import annotations
 
+import enum
 import json
 import math
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import schemas
 from worker.exceptions import ConfigError
 
 MAX_OPTIONS = 8  # engine.MAX_OPTIONS; repeated here so the CLI can validate files without importing torch
+
+SchemaKey = tuple[str, int]
+"""(schema id, version): names one question set for good (versions are never reused)."""
+
+
+class Reason(str, enum.Enum):
+    """Why a state was not scored (the ``reason`` enum of ``dead_letter.avsc``)."""
+
+    UNDECODABLE = "undecodable"  # the value is not a StateEvent in Avro (or is null)
+    INVALID_FIELDS = "invalid_fields"  # decodes, but a required field is empty or malformed
+    UNKNOWN_SCHEMA = "unknown_schema"  # no schema with that id appeared within --schema-wait-ms
+    SCHEMA_UNPREPARABLE = "schema_unpreparable"  # the schema exists but the engine rejects it
+    STATE_TOO_LARGE = "state_too_large"  # over --max-state-chars, or longer than the model's context
+    SCORING_ERROR = "scoring_error"  # the engine failed on this state alone (or returned non-finite numbers)
+
+
+assert {r.value for r in Reason} <= set(schemas.DEAD_LETTER_REASONS), "dead_letter.avsc lacks a reason code"
+
+
+@dataclass(frozen=True)
+class SourceRecord:
+    """Where an input record came from, and its raw bytes (kept so a dead letter can carry them)."""
+
+    topic: str
+    partition: int
+    offset: int
+    key: bytes | None
+    value: bytes | None
+
+
+@dataclass(frozen=True)
+class OutgoingRecord:
+    """One record to publish inside the transaction: a probability record or a dead letter."""
+
+    topic: str
+    key: bytes | None
+    value: bytes
+
+
+class Unscorable(Exception):
+    """A consumed record that cannot be scored: it goes to the dead letters with ``reason`` and this message."""
+
+    def __init__(self, reason: Reason, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+def decode_source(source: SourceRecord, max_state_chars: int) -> dict[str, Any]:
+    """The StateEvent in ``source``, checked for scoring; ``Unscorable`` says why not."""
+    if source.value is None:
+        raise Unscorable(Reason.UNDECODABLE, "the record has no value (null)")
+    try:
+        state = schemas.decode_state(source.value)
+    except ValueError as exc:
+        raise Unscorable(Reason.UNDECODABLE, str(exc)) from None
+    problem = state_problem(state)
+    if problem:
+        raise Unscorable(Reason.INVALID_FIELDS, problem)
+    if len(state["state"]) > max_state_chars:
+        raise Unscorable(Reason.STATE_TOO_LARGE,
+                         f"state has {len(state['state'])} characters; the limit is {max_state_chars} (--max-state-chars)")
+    return state
+
+
+def dead_letter(source: SourceRecord, reason: Reason, message: str, topic: str, worker_id: str,
+                state: dict[str, Any] | None = None) -> OutgoingRecord:
+    """The dead-letter record for ``source`` (with the ids of its decoded ``state``, if any), keyed by the original key."""
+    state = state or {}
+    record = {
+        "reason": reason.value,
+        "message": message,
+        "source_topic": source.topic,
+        "source_partition": source.partition,
+        "source_offset": source.offset,
+        "original_key": source.key,
+        "original_value": source.value,
+        "state_id": state.get("state_id"),
+        "schema_id": state.get("schema_id"),
+        "failed_at": int(time.time() * 1000),
+        "worker_id": worker_id,
+    }
+    return OutgoingRecord(topic=topic, key=source.key, value=schemas.encode_dead_letter(record))
+
 
 
 def load_schema_file(path: str | Path) -> dict[str, Any]:
@@ -133,12 +222,11 @@ def probability_record(
     schema_record: dict[str, Any],
     probabilities: list[list[float]],
     model_id: str,
-    source: tuple[str, int, int],
+    source: SourceRecord,
     worker_id: str,
     truncated: bool = False,
 ) -> dict[str, Any]:
     """The Avro ProbabilityRecord for one scored state; ``probabilities`` is per question, per option."""
-    topic, partition, offset = source
     return {
         "state_id": state["state_id"],
         "schema_id": schema_record["schema_id"],
@@ -148,9 +236,9 @@ def probability_record(
             {"id": q["id"], "options": list(q["options"]), "probabilities": [float(p) for p in probs]}
             for q, probs in zip(schema_record["questions"], probabilities)
         ],
-        "source_topic": topic,
-        "source_partition": partition,
-        "source_offset": offset,
+        "source_topic": source.topic,
+        "source_partition": source.partition,
+        "source_offset": source.offset,
         "event_time": state.get("event_time"),
         "scored_at": int(time.time() * 1000),
         "truncated": truncated,

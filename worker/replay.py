@@ -1,9 +1,10 @@
 """``decider replay``: score a historical range of a states topic into a chosen output topic, exactly once.
 
-A replay is the worker's loop (``worker.loop.Worker``) with three differences, made by overriding its hooks:
+A replay is the worker's loop (``worker.loop.Worker``) given a ``RangeAssignment`` instead of the consumer group:
 - a fixed assignment of the range's partitions, outside any consumer group's rebalancing, starting at the
   range's first offsets (or where an earlier run of the same replay committed);
-- no deadline: cycles close only when a batch is full (``--max-batch``), and the range's end closes the last;
+- no deadline (its config has no ``max_wait_ms``): cycles close only when a batch is full (``--max-batch``),
+  and the range's end closes the last;
 - it stops by itself once every partition reached its end offset and everything before it is committed.
 
 Exactly once and resumable: every cycle commits its records with its input offsets in one transaction, under
@@ -16,22 +17,22 @@ offsets, whatever range its own flags would resolve to now.
 from __future__ import annotations
 
 import logging
-import math
 import re
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, Callable
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
-from worker.batcher import Cycle
+from worker.assignment import DropUncommitted, EventSink
 from worker.config import WorkerConfig
 from worker.exceptions import AbortableError, ConfigError, FatalError
-from worker.kafka_clients import base_config
-from worker.loop import EventSink, Worker
-from worker.metrics import on_consumer_stats
+from worker.kafka_clients import replay_consumer_config
+from worker.loop import Worker
+from worker.transactions import Transactions
 
 log = logging.getLogger(__name__)
 
@@ -126,67 +127,57 @@ def resolve_range(consumer: Consumer, topic: str, partitions: list[int], start: 
     return ReplayRange(starts, ends)
 
 
-def replay_consumer_config(config: WorkerConfig) -> dict[str, Any]:
-    """The states consumer of a replay: assigned partitions, offsets committed only in transactions."""
-    return {
-        **base_config(config.bootstrap),
-        "group.id": config.group,  # only holds the committed offsets; never joined (assign(), no subscribe)
-        "enable.auto.commit": False,
-        "isolation.level": "read_committed",
-        # A partition whose range ends at the topic's end is finished when the reader reaches it.
-        "enable.partition.eof": True,
-        "auto.offset.reset": "earliest",
-        "fetch.wait.max.ms": 100,
-        "statistics.interval.ms": 2000,
-        "stats_cb": on_consumer_stats,
-    }
-
-
-class ReplayWorker(Worker):
-    """The worker's loop over a fixed range; ``run()`` returns when the range is done or ``stop`` is set."""
+class RangeAssignment:
+    """A fixed range of the states topic, assigned without a group (``worker.assignment.Assignment``); ``range``
+    and ``committed`` (next offset per partition) say how far it got."""
 
     def __init__(self, config: WorkerConfig, start: Bound, end: Bound, partitions: list[int] | None = None,
-                 stop: threading.Event | None = None, on_event: EventSink | None = None) -> None:
-        super().__init__(config, stop=stop, on_event=self._tap)
-        self._forward = on_event or (lambda kind, info: None)
-        self._max_wait_s = math.inf  # full batches only; the range's end closes the last one
+                 on_event: EventSink | None = None) -> None:
+        self._config = config
         self._start, self._end, self._partitions = start, end, partitions
+        self._emit = on_event or (lambda kind, info: None)
+        self._consumer: Consumer | None = None
         self.range: ReplayRange | None = None
         self.committed: dict[int, int] = {}
         self._finished: set[int] = set()
-        self.scored = 0
-        self.dead_letters: dict[str, int] = {}
 
     @property
     def complete(self) -> bool:
         """Every partition of the range is scored and committed up to its end offset."""
         return self.range is not None and all(self.committed.get(p, -1) >= e for p, e in self.range.ends.items())
 
-    # ---- hooks of Worker -----------------------------------------------------------------------------------
-    def _make_consumer(self) -> Consumer:
-        return Consumer(replay_consumer_config(self.config))
+    def done_offsets(self) -> int:
+        """Offsets of the range behind the committed positions (the progress bar's position)."""
+        if self.range is None:
+            return 0
+        return sum(max(0, min(self.committed.get(p, s), self.range.ends[p]) - s) for p, s in self.range.starts.items())
 
-    def _start_consuming(self) -> None:
-        topic = self.config.topics.states
-        available = sorted(self._consumer.list_topics(topic, timeout=10).topics[topic].partitions)
+    def consumer(self) -> Consumer:
+        self._consumer = Consumer(replay_consumer_config(self._config))
+        return self._consumer
+
+    def start(self, consumer: Consumer, txns: Transactions, drop_uncommitted: DropUncommitted) -> None:
+        topic = self._config.topics.states
+        available = sorted(consumer.list_topics(topic, timeout=10).topics[topic].partitions)
         partitions = self._partitions if self._partitions is not None else available
         if set(partitions) - set(available):
             raise ConfigError(f"--partitions {sorted(set(partitions) - set(available))}: topic {topic} has {available}")
-        wanted = resolve_range(self._consumer, topic, partitions, self._start, self._end)
-        positions, stored = self._committed_positions(topic, partitions)
+        wanted = resolve_range(consumer, topic, partitions, self._start, self._end)
+        positions, stored = self._committed_positions(consumer, topic, partitions)
+        name = self._config.worker_id
         if stored is not None:
-            log.info("resuming replay %s from its committed offsets %s", self.config.worker_id, positions)
+            log.info("resuming replay %s from its committed offsets %s", name, positions)
         if stored is not None and stored != wanted:
-            log.warning("resuming replay %s: the range stored at its first run wins over this run's flags", self.config.worker_id)
+            log.warning("resuming replay %s: the range stored at its first run wins over this run's flags", name)
         self.range = stored or wanted
         if stored is None:
             # Make the range durable before scoring anything: a rerun after a kill must find the same end
             # offsets for every partition, including those with nothing committed yet.
             try:
-                self._txns.commit([], [TopicPartition(topic, p, self.range.starts[p], metadata=self.range.metadata(p))
-                                       for p in partitions])
+                txns.commit([], [TopicPartition(topic, p, self.range.starts[p], metadata=self.range.metadata(p))
+                                 for p in partitions])
             except AbortableError as exc:
-                raise FatalError(f"could not record the replay's range in group {self.config.group}: {exc}") from exc
+                raise FatalError(f"could not record the replay's range in group {self._config.group}: {exc}") from exc
             positions = dict(self.range.starts)
         self.committed = {p: positions.get(p, self.range.starts[p]) for p in partitions}
         self._finished = {p for p in partitions if self.committed[p] >= self.range.ends[p]}
@@ -194,14 +185,14 @@ class ReplayWorker(Worker):
                                       "resumed_from": positions, "total": self.range.total})
         todo = [TopicPartition(topic, p, self.committed[p]) for p in partitions if p not in self._finished]
         if todo:
-            self._consumer.assign(todo)
+            consumer.assign(todo)
 
-    def _committed_positions(self, topic: str, partitions: list[int]) -> tuple[dict[int, int], ReplayRange | None]:
+    def _committed_positions(self, consumer: Consumer, topic: str, partitions: list[int]) -> tuple[dict[int, int], ReplayRange | None]:
         """Offsets an earlier run of this replay committed, and the range it stored with them."""
         try:
-            committed = self._consumer.committed([TopicPartition(topic, p) for p in partitions], timeout=10)
+            committed = consumer.committed([TopicPartition(topic, p) for p in partitions], timeout=10)
         except KafkaException as exc:
-            raise FatalError(f"cannot read the committed offsets of replay group {self.config.group}: {exc.args[0].str()}") from exc
+            raise FatalError(f"cannot read the committed offsets of replay group {self._config.group}: {exc.args[0].str()}") from exc
         positions, starts, ends = {}, {}, {}
         for tp in committed:
             if tp.offset >= 0:
@@ -212,128 +203,132 @@ class ReplayWorker(Worker):
         if not starts:
             return positions, None
         if set(starts) != set(partitions):
-            raise ConfigError(f"replay {self.config.worker_id} was started on partitions {sorted(starts)}, not {sorted(partitions)}: "
+            raise ConfigError(f"replay {self._config.worker_id} was started on partitions {sorted(starts)}, not {sorted(partitions)}: "
                               "pass the same --partitions, or choose a new --name")
         return positions, ReplayRange(starts, ends)
 
-    def _commit_offsets(self, cycle: Cycle) -> list[TopicPartition]:
-        return [TopicPartition(tp.topic, tp.partition, tp.offset, metadata=self.range.metadata(tp.partition))
-                for tp in cycle.offsets()]
-
-    def _route(self, message) -> None:
+    def accepts(self, message: Any) -> bool:
+        """Not a record past the range's end, nor the end-of-partition event at it: both finish the partition."""
         partition, error = message.partition(), message.error()
         end = self.range.ends.get(partition) if partition is not None and partition >= 0 else None
         if error is not None and error.code() == KafkaError._PARTITION_EOF:
             if end is not None and message.offset() >= end:
                 self._finish(partition)
-            return
+            return False
         if error is None and end is not None and message.offset() >= end:
             self._finish(partition)  # past the range: not tracked, never scored
-            return
-        super()._route(message)
+            return False
+        return True
 
     def _finish(self, partition: int) -> None:
         if partition not in self._finished:
             self._finished.add(partition)
-            self._consumer.pause([TopicPartition(self.config.topics.states, partition)])
+            self._consumer.pause([TopicPartition(self._config.topics.states, partition)])
 
-    def _step(self) -> None:
-        super()._step()
-        if self.range is None or self._finished < set(self.range.ends):
-            return
-        if len(self._cycle) and not self._holding:
-            # No deadline closes the last, partial cycle: the range's end does. Its states that wait for a
-            # schema are dead-lettered once their wait expires (the loop holds the cycle until then).
-            self._close_cycle()
-        if not len(self._cycle) and not self._holding:
-            self.stop.set()  # run() drains: the cycles in flight are committed
+    def commit_offsets(self, offsets: list[TopicPartition]) -> list[TopicPartition]:
+        """Each offset carries the range, so a rerun finds it."""
+        return [TopicPartition(tp.topic, tp.partition, tp.offset, metadata=self.range.metadata(tp.partition)) for tp in offsets]
 
-    def _drain(self) -> None:
-        super()._drain()
-        if self.range is None or self._finished < set(self.range.ends):
-            return  # stopped early (signal): resumable from the committed offsets
-        # Offsets past the last state may be transaction markers: commit the end offsets themselves, so the
-        # group's offsets say "done" exactly (a rerun then scores nothing).
-        behind = [TopicPartition(self.config.topics.states, p, e, metadata=self.range.metadata(p))
-                  for p, e in self.range.ends.items() if self.committed.get(p, -1) < e]
-        if behind:
-            try:
-                self._txns.commit([], behind)
-                for tp in behind:
-                    self.committed[tp.partition] = tp.offset
-            except AbortableError as exc:
-                log.warning("final offset commit aborted (%s); a rerun finishes it", exc)
+    def on_committed(self, offsets: list[TopicPartition]) -> None:
+        for tp in offsets:
+            self.committed[tp.partition] = max(tp.offset, self.committed.get(tp.partition, -1))
 
-    def _rewind(self) -> None:
-        """After an abort: back to the committed offsets (the range's start where nothing is committed yet)."""
-        self._drop_uncommitted("transaction aborted")
-        topic = self.config.topics.states
+    def rewind_positions(self, consumer: Consumer) -> list[TopicPartition]:
+        """The committed positions (the range's start where nothing is committed yet) of every partition not done."""
+        topic = self._config.topics.states
         for p in list(self._finished):
             if self.committed.get(p, -1) < self.range.ends[p]:
                 self._finished.discard(p)
-                self._consumer.resume([TopicPartition(topic, p)])
-        for p in self.range.ends:
-            if p not in self._finished:
-                self._consumer.seek(TopicPartition(topic, p, self.committed.get(p, self.range.starts[p])))
+                consumer.resume([TopicPartition(topic, p)])
+        return [TopicPartition(topic, p, self.committed.get(p, self.range.starts[p]))
+                for p in self.range.ends if p not in self._finished]
 
-    def _leave_group(self) -> None:
-        self._consumer.unassign()  # never joined a group: nothing to leave
+    def exhausted(self) -> bool:
+        return self.range is not None and self._finished >= set(self.range.ends)
 
-    # ---- progress ------------------------------------------------------------------------------------------
-    def _tap(self, kind: str, info: dict[str, Any]) -> None:
-        """Keep the committed positions and counts the progress bar and summary show, then pass the event on."""
-        if kind == "committed":
-            for partition, offset in info.get("offsets", []):
-                self.committed[partition] = max(offset, self.committed.get(partition, -1))
+    def finish(self, txns: Transactions) -> None:
+        """Once the range is read: commit its end offsets themselves (offsets past the last state may be transaction
+        markers), so the group's offsets say "done" exactly and a rerun scores nothing."""
+        if not self.exhausted():
+            return  # stopped early (signal): resumable from the committed offsets
+        behind = [TopicPartition(self._config.topics.states, p, e, metadata=self.range.metadata(p))
+                  for p, e in self.range.ends.items() if self.committed.get(p, -1) < e]
+        if behind:
+            try:
+                txns.commit([], behind)
+                self.on_committed(behind)
+            except AbortableError as exc:
+                log.warning("final offset commit aborted (%s); a rerun finishes it", exc)
+
+    def leave(self, consumer: Consumer) -> None:
+        consumer.unassign()  # never joined a group: nothing to leave
+
+
+class _Tally:
+    """What a replay's summary counts, from the loop's ``committed`` events; drives the progress bar."""
+
+    def __init__(self, assignment: RangeAssignment, name: str, progress: bool) -> None:
+        self._assignment, self._name, self._progress = assignment, name, progress
+        self.scored = 0
+        self.dead_letters: Counter[str] = Counter()
+        self.started = time.monotonic()
+        self._bar = None
+
+    def on_event(self, kind: str, info: dict[str, Any]) -> None:
+        if kind == "replay_started":
+            self.started = time.monotonic()  # the rate counts scoring, not loading the model
+            if self._progress:
+                from tqdm import tqdm
+
+                self._bar = tqdm(total=info["total"], initial=self._assignment.done_offsets(), unit="state",
+                                 desc=f"replay {self._name}", mininterval=0.5, dynamic_ncols=True)
+        elif kind == "committed":
             self.scored += info.get("scored", 0)
-            for reason, count in (info.get("dead_letters") or {}).items():
-                self.dead_letters[reason] = self.dead_letters.get(reason, 0) + count
-        self._forward(kind, info)
+            self.dead_letters.update(info.get("dead_letters") or {})
+            self.update_bar()
 
-    def done_offsets(self) -> int:
-        """Offsets of the range behind the committed positions (the progress bar's position)."""
-        if self.range is None:
-            return 0
-        return sum(max(0, min(self.committed.get(p, s), self.range.ends[p]) - s) for p, s in self.range.starts.items())
+    def update_bar(self) -> None:
+        if self._bar is not None:
+            self._bar.update(self._assignment.done_offsets() - self._bar.n)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self.update_bar()
+            self._bar.close()
 
 
-def run_replay(worker: ReplayWorker, progress: bool = True, write: Callable[[str], None] = print) -> dict[str, Any]:
-    """Run ``worker`` with a progress bar (rate, ETA) on stderr; returns the summary it printed."""
-    started = time.monotonic()
-    bar = None
+def run_replay(config: WorkerConfig, start: Bound, end: Bound, partitions: list[int] | None = None,
+               stop: threading.Event | None = None, on_event: EventSink | None = None, progress: bool = True,
+               write: Callable[[str], None] = print) -> dict[str, Any]:
+    """Replay the range with a progress bar (rate, ETA) on stderr; returns the summary it wrote (its last line)."""
+    forward = on_event or (lambda kind, info: None)
+    tally: _Tally | None = None
 
-    def on_progress(kind: str, info: dict[str, Any]) -> None:
-        nonlocal bar, started
-        if kind == "replay_started":
-            started = time.monotonic()  # the rate counts scoring, not loading the model
-        if not progress:
-            return
-        if kind == "replay_started":
-            from tqdm import tqdm
+    def on_loop_event(kind: str, info: dict[str, Any]) -> None:
+        tally.on_event(kind, info)
+        forward(kind, info)
 
-            bar = tqdm(total=info["total"], initial=worker.done_offsets(), unit="state", desc=f"replay {worker.config.worker_id}",
-                       mininterval=0.5, dynamic_ncols=True)
-        elif kind == "committed" and bar is not None:
-            bar.update(worker.done_offsets() - bar.n)
-
-    previous = worker._forward
-    worker._forward = lambda kind, info: (previous(kind, info), on_progress(kind, info))
+    assignment = RangeAssignment(config, start, end, partitions, on_event=on_loop_event)
+    tally = _Tally(assignment, config.worker_id, progress)
     try:
-        worker.run()
+        Worker(config, assignment, stop=stop, on_event=on_loop_event).run()
     finally:
-        if bar is not None:
-            bar.update(worker.done_offsets() - bar.n)
-            bar.close()
-    elapsed = time.monotonic() - started
+        tally.close()
+    return _summary(config, assignment, tally, write)
+
+
+def _summary(config: WorkerConfig, assignment: RangeAssignment, tally: _Tally, write: Callable[[str], None]) -> dict[str, Any]:
+    elapsed = time.monotonic() - tally.started
+    dead = sum(tally.dead_letters.values())
     summary = {
-        "replay": worker.config.worker_id, "complete": worker.complete, "states_scored": worker.scored,
-        "dead_letters": sum(worker.dead_letters.values()), "dead_letters_by_reason": worker.dead_letters,
-        "seconds": round(elapsed, 2), "states_per_second": round((worker.scored + sum(worker.dead_letters.values())) / elapsed, 1) if elapsed else 0.0,
-        "output_topic": worker.config.topics.probabilities, "dead_letter_topic": worker.config.topics.dead_letter,
-        "ends": worker.range.ends if worker.range else {}, "committed": worker.committed,
+        "replay": config.worker_id, "complete": assignment.complete, "states_scored": tally.scored,
+        "dead_letters": dead, "dead_letters_by_reason": dict(tally.dead_letters),
+        "seconds": round(elapsed, 2), "states_per_second": round((tally.scored + dead) / elapsed, 1) if elapsed else 0.0,
+        "output_topic": config.topics.probabilities, "dead_letter_topic": config.topics.dead_letter,
+        "ends": assignment.range.ends if assignment.range else {}, "committed": assignment.committed,
     }
-    status = "complete" if worker.complete else "interrupted (run the same command again to resume)"
-    reasons = f" {worker.dead_letters}" if worker.dead_letters else ""
-    write(f"replay {worker.config.worker_id}: {status}; {summary['states_scored']} states scored, {summary['dead_letters']} dead letters"
+    status = "complete" if assignment.complete else "interrupted (run the same command again to resume)"
+    reasons = f" {dict(tally.dead_letters)}" if tally.dead_letters else ""
+    write(f"replay {config.worker_id}: {status}; {summary['states_scored']} states scored, {summary['dead_letters']} dead letters"
           f"{reasons} in {elapsed:.1f} s ({summary['states_per_second']} states/s) -> {summary['output_topic']}")
     return summary

@@ -18,7 +18,8 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, TopicPartiti
 
 import schemas
 from worker.exceptions import BrokerUnavailableError
-from worker.kafka_clients import reader_consumer
+from worker.config import Cluster
+from worker.kafka_clients import as_cluster, reader_consumer
 
 log = logging.getLogger(__name__)
 
@@ -43,12 +44,13 @@ class BrokenSchema(dict):
 class SchemaTable:
     """Latest QuestionSchema record per schema id, kept current from the schema topic."""
 
-    def __init__(self, bootstrap: str, topic: str, consumer: Consumer | None = None) -> None:
+    def __init__(self, cluster: Cluster | str, topic: str, consumer: Consumer | None = None) -> None:
         self._topic = topic
-        self._consumer = consumer or reader_consumer(bootstrap)
+        self._consumer = consumer or reader_consumer(cluster)
         metadata = self._consumer.list_topics(topic, timeout=10).topics.get(topic)
         if metadata is None or metadata.error is not None or not metadata.partitions:
-            raise BrokerUnavailableError(f"schema topic {topic} does not exist; create it with: decider topics create -b {bootstrap}")
+            raise BrokerUnavailableError(f"schema topic {topic} does not exist; create it with: "
+                                         f"decider topics create -b {as_cluster(cluster).bootstrap}")
         self._partitions = [TopicPartition(topic, p, OFFSET_BEGINNING) for p in sorted(metadata.partitions)]
         self._consumer.assign(self._partitions)
         self._latest: dict[str, dict[str, Any]] = {}
@@ -131,10 +133,10 @@ class SchemaTable:
         # rejects in prepare() dead-letters its states as schema_unpreparable, with the engine's message.
         return record
 
-    def _broken(self, key: str, problem: str, version: int | None = None) -> BrokenSchema:
+    def _broken(self, key: str, problem: str) -> BrokenSchema:
         log.warning("%s", problem)
         self._broken_versions -= 1
-        return BrokenSchema(key, version if version is not None else self._broken_versions, problem)
+        return BrokenSchema(key, self._broken_versions, problem)
 
     def close(self) -> None:
         """Close the consumer."""

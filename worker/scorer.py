@@ -18,26 +18,39 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from worker import metrics
-from worker.records import engine_questions, probabilities_problem
+from worker.config import WorkerConfig
+from worker.exceptions import ConfigError
+from worker.records import Reason, SchemaKey, engine_questions, probabilities_problem
 
 log = logging.getLogger(__name__)
-
-SchemaKey = tuple[str, int]  # (schema id, version)
-
-# Test-only fault injection: a state whose text contains this marker fails inside the scoring step, as a
-# device failure on one state would (an out-of-memory on one huge state). Nothing on CPU fails per state
-# naturally, and the isolation path (batch fails -> each state alone -> only the bad one dead-lettered)
-# must still be exercised end to end. Unset in production.
-FAULT_ENV = "DECIDER_FAULT_INJECT_SCORING"
-
-
-class InjectedFault(RuntimeError):
-    """Raised for a state carrying the fault-injection marker."""
-
 
 # A schema the engine rejected is not retried for every state; after this long it is tried again, in
 # case the failure was transient (device memory exhausted by other schemas at the time).
 FAILED_PREPARE_RETRY_S = 60.0
+
+
+def load_scorer(config: WorkerConfig) -> tuple[Any, Scorer]:
+    """Load the model on the device thread and wrap it: (the engine, its ``Scorer``); ``ConfigError`` with the
+    engine's message on a bad model directory."""
+    if config.device == "cpu":
+        # OpenMP's default active wait makes torch's idle pool threads spin between ops; next to the Kafka
+        # clients and tokenizer threads that starved CPU scoring (~15 vs ~150 states/s on 2 cores). It only
+        # takes effect if set before torch starts OpenMP, i.e. before the import below in a fresh process.
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    from engine import Engine, SchemaEngine  # torch is imported only by processes that score
+
+    gpu = device_thread()
+    try:
+        engine = gpu.submit(Engine.load, config.model_dir, device=config.device, dtype=config.resolved_dtype).result()
+    except (ValueError, OSError) as exc:
+        raise ConfigError(f"cannot load the model from {config.model_dir}: {exc}") from exc
+    except RuntimeError as exc:  # e.g. CUDA requested on a machine without it
+        raise ConfigError(f"cannot load the model on {config.device}: {exc}") from exc
+    except Exception as exc:  # a damaged checkpoint can fail anywhere in the loaders: still the user's input
+        raise ConfigError(f"cannot load the model from {config.model_dir}: {type(exc).__name__}: {exc}") from exc
+    schema_engine = gpu.submit(SchemaEngine, engine).result()
+    return engine, Scorer(schema_engine, config.schema_memory_bytes, config.tokenizer_threads, gpu_thread=gpu,
+                          warmup_state_tokens=config.warmup_state_tokens, max_batch=config.max_batch)
 
 
 def device_thread() -> ThreadPoolExecutor:
@@ -65,28 +78,16 @@ class ScoredState:
 
     probabilities: list[list[float]] | None = None
     truncated: bool = False
-    reason: str | None = None  # a dead_letters.Reason value when scoring did not happen
+    reason: Reason | None = None  # set when scoring did not happen
     error: str | None = None
 
 
 @dataclass
 class BatchJob:
-    """One schema's batch: its prepared-handle future and, per state, the tokenization future and text."""
+    """One schema's batch: the future of its prepared schema and, per state, the future of its tokenized row."""
 
     handle: Future
     rows: list[Future]
-    texts: list[str]
-
-
-@dataclass
-class SchemaCacheStats:
-    """Counters shown by the demo and exported as metrics."""
-
-    prepared: int = 0
-    evicted: int = 0
-    failed: int = 0
-    held_bytes: int = 0
-    keys: list[SchemaKey] = field(default_factory=list)
 
 
 class Scorer:
@@ -108,8 +109,7 @@ class Scorer:
         self._tokenizers = ThreadPoolExecutor(max_workers=max(1, tokenizer_threads), thread_name_prefix="decider-tok")
         self._lock = threading.Lock()  # guards _entries between the main thread and the GPU thread
         self._entries: OrderedDict[SchemaKey, _Entry] = OrderedDict()
-        self.stats = SchemaCacheStats()
-        self._fault_marker = os.environ.get(FAULT_ENV) or None
+        self._held_bytes = 0  # by the prepared schemas in _entries
         # Called (from the GPU thread) as on_event("schema_prepared", {...}); the demo prints it.
         self.on_event: Callable[[str, dict[str, Any]], None] | None = None
 
@@ -146,23 +146,18 @@ class Scorer:
         self._gpu.submit(self._forget, schema_id, keep_version)
 
     def _prepare(self, key: SchemaKey, questions: list[dict], independent: bool) -> Any:
-        try:
-            handle = self._se.prepare(questions, independent=independent)
-        except Exception:
-            self.stats.failed += 1
-            raise
+        handle = self._se.prepare(questions, independent=independent)
         with self._lock:
             entry = self._entries.get(key)
             if entry is not None:
                 entry.nbytes = int(handle.nbytes)
-            self.stats.prepared += 1
             self._evict_to_fit(keep=key)
         log.info("prepared schema %s v%d: %d questions, %.1f MiB", key[0], key[1], handle.n_questions, handle.nbytes / 2**20)
         if self._warmup_state_tokens:
             self._warm_up(key, handle)
         if self.on_event is not None:
             self.on_event("schema_prepared", {"schema_id": key[0], "version": key[1], "questions": handle.n_questions,
-                                              "nbytes": int(handle.nbytes), "held_bytes": self.stats.held_bytes})
+                                              "nbytes": int(handle.nbytes), "held_bytes": self._held_bytes})
         return handle
 
     def _warm_up(self, key: SchemaKey, handle: Any) -> None:
@@ -185,19 +180,16 @@ class Scorer:
                 continue
             self._drop(key)
             held -= entry.nbytes
-            self.stats.evicted += 1
         if held > self._budget:
             log.warning("prepared schemas hold %.1f MiB, over the %.1f MiB budget: all are in use",
                         held / 2**20, self._budget / 2**20)
-        self.stats.held_bytes = held
-        self.stats.keys = list(self._entries)
+        self._held_bytes = held
 
     def _forget(self, schema_id: str, keep_version: int | None) -> None:
         with self._lock:
             for key in [k for k, e in self._entries.items() if k[0] == schema_id and k[1] != keep_version and e.pins == 0]:
                 self._drop(key)
-            self.stats.held_bytes = sum(e.nbytes for e in self._entries.values())
-            self.stats.keys = list(self._entries)
+            self._held_bytes = sum(e.nbytes for e in self._entries.values())
 
     def _drop(self, key: SchemaKey) -> None:
         entry = self._entries.pop(key)
@@ -211,6 +203,10 @@ class Scorer:
 
     def submit(self, jobs: Sequence[BatchJob]) -> Future:
         """Score every batch on the GPU thread: a future of, per job, one ``ScoredState`` per state."""
+        if not jobs:  # a cycle of dead letters only: nothing to wait for behind the GPU's queue
+            done: Future = Future()
+            done.set_result([])
+            return done
         return self._gpu.submit(lambda: [self._run_job(job) for job in jobs])
 
     def _run_job(self, job: BatchJob) -> list[ScoredState]:
@@ -218,7 +214,7 @@ class Scorer:
             handle = job.handle.result()  # prepared earlier on this same thread: already done
         except Exception as error:
             message = f"the engine rejected the schema: {error}"
-            return [ScoredState(reason="schema_unpreparable", error=message) for _ in job.rows]
+            return [ScoredState(reason=Reason.SCHEMA_UNPREPARABLE, error=message) for _ in job.rows]
         outcomes: list[ScoredState | None] = [None] * len(job.rows)
         ready: list[int] = []
         rows: list[Any] = []
@@ -227,34 +223,28 @@ class Scorer:
                 rows.append(row_future.result())
                 ready.append(index)
             except Exception as error:
-                outcomes[index] = ScoredState(reason="scoring_error", error=f"tokenization failed: {error!r}")
+                outcomes[index] = ScoredState(reason=Reason.SCORING_ERROR, error=f"tokenization failed: {error!r}")
         if ready:
-            texts = [job.texts[i] for i in ready]
             started = time.perf_counter()
-            results = self._score(handle, rows, texts)
+            results = self._score(handle, rows)
             metrics.ENGINE_SECONDS.observe(time.perf_counter() - started)
             for index, row, scored in zip(ready, rows, results):
                 scored.truncated = bool(getattr(row, "truncated", False))
                 outcomes[index] = scored
         return outcomes  # type: ignore[return-value]
 
-    def _score(self, handle: Any, rows: list[Any], texts: list[str]) -> list[ScoredState]:
+    def _score(self, handle: Any, rows: list[Any]) -> list[ScoredState]:
         try:
-            return self._checked(handle, self._score_lists(handle, rows, texts))
+            return self._checked(handle, self._se.score_lists(handle, rows))
         except Exception as batch_error:  # isolate the state that fails: score each one alone
             log.warning("batch of %d failed (%r); scoring its states one by one", len(rows), batch_error)
         outcomes = []
-        for row, text in zip(rows, texts):
+        for row in rows:
             try:
-                outcomes.extend(self._checked(handle, self._score_lists(handle, [row], [text])))
+                outcomes.extend(self._checked(handle, self._se.score_lists(handle, [row])))
             except Exception as error:
-                outcomes.append(ScoredState(reason="scoring_error", error=f"{type(error).__name__}: {error}"))
+                outcomes.append(ScoredState(reason=Reason.SCORING_ERROR, error=f"{type(error).__name__}: {error}"))
         return outcomes
-
-    def _score_lists(self, handle: Any, rows: list[Any], texts: list[str]) -> list[list[list[float]]]:
-        if self._fault_marker and any(self._fault_marker in t for t in texts):
-            raise InjectedFault(f"injected scoring fault ({FAULT_ENV})")
-        return self._se.score_lists(handle, rows)
 
     @staticmethod
     def _checked(handle: Any, results: list[list[list[float]]]) -> list[ScoredState]:
@@ -262,22 +252,19 @@ class Scorer:
         for probabilities in results:
             problem = probabilities_problem(probabilities, list(handle.n_options))
             if problem:
-                outcomes.append(ScoredState(reason="scoring_error", error=f"unusable engine output: {problem}"))
+                outcomes.append(ScoredState(reason=Reason.SCORING_ERROR, error=f"unusable engine output: {problem}"))
             else:
                 outcomes.append(ScoredState(probabilities=probabilities))
         return outcomes
 
-    def engine_stats(self) -> dict[str, int]:
+    def graph_stats(self) -> dict[str, int]:
         """The engine's path counters: CUDA graph ``captures`` and ``replays`` (0 off CUDA) and ``eager`` batches."""
-        graphs = getattr(self._se, "graphs", None)
-        counts = dict(graphs.stats) if graphs is not None else {}
-        return {"captures": int(counts.get("captures", 0)), "replays": int(counts.get("replays", 0)),
-                "eager": int(self._se.stats.get("eager", 0))}
+        return self._se.graph_stats()
 
     def prepared(self) -> tuple[int, int]:
         """How many schema versions are held prepared, and their device bytes."""
         with self._lock:
-            return len(self._entries), self.stats.held_bytes
+            return len(self._entries), self._held_bytes
 
     def close(self) -> None:
         """Stop the threads (queued work is cancelled; the running step finishes)."""

@@ -14,12 +14,12 @@ import os
 import sys
 import threading
 import time
-from dataclasses import dataclass
 from typing import Callable, Sequence, TypeVar
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
 
 from worker.exceptions import AbortableError, FatalError, FencedError
+from worker.records import OutgoingRecord
 
 log = logging.getLogger(__name__)
 
@@ -27,15 +27,6 @@ T = TypeVar("T")
 
 # librdkafka reports fencing as _FENCED (its normalized code) or the broker's codes.
 _FENCING_CODES = {KafkaError._FENCED, KafkaError.PRODUCER_FENCED, KafkaError.INVALID_PRODUCER_EPOCH}
-
-
-@dataclass(frozen=True)
-class OutgoingRecord:
-    """One record to publish inside the transaction."""
-
-    topic: str
-    key: bytes | None
-    value: bytes
 
 
 class _Watchdog:
@@ -46,8 +37,8 @@ class _Watchdog:
     transaction is visible, so exiting is safe, and a restart with the same --worker-id aborts the hung
     transaction in init_transactions. Exit code 5.
 
-    One daemon thread per producer, armed around each call (a thread per call cost three thread starts per
-    transaction: noticeable at hundreds of small transactions per second).
+    One daemon thread per producer, armed around each call: a thread per call would mean three thread starts per
+    transaction, noticeable at hundreds of small transactions per second.
     """
 
     EXIT_CODE = 5

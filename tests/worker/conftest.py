@@ -22,7 +22,7 @@ import pytest
 from confluent_kafka import OFFSET_BEGINNING, KafkaError, Producer, TopicPartition
 
 import schemas
-from worker import clients
+from worker import commands
 from worker.config import Topics
 from worker.kafka_clients import create_topics, reader_consumer
 
@@ -124,16 +124,16 @@ class Stream:
     def put_schema(self, schema_id: str, document: dict[str, Any]) -> dict[str, Any]:
         path = self.workdir / f"schema-{schema_id}-{uuid.uuid4().hex[:6]}.json"
         path.write_text(json.dumps(document))
-        return clients.put_schema(self.bootstrap, self.topics, schema_id, path)
+        return commands.put_schema(self.bootstrap, self.topics, schema_id, path)
 
     def delete_schema(self, schema_id: str) -> None:
-        clients.delete_schema(self.bootstrap, self.topics, schema_id)
+        commands.delete_schema(self.bootstrap, self.topics, schema_id)
 
     def produce_states(self, items: list[tuple[str, str]], schema_id: str) -> None:
         """Publish (state id, text) pairs naming ``schema_id``."""
         records = [{"state_id": sid, "schema_id": schema_id, "state": text, "event_time": 1_700_000_000_000, "metadata": None}
                    for sid, text in items]
-        clients.produce_states(self.bootstrap, self.topics, records)
+        commands.produce_states(self.bootstrap, self.topics, records)
 
     def produce_raw(self, key: bytes | None, value: bytes | None, topic: str | None = None) -> None:
         """Publish arbitrary bytes (bad input) to the states topic (or ``topic``)."""
@@ -143,8 +143,12 @@ class Stream:
         assert self._producer.flush(10) == 0
 
     # ---- workers ---------------------------------------------------------------------------------------------
-    def start_worker(self, model_dir: Path, worker_id: str, *extra: str, env: dict[str, str] | None = None) -> WorkerProcess:
-        args = [sys.executable, "-m", "worker", "worker", "-b", self.bootstrap, "--model", str(model_dir),
+    def start_worker(self, model_dir: Path, worker_id: str, *extra: str, env: dict[str, str] | None = None,
+                     fail_on: str | None = None) -> WorkerProcess:
+        """A worker on this stream; with ``fail_on``, states containing that text fail in the scoring step
+        (``tests.worker.faults``)."""
+        entry = ["-m", "worker"] if fail_on is None else ["-m", "tests.worker.faults", fail_on]
+        args = [sys.executable, *entry, "worker", "-b", self.bootstrap, "--model", str(model_dir),
                 "--worker-id", worker_id, "--group", self.group,
                 "--states-topic", self.topics.states, "--schemas-topic", self.topics.schemas,
                 "--probabilities-topic", self.topics.probabilities, "--dead-letter-topic", self.topics.dead_letter,
@@ -177,9 +181,9 @@ class Stream:
                         assert message.error().code() == KafkaError._PARTITION_EOF, message.error().str()
                     continue
                 if message.topic() == self.topics.probabilities:
-                    probabilities.append(clients.as_json("probabilities", message))
+                    probabilities.append(commands.as_json("probabilities", message))
                 else:
-                    dead.append(clients.as_json("dead-letter", message))
+                    dead.append(commands.as_json("dead-letter", message))
         finally:
             consumer.close()
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.worker.conftest import REPO
-from worker.settings import load_config_file, split_config_flag
+from worker.config_file import load_config_file, split_config_flag
 
 
 def _decider(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:

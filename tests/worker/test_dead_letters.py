@@ -43,7 +43,7 @@ def test_each_bad_input_goes_to_dead_letters_between_scored_states(stream_factor
         stream.produce_raw(key, value)
 
     worker = stream.start_worker(model_dir, "dlq", "--schema-wait-ms", "300", "--max-state-chars", "500",
-                                 env={"DECIDER_FAULT_INJECT_SCORING": FAULT_MARKER})
+                                 fail_on=FAULT_MARKER)
     probabilities, dead = stream.collect(len(sent), timeout_s=90)
 
     good_ids = sorted(key.decode() for kind, key, _ in sent if kind == "good")

@@ -4,10 +4,9 @@ CPU test, with the engine's CUDA-graph path under the Kafka loop."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.worker.conftest import QUESTIONS, state_texts
-
-torch = pytest.importorskip("torch")
 
 
 @pytest.mark.gpu

@@ -6,12 +6,11 @@ from __future__ import annotations
 import urllib.request
 
 import pytest
+import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.worker.conftest import QUESTIONS, state_texts
 from worker.embedded_broker import free_port
-
-torch = pytest.importorskip("torch")
 
 
 @pytest.mark.gpu

@@ -5,6 +5,7 @@ the end offsets of its first run, even after the topic grew (read_committed view
 from __future__ import annotations
 
 import os
+import re
 import sys
 import time
 from collections import Counter
@@ -115,8 +116,13 @@ def test_replay_resumes_after_sigkill_and_stops_at_the_first_runs_end(stream, mo
     assert set(counts) == {f"k-{i}" for i in range(n)}
     assert stream.committed_offsets(replay_group("resumable")) == ends
     log = second.log()
-    assert f"complete; {n - done} states scored" in log, log
-    assert "state/s" in log or "states/s" in log  # the progress bar / summary rate
+    summary = re.search(r"replay resumable: complete; (\d+) states scored, (\d+) dead letters in ([\d.]+) s \(([\d.]+) states/s\)", log)
+    assert summary, log
+    scored, dead_letters, seconds, rate = int(summary[1]), int(summary[2]), float(summary[3]), float(summary[4])
+    assert (scored, dead_letters) == (n - done, 0), log
+    assert rate > 0 and rate == pytest.approx(scored / seconds, rel=0.1, abs=0.2), log  # the rate counts this run's states
+    # The progress bar (on by default) ran to the range's total: every offset of the range is behind the commits.
+    assert re.search(rf"replay resumable: 100%.*\b{n}/{n} \[", log), log
 
 
 def test_replay_dead_letters_bad_input_and_unknown_schemas_at_the_end_of_the_range(stream, model_dir):

@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 
 from tests.worker.conftest import QUESTIONS, QUESTIONS_V2, expected_probabilities, state_texts
-from worker.records import question_schema_record
-from worker.scorer import FAULT_ENV, BatchJob, Scorer
+from tests.worker.faults import failing_on
+from worker.records import Reason, question_schema_record
+from worker.scorer import BatchJob, Scorer
 
 
 def _schema(schema_id: str, document: dict, version: int = 1) -> dict:
@@ -18,7 +19,7 @@ def _schema(schema_id: str, document: dict, version: int = 1) -> dict:
 def _score(scorer: Scorer, schema: dict, texts: list[str]):
     handle = scorer.acquire(schema)
     rows = [scorer.tokenize(handle, t) for t in texts]
-    outcome = scorer.submit([BatchJob(handle, rows, texts)]).result(60)[0]
+    outcome = scorer.submit([BatchJob(handle, rows)]).result(60)[0]
     scorer.release_pin((schema["schema_id"], schema["version"]))
     return outcome
 
@@ -41,35 +42,47 @@ def test_budget_evicts_least_recently_used_unpinned_schemas(schema_engine):
     one = probe.nbytes
     schema_engine.release(probe)
     scorer = Scorer(schema_engine, memory_budget=int(one * 2.5))  # room for two prepared schemas
+    prepared: list[str] = []
+    scorer.on_event = lambda kind, info: prepared.append(info["schema_id"]) if kind == "schema_prepared" else None
+
+    def held(schema: dict) -> bool:
+        """Whether ``schema`` is held prepared: scoring with it prepares nothing."""
+        before = len(prepared)
+        _score(scorer, schema, ["probe"])
+        return len(prepared) == before
+
     try:
         a, b, c = (_schema(name, QUESTIONS) for name in "abc")
         pinned = scorer.acquire(a)  # stays pinned: never evicted while a pending state needs it
         pinned.result(60)
         _score(scorer, b, ["x"])
         _score(scorer, c, ["y"])  # over budget: b is the least recently used unpinned one
-        assert [k[0] for k in scorer.stats.keys] == ["a", "c"]
-        assert scorer.stats.evicted == 1 and scorer.stats.held_bytes <= int(one * 2.5)
+        assert prepared == ["a", "b", "c"]
+        count, held_bytes = scorer.prepared()
+        assert count == 2 and held_bytes <= int(one * 2.5)
+        assert held(a) and held(c)  # so b was the one evicted
         scorer.release_pin(("a", 1))
-        _score(scorer, _schema("d", QUESTIONS), ["z"])  # now a is unpinned and least recently used
-        assert [k[0] for k in scorer.stats.keys] == ["c", "d"]
-        assert _score(scorer, b, ["x"])[0].probabilities  # re-prepared on demand
+        d = _schema("d", QUESTIONS)
+        _score(scorer, d, ["z"])  # now a is unpinned and least recently used
+        assert prepared == ["a", "b", "c", "d"] and scorer.prepared()[0] == 2
+        assert held(c) and held(d)  # so a was the one evicted
+        assert _score(scorer, b, ["x"])[0].probabilities and prepared[-1] == "b"  # re-prepared on demand
     finally:
         scorer.close()
 
 
-def test_unpreparable_schema_and_failing_state_are_isolated(schema_engine, monkeypatch):
-    monkeypatch.setenv(FAULT_ENV, "#boom#")
-    scorer = Scorer(schema_engine, memory_budget=1 << 30)
+def test_unpreparable_schema_and_failing_state_are_isolated(schema_engine):
+    scorer = Scorer(failing_on("#boom#")(schema_engine.e), memory_budget=1 << 30)
     try:
         bad = _schema("bad", QUESTIONS_V2)
         bad["questions"][0]["options"] = [f"o{i}" for i in range(9)]
-        assert {o.reason for o in _score(scorer, bad, ["a", "b"])} == {"schema_unpreparable"}
+        assert {o.reason for o in _score(scorer, bad, ["a", "b"])} == {Reason.SCHEMA_UNPREPARABLE}
 
         texts = ["fine one", "this one goes #boom#", "fine two"]
         outcome = _score(scorer, _schema("ok", QUESTIONS), texts)
     finally:
         scorer.close()
-    assert [o.reason for o in outcome] == [None, "scoring_error", None]
+    assert [o.reason for o in outcome] == [None, Reason.SCORING_ERROR, None]
     assert "injected" in outcome[1].error
     want = expected_probabilities(schema_engine, QUESTIONS, [texts[0], texts[2]])
     assert outcome[0].probabilities[0] == pytest.approx(want[0][0], abs=1e-6)

@@ -1,7 +1,7 @@
 """A secured cluster's librdkafka settings ([kafka] in the config file) reach every client the worker creates,
 decider's own exactly-once settings stay in force, and secrets never reach a log line or an error message.
-(No SASL/SSL broker is available here: the effective client configurations are checked, and real librdkafka
-clients are built from them, which validates every setting.)"""
+(No SASL/SSL broker is available here: the configuration of every client the worker builds is checked, and real
+librdkafka clients are built from them, which validates every setting, the CA file included.)"""
 
 from __future__ import annotations
 
@@ -16,12 +16,13 @@ from confluent_kafka.admin import AdminClient
 
 from tests.worker.conftest import REPO
 from worker.config import WorkerConfig
+from worker.config_file import REDACTED, load_config_file, redact, redact_text
 from worker.embedded_broker import free_port
-from worker.kafka_clients import effective_client_configs, use_client_settings
-from worker.settings import REDACTED, load_config_file, redact, redact_text
+from worker.kafka_clients import (base_config, reader_consumer_config, replay_consumer_config, transactional_producer_config,
+                                  worker_consumer_config)
 
 PASSWORD = "s3cr3t-Hunter2-do-not-log"
-CA = "/etc/ssl/certs/ca-certificates.crt"
+CA = Path(__file__).parent / "data" / "test-ca.pem"  # a self-signed CA certificate (its key was never kept)
 SECURED = f"""
 bootstrap = "127.0.0.1:{{port}}"
 [worker]
@@ -38,8 +39,6 @@ worker_id = "secure-1"
 
 @pytest.fixture
 def secured_file(tmp_path) -> Path:
-    if not Path(CA).exists():
-        pytest.skip(f"no CA bundle at {CA}")
     path = tmp_path / "secured.toml"
     path.write_text(SECURED.replace("{port}", str(free_port())))
     return path
@@ -51,25 +50,25 @@ def test_every_worker_client_gets_the_security_settings(secured_file):
     from worker.cli import app
 
     settings = load_config_file(secured_file, get_command(app)).kafka
-    use_client_settings(settings)
-    try:
-        configs = effective_client_configs(WorkerConfig(bootstrap="b:9093", model_dir="m", worker_id="secure-1"))
-        assert set(configs) == {"consumer", "transactional_producer", "admin", "schema_reader"}
-        for role, config in configs.items():
-            for key, value in settings.items():
-                assert config[key] == value, (role, key)
-            assert config["bootstrap.servers"] == "b:9093"
-        # decider's own settings are not displaced by the pass-through.
-        assert configs["consumer"]["isolation.level"] == "read_committed"
-        assert configs["consumer"]["enable.auto.commit"] is False
-        assert configs["transactional_producer"]["transactional.id"] == "decider.decider.secure-1"
-        # librdkafka accepts each configuration as built (it validates every property at construction).
-        Consumer(configs["consumer"]).close()
-        Consumer(configs["schema_reader"]).close()
-        Producer(configs["transactional_producer"]).flush(0)
-        AdminClient(configs["admin"])
-    finally:
-        use_client_settings({})
+    config = WorkerConfig(bootstrap="b:9093", model_dir="m", worker_id="secure-1", kafka=settings)
+    # Every client a worker or a replay creates: its consumer, its transactional producer, the admin client, the schema reader.
+    configs = {"consumer": worker_consumer_config(config), "replay_consumer": replay_consumer_config(config),
+               "transactional_producer": transactional_producer_config(config),
+               "admin": base_config(config.cluster), "schema_reader": reader_consumer_config(config.cluster)}
+    for role, client_config in configs.items():
+        for key, value in settings.items():
+            assert client_config[key] == value, (role, key)
+        assert client_config["bootstrap.servers"] == "b:9093"
+    # decider's own settings are not displaced by the pass-through.
+    assert configs["consumer"]["isolation.level"] == "read_committed"
+    assert configs["consumer"]["enable.auto.commit"] is False
+    assert configs["transactional_producer"]["transactional.id"] == "decider.decider.secure-1"
+    # librdkafka accepts each configuration as built (it validates every property at construction).
+    Consumer(configs["consumer"]).close()
+    Consumer(configs["replay_consumer"]).close()
+    Consumer(configs["schema_reader"]).close()
+    Producer(configs["transactional_producer"]).flush(0)
+    AdminClient(configs["admin"])
 
 
 def test_secrets_are_redacted():

@@ -1,6 +1,6 @@
 """The exactly-once commit against the broker: committed records and offsets appear together; an aborted
-transaction leaves nothing a read_committed reader can see and no offset; a second instance with the
-same transactional id fences the first."""
+transaction (records and offsets sent, then a failure) leaves nothing a read_committed reader can see and no
+offset; a second instance with the same transactional id fences the first."""
 
 from __future__ import annotations
 
@@ -10,11 +10,14 @@ import sys
 import time
 
 import pytest
-from confluent_kafka import Consumer, TopicPartition
+from confluent_kafka import Consumer, KafkaError, TopicPartition
 
-from worker.exceptions import FencedError
+from worker.exceptions import AbortableError, FencedError
 from worker.kafka_clients import reader_consumer
-from worker.transactions import OutgoingRecord, Transactions
+from worker.records import OutgoingRecord
+from worker.transactions import Transactions
+
+MAX_MESSAGE_BYTES = 10_000  # the test producers' message.max.bytes: a larger record fails inside the transaction
 
 
 def _group_consumer(stream) -> Consumer:
@@ -25,7 +28,8 @@ def _group_consumer(stream) -> Consumer:
 
 
 def _producer(stream, txn_id: str) -> dict:
-    return {"bootstrap.servers": stream.bootstrap, "transactional.id": txn_id, "transaction.timeout.ms": 10_000, "log_level": 0}
+    return {"bootstrap.servers": stream.bootstrap, "transactional.id": txn_id, "transaction.timeout.ms": 10_000, "log_level": 0,
+            "message.max.bytes": MAX_MESSAGE_BYTES}
 
 
 @contextlib.contextmanager
@@ -59,6 +63,7 @@ def _raw_collect(stream, timeout_s: float = 3.0):
         if message is None:
             continue
         if message.error():
+            assert message.error().code() == KafkaError._PARTITION_EOF, message.error().str()
             eof.add(message.partition())
             continue
         keys.append(message.key().decode())
@@ -75,14 +80,13 @@ def test_commit_publishes_records_and_offsets_together(stream):
 
 def test_abort_leaves_nothing_visible_and_no_offsets(stream):
     with _transactions(stream, "t-abort") as txns:
-        producer = txns._producer
-        # An open transaction with records in it, then the single abort path.
-        producer.begin_transaction()
-        txns._open = True
-        for record in _records(stream, 4, "aborted"):
-            producer.produce(record.topic, key=record.key, value=record.value)
-        producer.flush(10)
-        txns.abort()
+        # Offsets go out first (step 2), then records; the oversized last record fails the produce step, so the
+        # transaction already holds offsets and records when the single abort path runs.
+        too_big = OutgoingRecord(stream.topics.probabilities, b"too-big", b"x" * (MAX_MESSAGE_BYTES * 2))
+        with pytest.raises(AbortableError, match="produce failed"):
+            txns.commit(_records(stream, 4, "aborted") + [too_big], [TopicPartition(stream.topics.states, 0, 99)])
+        assert _read_keys(stream) == []
+        assert stream.committed_offsets()[0] < 0  # no committed offset at all
         txns.commit(_records(stream, 2, "after"), [TopicPartition(stream.topics.states, 0, 3)])
         assert _read_keys(stream) == ["after-0", "after-1"]
         assert stream.committed_offsets()[0] == 3

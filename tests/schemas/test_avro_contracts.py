@@ -9,7 +9,6 @@ from importlib.resources import files
 import pytest
 
 import schemas
-from worker.dead_letters import Reason
 
 EXAMPLES = {
     "state_event": {"state_id": "s-1", "schema_id": "support", "state": "late order", "event_time": 1_700_000_000_123,
@@ -84,6 +83,3 @@ def test_old_reader_skips_fields_added_later():
     old_view = fastavro.schemaless_reader(io.BytesIO(buffer.getvalue()), newer, schemas.STATE_EVENT)
     assert old_view["state"] == "late order" and "priority" not in old_view
 
-
-def test_every_worker_reason_code_is_in_the_schema():
-    assert {r.value for r in Reason} <= set(schemas.DEAD_LETTER_REASONS)

@@ -14,7 +14,7 @@ from typing import Any, Iterable, Iterator
 from confluent_kafka import OFFSET_BEGINNING, OFFSET_END, KafkaError, TopicPartition
 
 import schemas
-from worker.config import Topics
+from worker.config import Cluster, Topics
 from worker.exceptions import BrokerUnavailableError, ConfigError
 from worker.kafka_clients import plain_producer, reader_consumer, require_topics
 from worker.records import load_schema_file, question_schema_record, state_record_from_json
@@ -28,32 +28,32 @@ def _deliver(producer, what: str) -> None:
         raise BrokerUnavailableError(f"{remaining} {what} were not delivered within 30 s; is the broker up?")
 
 
-def put_schema(bootstrap: str, topics: Topics, schema_id: str, path: str | Path, version: int | None = None) -> dict[str, Any]:
+def put_schema(cluster: Cluster | str, topics: Topics, schema_id: str, path: str | Path, version: int | None = None) -> dict[str, Any]:
     """Publish the schema file at ``path`` as the next version of ``schema_id``; returns the record."""
     if not schema_id:
         raise ConfigError("--id must not be empty")
     document = load_schema_file(path)
-    require_topics(bootstrap, [topics.schemas])
+    require_topics(cluster, [topics.schemas])
     if version is None:
-        table = SchemaTable(bootstrap, topics.schemas)
+        table = SchemaTable(cluster, topics.schemas)
         try:
             table.catch_up()
             version = table.highest_version(schema_id) + 1
         finally:
             table.close()
     record = question_schema_record(document, schema_id, version)
-    producer = plain_producer(bootstrap)
+    producer = plain_producer(cluster)
     producer.produce(topics.schemas, key=schema_id.encode(), value=schemas.encode_question_schema(record))
     _deliver(producer, "schema records")
     return record
 
 
-def delete_schema(bootstrap: str, topics: Topics, schema_id: str) -> None:
+def delete_schema(cluster: Cluster | str, topics: Topics, schema_id: str) -> None:
     """Publish a tombstone for ``schema_id``: workers forget it; later states for it are dead-lettered."""
     if not schema_id:
         raise ConfigError("--id must not be empty")
-    require_topics(bootstrap, [topics.schemas])
-    producer = plain_producer(bootstrap)
+    require_topics(cluster, [topics.schemas])
+    producer = plain_producer(cluster)
     producer.produce(topics.schemas, key=schema_id.encode(), value=None)
     _deliver(producer, "tombstones")
 
@@ -69,10 +69,10 @@ def read_state_lines(path: str | Path, schema_id: str) -> list[dict[str, Any]]:
     return [state_record_from_json(line, schema_id, n) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
 
 
-def produce_states(bootstrap: str, topics: Topics, records: Iterable[dict[str, Any]]) -> int:
+def produce_states(cluster: Cluster | str, topics: Topics, records: Iterable[dict[str, Any]]) -> int:
     """Publish StateEvent records keyed by state id; returns how many."""
-    require_topics(bootstrap, [topics.states])
-    producer = plain_producer(bootstrap)
+    require_topics(cluster, [topics.states])
+    producer = plain_producer(cluster)
     count = 0
     for record in records:
         payload = schemas.encode_state(record)
@@ -101,7 +101,7 @@ def as_json(topic_kind: str, message) -> dict[str, Any]:
 
 
 def tail(
-    bootstrap: str,
+    cluster: Cluster | str,
     topic: str,
     topic_kind: str,
     from_beginning: bool = False,
@@ -112,8 +112,8 @@ def tail(
 
     Stops after ``max_records``, or once nothing new arrived for ``idle_timeout_s`` seconds.
     """
-    counts = require_topics(bootstrap, [topic])
-    consumer = reader_consumer(bootstrap)
+    counts = require_topics(cluster, [topic])
+    consumer = reader_consumer(cluster)
     start = OFFSET_BEGINNING if from_beginning else OFFSET_END
     consumer.assign([TopicPartition(topic, p, start) for p in range(counts[topic])])
     seen, last_activity = 0, time.monotonic()
@@ -140,3 +140,16 @@ def tail(
 def json_line(record: dict[str, Any]) -> str:
     """One compact JSON line."""
     return json.dumps(record, separators=(",", ":"), ensure_ascii=False)
+
+
+def summary_line(topic_kind: str, record: dict[str, Any]) -> str:
+    """A record of ``tail`` as one short human-readable line."""
+    if "undecodable" in record:
+        return f"(undecodable record at {record['kafka']}: {record['undecodable']})"
+    if topic_kind == "dead-letter":
+        return (f"{record['reason']:<20} state={record.get('state_id')} from {record['source_topic']}[{record['source_partition']}]"
+                f"@{record['source_offset']}: {record['message']}")
+    answers = "  ".join(
+        f"{q['id']}=" + max(zip(q["probabilities"], q["options"]))[1] + f" ({max(q['probabilities']):.2f})" for q in record["questions"]
+    )
+    return f"{record['state_id']}  {record['schema_id']} v{record['schema_version']}  {answers}"
