@@ -83,12 +83,6 @@ class SchemaEngine:
         self.graphs = GraphManager(enabled=use_graphs and engine.use_graphs)
         self._ids = itertools.count()
 
-    def graph_stats(self) -> dict[str, int]:
-        """Batches by path: CUDA graph ``captures`` and ``replays`` (0 off CUDA) and ``eager`` runs."""
-        counts = self.graphs.stats if self.graphs is not None else {}
-        return {"captures": int(counts.get("captures", 0)), "replays": int(counts.get("replays", 0)),
-                "eager": int(self.stats["eager"])}
-
     # ---- schemas ---------------------------------------------------------------------------------------------------
     @torch.no_grad()
     def prepare(self, questions: Sequence[dict], independent: bool = False) -> PreparedSchema:
