@@ -365,14 +365,16 @@ def _summary(topic: str, record: dict) -> str:
 @friendly_errors
 def broker(
     port: int = typer.Option(9092, "--port", envvar="DECIDER_BROKER_PORT", help="Kafka port to listen on (127.0.0.1)."),
-    data_dir: Optional[str] = typer.Option(None, "--data-dir", envvar="DECIDER_BROKER_DATA_DIR", help="Where the broker keeps its data (default: a temporary directory, deleted on exit)."),
+    data_dir: Optional[str] = typer.Option(None, "--data-dir", envvar="DECIDER_BROKER_DATA_DIR", help="Where the broker keeps its data (default: a temporary directory, deleted on exit). Not crash-durable: a kill -9 of the broker can lose acknowledged records."),
 ) -> None:
     """Run the embedded development broker (noida-db's Kafka) in the foreground; Ctrl-C stops it."""
     from worker.embedded_broker import EmbeddedBroker
 
     stop = _stop_on_signals()
     with EmbeddedBroker(port=port, data_dir=data_dir) as embedded:
-        typer.echo(f"embedded Kafka broker listening on {embedded.bootstrap} (data: {data_dir or 'temporary'}); Ctrl-C stops it")
+        kept = "kept" if data_dir else "deleted on exit"
+        typer.echo(f"embedded Kafka broker (pid {embedded.process.pid}) listening on {embedded.bootstrap}; data in "
+                   f"{embedded.data_path} ({kept}; a development broker, not crash-durable); Ctrl-C stops it")
         typer.echo(f"next: decider topics create -b {embedded.bootstrap}")
         while not stop.wait(0.5):
             if embedded.process.poll() is not None:
