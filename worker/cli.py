@@ -18,6 +18,11 @@ from typing import Callable, Optional
 import typer
 from confluent_kafka import KafkaException
 
+try:
+    from typer._click import exceptions as click_errors  # typer >= 0.24 carries its own copy of click
+except ImportError:
+    from click import exceptions as click_errors
+
 from worker.config import (DEFAULT_DEAD_LETTER_TOPIC, DEFAULT_GROUP, DEFAULT_PROBABILITIES_TOPIC, DEFAULT_SCHEMAS_TOPIC,
                            DEFAULT_STATES_TOPIC, Topics, WorkerConfig)
 from worker.exceptions import ConfigError, DeciderError, FatalError
@@ -100,9 +105,10 @@ DeviceOpt = typer.Option("cpu", "--device", envvar="DECIDER_DEVICE", help="cpu, 
 DtypeOpt = typer.Option(None, "--dtype", envvar="DECIDER_DTYPE", help="float32, bfloat16 or float16 (default: float32 on CPU, bfloat16 on CUDA).")
 SchemaWaitOpt = typer.Option(10_000, "--schema-wait-ms", envvar="DECIDER_SCHEMA_WAIT_MS", help="How long a state naming an unknown schema waits before it is dead-lettered.")
 MaxStateCharsOpt = typer.Option(32_768, "--max-state-chars", envvar="DECIDER_MAX_STATE_CHARS", help="Longer states are dead-lettered (state_too_large).")
-TokenizerThreadsOpt = typer.Option(2, "--tokenizer-threads", envvar="DECIDER_TOKENIZER_THREADS", help="Threads tokenizing states off the GPU thread.")
+TokenizerThreadsOpt = typer.Option(2, "--tokenizer-threads", envvar="DECIDER_TOKENIZER_THREADS", min=1, help="Threads tokenizing states off the GPU thread.")
 TransactionTimeoutOpt = typer.Option(30_000, "--transaction-timeout-ms", envvar="DECIDER_TRANSACTION_TIMEOUT_MS", help="Broker-side timeout of an open transaction.")
 LogLevelOpt = typer.Option("info", "--log-level", envvar="DECIDER_LOG_LEVEL", help="debug, info, warning or error.")
+MetricsHostOpt = typer.Option("127.0.0.1", "--metrics-host", envvar="DECIDER_METRICS_HOST", help="Address the --metrics-port server listens on: 127.0.0.1 (this machine only) or 0.0.0.0 (every interface, for a scraper on another host or container).")
 LogFormatOpt = typer.Option("human", "--log-format", envvar="DECIDER_LOG_FORMAT", help="human, or json: one JSON object a line.")
 WarmupOpt = typer.Option(
     "", "--warmup-state-tokens", envvar="DECIDER_WARMUP_STATE_TOKENS",
@@ -129,6 +135,7 @@ def _token_counts(value: str) -> tuple[int, ...]:
 @topics_app.command("create")
 @friendly_errors
 def topics_create(
+    ctx: typer.Context,
     bootstrap: str = BootstrapOpt,
     partitions: int = typer.Option(4, "--partitions", envvar="DECIDER_PARTITIONS", help="Partitions of the states, probabilities and dead-letter topics (the schemas topic has 1)."),
     replication_factor: int = typer.Option(1, "--replication-factor", envvar="DECIDER_REPLICATION_FACTOR", help="Replication factor of every topic."),
@@ -137,12 +144,29 @@ def topics_create(
     probabilities_topic: str = ProbabilitiesTopicOpt,
     dead_letter_topic: str = DeadLetterTopicOpt,
 ) -> None:
-    """Create the four topics (idempotent; the schemas topic is compacted)."""
-    from worker.kafka_clients import create_topics
+    """Create the four topics (idempotent; the schemas topic is compacted). Existing topics are never changed:
+    exit code 2 if one has fewer partitions than a --partitions given explicitly (flag, environment or config file)."""
+    from worker.kafka_clients import create_topics, require_topics
 
     topics = _topics(states_topic, schemas_topic, probabilities_topic, dead_letter_topic)
-    for name, outcome in create_topics(bootstrap, topics, partitions, replication_factor).items():
-        typer.echo(f"{name}: {outcome}")
+    outcomes = create_topics(bootstrap, topics, partitions, replication_factor)
+    existing = require_topics(bootstrap, [name for name, outcome in outcomes.items() if outcome == "exists"])
+    for name, outcome in outcomes.items():
+        count = existing.get(name)
+        typer.echo(f"{name}: {outcome}" + ("" if count is None else f" ({count} partition{'' if count == 1 else 's'})"))
+    if ctx.get_parameter_source("partitions").name != "DEFAULT":
+        _require_partitions(topics, existing, partitions)
+
+
+def _require_partitions(topics: Topics, existing: dict[str, int], requested: int) -> None:
+    """ConfigError if a states/output topic that already existed has fewer partitions than requested."""
+    short = {name: existing[name] for name in (topics.states, topics.probabilities, topics.dead_letter)
+             if existing.get(name, requested) < requested}
+    if short:
+        have = ", ".join(f"{name} has {count}" for name, count in short.items())
+        raise ConfigError(f"--partitions {requested}: {have}; existing topics keep their partitions (add some with "
+                          f"kafka-topics.sh --alter --partitions {requested}, which moves keys to other partitions, or "
+                          "delete and re-create the topics)")
 
 
 @schema_app.command("put")
@@ -208,7 +232,8 @@ def worker(
     warmup_state_tokens: str = WarmupOpt,
     transaction_timeout_ms: int = TransactionTimeoutOpt,
     session_timeout_ms: int = typer.Option(10_000, "--session-timeout-ms", envvar="DECIDER_SESSION_TIMEOUT_MS", help="Consumer group session timeout."),
-    metrics_port: Optional[int] = typer.Option(None, "--metrics-port", envvar="DECIDER_METRICS_PORT", help="Serve Prometheus metrics on this port."),
+    metrics_port: Optional[int] = typer.Option(None, "--metrics-port", envvar="DECIDER_METRICS_PORT", min=1, max=65535, help="Serve Prometheus metrics on this port."),
+    metrics_host: str = MetricsHostOpt,
     log_level: str = LogLevelOpt,
     log_format: str = LogFormatOpt,
     states_topic: str = StatesTopicOpt,
@@ -232,10 +257,10 @@ def worker(
     _require_model_dir(model)
     from worker.loop import Worker
 
-    _run_logged(lambda on_event: Worker(config, stop=_stop_on_signals(), on_event=on_event).run(), metrics_port)
+    _run_logged(lambda on_event: Worker(config, stop=_stop_on_signals(), on_event=on_event).run(), metrics_port, metrics_host)
 
 
-def _run_logged(run: Callable, metrics_port: Optional[int]) -> None:
+def _run_logged(run: Callable, metrics_port: Optional[int], metrics_host: str = "127.0.0.1") -> None:
     """Run a loop with its events logged, counted in the metrics and driving /readyz; log a fatal end."""
     from worker import logs, metrics
     from worker.kafka_clients import client_settings
@@ -246,7 +271,7 @@ def _run_logged(run: Callable, metrics_port: Optional[int]) -> None:
         from worker.health import Health, serve
 
         health = Health()
-        serve(metrics_port, health)
+        serve(metrics_port, health, metrics_host)
     if client_settings():
         logging.getLogger("decider").info("kafka client settings from the config file: %s", redact(client_settings()))
     sinks = [logs.log_event, metrics.on_event] + ([health.on_event] if health else [])
@@ -287,7 +312,8 @@ def replay(
     tokenizer_threads: int = TokenizerThreadsOpt,
     warmup_state_tokens: str = WarmupOpt,
     transaction_timeout_ms: int = TransactionTimeoutOpt,
-    metrics_port: Optional[int] = typer.Option(None, "--metrics-port", envvar="DECIDER_METRICS_PORT", help="Serve /metrics, /healthz and /readyz on this port."),
+    metrics_port: Optional[int] = typer.Option(None, "--metrics-port", envvar="DECIDER_METRICS_PORT", min=1, max=65535, help="Serve /metrics, /healthz and /readyz on this port."),
+    metrics_host: str = MetricsHostOpt,
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Progress bar with rate and ETA on stderr."),
     log_level: str = LogLevelOpt,
     log_format: str = LogFormatOpt,
@@ -321,7 +347,7 @@ def replay(
         worker = ReplayWorker(config, start, end, chosen, stop=_stop_on_signals(), on_event=on_event)
         summary.update(run_replay(worker, progress=progress, write=lambda line: typer.echo(line, err=True)))
 
-    _run_logged(run, metrics_port)
+    _run_logged(run, metrics_port, metrics_host)
     if not summary.get("complete"):
         raise typer.Exit(6)
 
@@ -436,7 +462,28 @@ def main(argv: Optional[list[str]] = None) -> None:
         sys.exit(exc.exit_code)
     if file_config is not None:
         use_client_settings(file_config.kafka)
-    app(args=args, default_map=file_config.default_map if file_config else None, prog_name="decider")
+    sys.exit(_run_command(args, file_config.default_map if file_config else None))
+
+
+def _run_command(args: list[str], default_map: Optional[dict]) -> int:
+    """Run the command line; -> its exit code. A mistake on the command line itself (an unknown option, a value
+    of the wrong type or out of range) is one line on stderr and exit code 2, like every other user error."""
+    try:
+        outcome = app(args=args, default_map=default_map, prog_name="decider", standalone_mode=False)
+    except getattr(click_errors, "NoArgsIsHelpError", ()) as exc:  # a bare "decider" or group: the help
+        exc.show()
+        return exc.exit_code
+    except click_errors.UsageError as exc:
+        where = f"; see {exc.ctx.command_path} --help" if exc.ctx is not None else ""
+        typer.echo(f"error: {' '.join(exc.format_message().split()).rstrip('.')}{where}", err=True)
+        return 2
+    except click_errors.ClickException as exc:
+        exc.show()
+        return exc.exit_code
+    except typer.Abort:
+        typer.echo("aborted", err=True)
+        return 1
+    return outcome if isinstance(outcome, int) else 0
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any, Callable
 
-from prometheus_client import Counter, Gauge, Histogram, start_http_server
+from prometheus_client import Counter, Gauge, Histogram
 
 STATES_SCORED = Counter("decider_states_scored_total", "States scored and committed", ["schema_id"])
 DEAD_LETTERS = Counter("decider_dead_letters_total", "States sent to the dead-letter topic", ["reason"])
@@ -72,7 +72,3 @@ def watch_scorer(engine_stats: Callable[[], dict[str, int]], prepared: Callable[
     PREPARED_SCHEMAS.set_function(lambda: prepared()[0])
     PREPARED_BYTES.set_function(lambda: prepared()[1])
 
-
-def serve(port: int) -> None:
-    """Expose /metrics on ``port`` (a daemon thread)."""
-    start_http_server(port)

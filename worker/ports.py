@@ -24,11 +24,7 @@ def port_holder(port: int) -> str | None:
         return None
     targets = {f"socket:[{inode}]" for inode in inodes}
     for pid in (entry for entry in os.listdir("/proc") if entry.isdigit()):
-        try:
-            links = {os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")}
-        except OSError:
-            continue
-        if links & targets:
+        if _open_files(pid) & targets:
             return f"pid {pid} ({_command_line(pid)})"
     return None
 
@@ -57,11 +53,26 @@ def _listening_inodes(port: int) -> set[str]:
     return inodes
 
 
+def _open_files(pid: str) -> set[str]:
+    """What the file descriptors of ``pid`` point at (none if they are not ours to read)."""
+    try:
+        descriptors = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return set()
+    links = set()
+    for fd in descriptors:
+        try:
+            links.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
+        except OSError:  # closed since the listing (the listing's own descriptor, for one)
+            continue
+    return links
+
+
 def _command_line(pid: str, limit: int = 120) -> str:
     try:
         words = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     except OSError:
         return "?"
     words = [word.decode(errors="replace") for word in words if word]
-    text = " ".join([os.path.basename(words[0])] + words[1:]) if words else "?"
+    text = " ".join(" ".join([os.path.basename(words[0])] + words[1:]).split()) if words else "?"
     return text if len(text) <= limit else text[: limit - 1] + "…"
