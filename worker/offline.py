@@ -20,13 +20,12 @@ def score_file(model_dir: str, schema_path: str | Path, states_path: str | Path,
     """Read both files, load the model and prepare the schema now; return an iterator that scores the states,
     one result per state line in file order: {"state_id", "schema_id", "schema_version", "model_id",
     "questions": [{"id", "options", "probabilities"}], "truncated"}."""
-    from engine import Engine, InputError, ModelLoadError, SchemaEngine
-
     if batch_size < 1:
         raise ConfigError(f"--batch-size must be at least 1, not {batch_size}")
     schema_id = schema_id or Path(schema_path).stem
     schema = question_schema_record(load_schema_file(schema_path), schema_id, version=1)
     states = read_state_lines(states_path, schema_id)
+    from engine import Engine, InputError, ModelLoadError, SchemaEngine  # torch: only once the files are good
     try:
         eng = Engine.load(model_dir, device=device, dtype=dtype)
     except ModelLoadError as exc:
