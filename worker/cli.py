@@ -137,7 +137,7 @@ def _token_counts(value: str) -> tuple[int, ...]:
 def topics_create(
     ctx: typer.Context,
     bootstrap: str = BootstrapOpt,
-    partitions: int = typer.Option(4, "--partitions", envvar="DECIDER_PARTITIONS", help="Partitions of the states, probabilities and dead-letter topics (the schemas topic has 1)."),
+    partitions: int = typer.Option(4, "--partitions", envvar="DECIDER_PARTITIONS", min=1, help="Partitions of the states, probabilities and dead-letter topics (the schemas topic has 1)."),
     replication_factor: int = typer.Option(1, "--replication-factor", envvar="DECIDER_REPLICATION_FACTOR", help="Replication factor of every topic."),
     states_topic: str = StatesTopicOpt,
     schemas_topic: str = SchemasTopicOpt,
@@ -359,8 +359,8 @@ def tail(
     topic: str = typer.Option("probabilities", "--topic", envvar="DECIDER_TAIL_TOPIC", help="probabilities or dead-letter."),
     as_json: bool = typer.Option(False, "--json", help="One JSON object a line (default: a short human-readable line)."),
     from_beginning: bool = typer.Option(False, "--from-beginning", help="Start at the oldest record instead of new ones."),
-    max_records: Optional[int] = typer.Option(None, "--max", help="Stop after this many records."),
-    timeout: Optional[float] = typer.Option(None, "--timeout", help="Stop once no new record arrived for this many seconds."),
+    max_records: Optional[int] = typer.Option(None, "--max", min=0, help="Stop after this many records."),
+    timeout: Optional[float] = typer.Option(None, "--timeout", min=0, help="Stop once no new record arrived for this many seconds."),
     probabilities_topic: str = ProbabilitiesTopicOpt,
     dead_letter_topic: str = DeadLetterTopicOpt,
 ) -> None:
@@ -390,7 +390,7 @@ def _summary(topic: str, record: dict) -> str:
 @app.command("broker")
 @friendly_errors
 def broker(
-    port: int = typer.Option(9092, "--port", envvar="DECIDER_BROKER_PORT", help="Kafka port to listen on (127.0.0.1)."),
+    port: int = typer.Option(9092, "--port", envvar="DECIDER_BROKER_PORT", min=1, max=65535, help="Kafka port to listen on (127.0.0.1)."),
     data_dir: Optional[str] = typer.Option(None, "--data-dir", envvar="DECIDER_BROKER_DATA_DIR", help="Where the broker keeps its data (default: a temporary directory, deleted on exit). Not crash-durable: a kill -9 of the broker can lose acknowledged records."),
 ) -> None:
     """Run the embedded development broker (noida-db's Kafka) in the foreground; Ctrl-C stops it."""
@@ -412,7 +412,7 @@ def broker(
 @friendly_errors
 def demo(
     model: Optional[str] = typer.Option(None, "--model", envvar="DECIDER_MODEL", help="Model directory (default: a tiny random model written to a temp dir: the numbers are meaningless, the pipeline is real)."),
-    port: Optional[int] = typer.Option(None, "--port", help="Port of the embedded broker (default: a free one)."),
+    port: Optional[int] = typer.Option(None, "--port", min=1, max=65535, help="Port of the embedded broker (default: a free one)."),
     records_shown: int = typer.Option(3, "--show", help="How many decoded records to print."),
 ) -> None:
     """Run the whole pipeline locally: embedded broker, topics, schema, states, a CPU worker, the records."""

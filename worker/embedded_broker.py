@@ -103,6 +103,8 @@ class EmbeddedBroker:
 
     def start(self, timeout_s: float = 20.0) -> "EmbeddedBroker":
         """Start the broker and wait until it accepts Kafka connections."""
+        if not 1 <= self.port <= 65535:
+            raise ConfigError(f"--port {self.port}: ports are 1 to 65535")
         if port_open(self.port):
             raise ConfigError(in_use_message(self.port, "--port"))
         if self.data_dir is None:

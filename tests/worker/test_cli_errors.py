@@ -182,12 +182,18 @@ def test_worker_refuses_bad_options(decider, tmp_path, extra, says):
     assert_one_line_exit_2(decider(*_worker_args(tmp_path, *extra)), *says)
 
 
-def test_replay_and_tail_refuse_bad_options(decider, tmp_path):
-    replay = decider("replay", "-b", NOWHERE, "--model", str(tmp_path), "--name", "n", "--output-topic", "o",
-                     "--metrics-port", "70000")
-    assert_one_line_exit_2(replay, "--metrics-port")
-    assert_one_line_exit_2(decider("tail", "-b", NOWHERE, "--max", "abc"), "--max")
-    assert_one_line_exit_2(decider("no-such-command"), "No such command")
+@pytest.mark.parametrize("args, says", [
+    (("replay", "-b", NOWHERE, "--model", ".", "--name", "n", "--output-topic", "o", "--metrics-port", "70000"), ["--metrics-port"]),
+    (("replay", "-b", NOWHERE, "--model", ".", "--name", "n", "--output-topic", "o", "--log-level", "loud"), ["--log-level"]),
+    (("tail", "-b", NOWHERE, "--max", "abc"), ["--max"]),
+    (("tail", "-b", NOWHERE, "--timeout", "-1"), ["--timeout"]),
+    (("broker", "--port", "70000"), ["--port"]),
+    (("demo", "--port", "-1"), ["--port"]),
+    (("topics", "create", "-b", NOWHERE, "--partitions", "0"), ["--partitions"]),
+    (("no-such-command",), ["No such command"]),
+])
+def test_other_commands_refuse_bad_options(decider, args, says):
+    assert_one_line_exit_2(decider(*args), *says)
 
 
 def test_metrics_address_mistakes_as_a_user_meets_them(tmp_path):
