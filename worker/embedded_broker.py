@@ -109,7 +109,11 @@ class EmbeddedBroker:
             raise ConfigError(in_use_message(self.port, "--port"))
         if self.data_dir is None:
             self._own_dir = tempfile.mkdtemp(prefix="decider-broker-")
-        Path(self.data_path).mkdir(parents=True, exist_ok=True)
+        try:
+            Path(self.data_path).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            self.stop()
+            raise ConfigError(f"--data-dir {self.data_path}: cannot use it as a directory ({exc.strerror})") from None
         command = [str(broker_binary()), "start", "--only", "kafka", "--kafka-port", str(self.port), "--data-dir", self.data_path]
         sink = self.log if self.log is not None else subprocess.DEVNULL
         # Its own session: a Ctrl-C in the terminal reaches us, and we decide when the broker stops.

@@ -82,3 +82,11 @@ def test_a_taken_port_names_the_process_holding_it(tmp_path):
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and f"port {port} is already in use by pid {os.getpid()} (" in lines[0], result.stderr
     assert "--port" in lines[0] and not list(tmp_path.iterdir())
+
+
+def test_a_data_dir_that_cannot_be_one_is_one_line(tmp_path):
+    (tmp_path / "a-file").write_text("")
+    result = subprocess.run([sys.executable, "-m", "worker", "broker", "--port", str(free_port()), "--data-dir",
+                             str(tmp_path / "a-file")], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.strip() == f"error: --data-dir {tmp_path / 'a-file'}: cannot use it as a directory (File exists)"
