@@ -231,3 +231,13 @@ def test_topics_create_refuses_more_partitions_than_existing_topics_have(decider
     assert again.stdout.decode().count("exists (4 partitions)") == 3
     default = decider("topics", "create", "-b", kafka_bootstrap, env=env)  # no explicit request: only reported
     assert default.returncode == 0 and "exists (4 partitions)" in default.stdout.decode()
+
+
+def test_score_refuses_a_schema_whose_prefix_is_over_the_token_limit(decider, model_dir, tmp_path):
+    # Within every character limit, but over the prefix-token limit: only the model's tokenizer can tell.
+    document = {"questions": [{"id": f"q{i}", "question": "Q? " * 663, "options": ["a", "b"]} for i in range(16)]}
+    (tmp_path / "schema.json").write_text(json.dumps(document))
+    (tmp_path / "states.jsonl").write_text(GOOD_LINE + "\n")
+    result = decider("score", "--model", str(model_dir), "--schema", str(tmp_path / "schema.json"),
+                     "--states", str(tmp_path / "states.jsonl"))
+    assert_one_line_exit_2(result, "prefix is", "tokens; at most 8192 are allowed")
