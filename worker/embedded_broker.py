@@ -131,7 +131,8 @@ class EmbeddedBroker:
         deadline = time.monotonic() + timeout_s
         while not port_open(self.port):
             if self.process.poll() is not None:
-                raise FatalError(f"the embedded broker exited with code {self.process.returncode} before listening on {self.port}")
+                raise FatalError(f"the embedded broker exited with code {self.process.returncode} "
+                                 f"before listening on {self.port}")
             if time.monotonic() > deadline:
                 raise FatalError(f"the embedded broker did not listen on port {self.port} within {timeout_s:.0f} s")
             time.sleep(0.05)

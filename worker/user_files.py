@@ -63,7 +63,8 @@ def _parse_json(text: str) -> Any:
     try:
         return json.loads(text)
     except json.JSONDecodeError as exc:
-        raise ValueError(f"{exc.msg} at column {exc.colno}" if exc.lineno == 1 else f"{exc.msg} at line {exc.lineno} column {exc.colno}") from None
+        where = f"column {exc.colno}" if exc.lineno == 1 else f"line {exc.lineno} column {exc.colno}"
+        raise ValueError(f"{exc.msg} at {where}") from None
     except RecursionError:
         raise ValueError("nested too deeply") from None
 
@@ -149,6 +150,22 @@ def read_state_lines(path: str | Path, schema_id: str) -> list[dict[str, Any]]:
 
 def state_record(line: str, schema_id: str, where: str) -> dict[str, Any]:
     """The Avro StateEvent for one line of a states file; ``where`` names the line in errors."""
+    item = _state_object(line, where)
+    metadata = _metadata(item.get("metadata"), where)
+    texts = [("id", item["id"]), ("state", item["state"])]
+    texts += [("metadata", text) for pair in (metadata or {}).items() for text in pair]
+    for name, text in texts:
+        if not _is_unicode(text):
+            raise ConfigError(f'{where}: "{name}" {_surrogate_problem(text)}')
+    try:
+        event_time = event_time_ms(item.get("event_time"))
+    except ValueError as exc:
+        raise ConfigError(f'{where}: "event_time" {_short(item.get("event_time"))} {exc}') from None
+    return {"state_id": item["id"], "schema_id": schema_id, "state": item["state"], "event_time": event_time,
+            "metadata": metadata}
+
+
+def _state_object(line: str, where: str) -> dict[str, Any]:
     try:
         item = _parse_json(line)
     except ValueError as exc:
@@ -158,20 +175,16 @@ def state_record(line: str, schema_id: str, where: str) -> dict[str, Any]:
     problem = unknown_key(item, STATE_KEYS, "the state")
     if problem:
         raise ConfigError(f"{where}: {problem}")
-    metadata = item.get("metadata")
-    if metadata is not None:
-        if not isinstance(metadata, dict):
-            raise ConfigError(f'{where}: "metadata" must be an object')
-        metadata = {key: value if isinstance(value, str) else json.dumps(value) for key, value in metadata.items()}
-    for name, text in [("id", item["id"]), ("state", item["state"]), *(("metadata", t) for kv in (metadata or {}).items() for t in kv)]:
-        if not _is_unicode(text):
-            raise ConfigError(f'{where}: "{name}" {_surrogate_problem(text)}')
-    try:
-        event_time = event_time_ms(item.get("event_time"))
-    except ValueError as exc:
-        raise ConfigError(f'{where}: "event_time" {_short(item.get("event_time"))} {exc}') from None
-    return {"state_id": item["id"], "schema_id": schema_id, "state": item["state"], "event_time": event_time,
-            "metadata": metadata}
+    return item
+
+
+def _metadata(metadata: Any, where: str) -> dict[str, str] | None:
+    """The Avro map of strings: string values as they are, others as their JSON text."""
+    if metadata is None:
+        return None
+    if not isinstance(metadata, dict):
+        raise ConfigError(f'{where}: "metadata" must be an object')
+    return {key: value if isinstance(value, str) else json.dumps(value) for key, value in metadata.items()}
 
 
 def event_time_ms(value: Any) -> int:
