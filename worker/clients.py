@@ -19,7 +19,7 @@ from worker.exceptions import BrokerUnavailableError, ConfigError
 from worker.kafka_clients import client_settings, plain_producer, reader_consumer, require_topics
 from worker.records import question_schema_record
 from worker.schema_table import SchemaTable
-from worker.user_files import load_schema_file, read_state_lines  # noqa: F401 (read_state_lines: the commands' API)
+from worker.user_files import load_schema_file, read_state_lines  # noqa: F401 (read_state_lines: cli's produce imports it here)
 
 
 def _deliver(producer, what: str) -> None:

@@ -25,6 +25,7 @@ from worker.embedded_broker import EmbeddedBroker, free_port
 from worker.exceptions import FatalError
 from worker.kafka_clients import create_topics
 from worker.reaper import Reaper
+from worker.user_files import read_state_lines
 
 EXAMPLES = files("worker").joinpath("examples")
 
@@ -53,7 +54,7 @@ def run_demo(model_dir: str | None = None, port: int | None = None, records_show
             record = clients.put_schema(broker.bootstrap, topics, "support", schema_file)
             console.print(f"[green]✓[/] schema [bold]support[/] v{record['version']} published: "
                           + ", ".join(q["id"] for q in record["questions"]))
-            states = clients.read_state_lines(Path(str(EXAMPLES.joinpath("support_states.jsonl"))), "support")
+            states = read_state_lines(Path(str(EXAMPLES.joinpath("support_states.jsonl"))), "support")
             clients.produce_states(broker.bootstrap, topics, states)
             console.print(f"[green]✓[/] {len(states)} support tickets published to [bold]{topics.states}[/]")
 
