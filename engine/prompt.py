@@ -32,6 +32,16 @@ INSTRUCTIONS = ("You will read a situation and answer multiple-choice questions 
 TRUNCATION_MARK = "…"
 DEFAULT_MAX_CTX_TOKENS = 1536
 
+# A schema's prefix runs once, on the device thread, while no state is scored: bounded so that one schema cannot
+# stall a worker (a 100,000-character question took 55 s to prepare on CPU). English runs about 4 characters a
+# token, so the character limits of a schema file (see worker.user_files) fit well inside the token limit.
+MAX_QUESTION_CHARS = 2000
+"""Characters of one question's text at most."""
+MAX_OPTION_CHARS = 500
+"""Characters of one option at most."""
+MAX_PREFIX_TOKENS = 8192
+"""Tokens of one prefix (packed: all questions; independent: each question's own) at most."""
+
 
 def option_label(i: int) -> str:
     """The letter that names option i (0 -> "A")."""
@@ -76,6 +86,8 @@ def _parse_question(i: int, q: Any) -> Question:
     text = q.get("question")
     if not isinstance(text, str) or not text.strip():
         raise InputError(f"{where}: 'question' must be a non-empty string")
+    if len(text) > MAX_QUESTION_CHARS:
+        raise InputError(f"{where}: 'question' is {len(text)} characters; at most {MAX_QUESTION_CHARS} are allowed")
     options = q.get("options")
     if isinstance(options, (str, bytes)) or not isinstance(options, Sequence):
         raise InputError(f"{where} ({text!r}): 'options' must be a list of strings")
@@ -83,6 +95,9 @@ def _parse_question(i: int, q: Any) -> Question:
         raise InputError(f"{where} ({text!r}): has {len(options)} options; between 2 and {MAX_OPTIONS} are allowed")
     if not all(isinstance(o, str) and o.strip() for o in options):
         raise InputError(f"{where} ({text!r}): every option must be a non-empty string")
+    longest = max(len(o) for o in options)
+    if longest > MAX_OPTION_CHARS:
+        raise InputError(f"{where} ({text!r}): an option is {longest} characters; at most {MAX_OPTION_CHARS} are allowed")
     dupes = sorted({o for o in options if options.count(o) > 1})
     if dupes:
         raise InputError(f"{where} ({text!r}): duplicate options {dupes}")
@@ -120,8 +135,12 @@ def build_schema_first(questions: Sequence[Question], chat: ChatTemplate | None 
 
 
 def schema_prefix_ids(tok, questions: Sequence[Question], chat: ChatTemplate | None = None) -> list[int]:
-    """Token ids of the prefix for these questions."""
-    return _encode(tok, build_schema_first(questions, chat))
+    """Token ids of the prefix for these questions; InputError beyond MAX_PREFIX_TOKENS."""
+    ids = _encode(tok, build_schema_first(questions, chat))
+    if len(ids) > MAX_PREFIX_TOKENS:
+        raise InputError(f"the schema's prefix is {len(ids)} tokens; at most {MAX_PREFIX_TOKENS} are allowed "
+                         "(shorten the questions or options, or split them into several schemas)")
+    return ids
 
 
 def answer_pieces(n_slots: int) -> list[str]:

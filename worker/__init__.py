@@ -12,5 +12,7 @@ secret redaction), ``exceptions``, ``kafka_clients`` (client settings and topic 
 (the /metrics, /healthz, /readyz endpoint), ``logs`` (structured event logs), ``gc_pauses``, ``ops`` (running a
 loop as an operated process), ``replay`` (``decider replay``: the loop over a fixed range), ``cli`` and
 ``cli_options`` (the command line and its shared options), ``commands`` (what the CLI's schema/produce/tail
-commands do), ``offline`` (``decider score``), ``embedded_broker`` and ``demo``.
+commands do), ``offline`` (``decider score``), ``user_files`` (reading users' schema and states files, with one-line
+errors), ``embedded_broker`` (with ``reaper``, clean-up that outlives a SIGKILL, and ``ports``, who holds a local
+port) and ``demo``.
 """

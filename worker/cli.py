@@ -14,6 +14,11 @@ from typing import Any, Callable, Mapping, Optional
 import typer
 from confluent_kafka import KafkaException
 
+try:
+    from typer._click import exceptions as click_errors  # typer >= 0.24 carries its own copy of click
+except ImportError:
+    from click import exceptions as click_errors
+
 from worker.cli_options import (DEFAULTS, BootstrapOpt, DeadLetterTopicOpt, DeviceOpt, DtypeOpt, ModelOpt, ProbabilitiesTopicOpt,
                                 SchemasTopicOpt, StatesTopicOpt, cluster, kafka_settings, loop_config, loop_options)
 from worker.config import REPLAY_MAX_BATCH, Topics
@@ -66,19 +71,37 @@ def _redacted(text: str, settings: Mapping[str, Any]) -> str:
 def topics_create(
     ctx: typer.Context,
     bootstrap: str = BootstrapOpt,
-    partitions: int = typer.Option(4, "--partitions", envvar="DECIDER_PARTITIONS", help="Partitions of the states, probabilities and dead-letter topics (the schemas topic has 1)."),
+    partitions: int = typer.Option(4, "--partitions", envvar="DECIDER_PARTITIONS", min=1, help="Partitions of the states, probabilities and dead-letter topics (the schemas topic has 1)."),
     replication_factor: int = typer.Option(1, "--replication-factor", envvar="DECIDER_REPLICATION_FACTOR", help="Replication factor of every topic."),
     states_topic: str = StatesTopicOpt,
     schemas_topic: str = SchemasTopicOpt,
     probabilities_topic: str = ProbabilitiesTopicOpt,
     dead_letter_topic: str = DeadLetterTopicOpt,
 ) -> None:
-    """Create the four topics (idempotent; the schemas topic is compacted)."""
-    from worker.kafka_clients import create_topics
+    """Create the four topics (idempotent; the schemas topic is compacted). Existing topics are never changed:
+    exit code 2 if one has fewer partitions than a --partitions given explicitly (flag, environment or config file)."""
+    from worker.kafka_clients import create_topics, require_topics
 
     topics = Topics(states=states_topic, schemas=schemas_topic, probabilities=probabilities_topic, dead_letter=dead_letter_topic)
-    for name, outcome in create_topics(cluster(ctx, bootstrap), topics, partitions, replication_factor).items():
-        typer.echo(f"{name}: {outcome}")
+    brokers = cluster(ctx, bootstrap)
+    outcomes = create_topics(brokers, topics, partitions, replication_factor)
+    existing = require_topics(brokers, [name for name, outcome in outcomes.items() if outcome == "exists"])
+    for name, outcome in outcomes.items():
+        count = existing.get(name)
+        typer.echo(f"{name}: {outcome}" + ("" if count is None else f" ({count} partition{'' if count == 1 else 's'})"))
+    if ctx.get_parameter_source("partitions").name != "DEFAULT":
+        _require_partitions(topics, existing, partitions)
+
+
+def _require_partitions(topics: Topics, existing: dict[str, int], requested: int) -> None:
+    """ConfigError if a states/output topic that already existed has fewer partitions than requested."""
+    short = {name: existing[name] for name in (topics.states, topics.probabilities, topics.dead_letter)
+             if existing.get(name, requested) < requested}
+    if short:
+        have = ", ".join(f"{name} has {count}" for name, count in short.items())
+        raise ConfigError(f"--partitions {requested}: {have}; existing topics keep their partitions (add some with "
+                          f"kafka-topics.sh --alter --partitions {requested}, which moves keys to other partitions, or "
+                          "delete and re-create the topics)")
 
 
 @schema_app.command("put")
@@ -204,8 +227,8 @@ def tail(
     topic: str = typer.Option("probabilities", "--topic", envvar="DECIDER_TAIL_TOPIC", help="probabilities or dead-letter."),
     as_json: bool = typer.Option(False, "--json", help="One JSON object a line (default: a short human-readable line)."),
     from_beginning: bool = typer.Option(False, "--from-beginning", help="Start at the oldest record instead of new ones."),
-    max_records: Optional[int] = typer.Option(None, "--max", help="Stop after this many records."),
-    timeout: Optional[float] = typer.Option(None, "--timeout", help="Stop once no new record arrived for this many seconds."),
+    max_records: Optional[int] = typer.Option(None, "--max", min=0, help="Stop after this many records."),
+    timeout: Optional[float] = typer.Option(None, "--timeout", min=0, help="Stop once no new record arrived for this many seconds."),
     probabilities_topic: str = ProbabilitiesTopicOpt,
     dead_letter_topic: str = DeadLetterTopicOpt,
 ) -> None:
@@ -223,8 +246,8 @@ def tail(
 @app.command("broker")
 @friendly_errors
 def broker(
-    port: int = typer.Option(9092, "--port", envvar="DECIDER_BROKER_PORT", help="Kafka port to listen on (127.0.0.1)."),
-    data_dir: Optional[str] = typer.Option(None, "--data-dir", envvar="DECIDER_BROKER_DATA_DIR", help="Where the broker keeps its data (default: a temporary directory, deleted on exit)."),
+    port: int = typer.Option(9092, "--port", envvar="DECIDER_BROKER_PORT", min=1, max=65535, help="Kafka port to listen on (127.0.0.1)."),
+    data_dir: Optional[str] = typer.Option(None, "--data-dir", envvar="DECIDER_BROKER_DATA_DIR", help="Where the broker keeps its data (default: a temporary directory, deleted on exit). Not crash-durable: a kill -9 of the broker can lose acknowledged records."),
 ) -> None:
     """Run the embedded development broker (noida-db's Kafka) in the foreground; Ctrl-C stops it."""
     from worker.embedded_broker import EmbeddedBroker
@@ -233,7 +256,9 @@ def broker(
 
     stop = stop_on_signals()
     with EmbeddedBroker(port=port, data_dir=data_dir) as embedded:
-        typer.echo(f"embedded Kafka broker listening on {embedded.bootstrap} (data: {data_dir or 'temporary'}); Ctrl-C stops it")
+        kept = "kept" if data_dir else "deleted on exit"
+        typer.echo(f"embedded Kafka broker (pid {embedded.process.pid}) listening on {embedded.bootstrap}; data in "
+                   f"{embedded.data_path} ({kept}; a development broker, not crash-durable); Ctrl-C stops it")
         typer.echo(f"next: decider topics create -b {embedded.bootstrap}")
         while not stop.wait(0.5):
             if embedded.process.poll() is not None:
@@ -245,7 +270,7 @@ def broker(
 @friendly_errors
 def demo(
     model: Optional[str] = typer.Option(None, "--model", envvar="DECIDER_MODEL", help="Model directory (default: a tiny random model written to a temp dir: the numbers are meaningless, the pipeline is real)."),
-    port: Optional[int] = typer.Option(None, "--port", help="Port of the embedded broker (default: a free one)."),
+    port: Optional[int] = typer.Option(None, "--port", min=1, max=65535, help="Port of the embedded broker (default: a free one)."),
     records_shown: int = typer.Option(3, "--show", help="How many decoded records to print."),
 ) -> None:
     """Run the whole pipeline locally: embedded broker, topics, schema, states, a CPU worker, the records."""
@@ -293,7 +318,30 @@ def main(argv: Optional[list[str]] = None) -> None:
     except FatalError as exc:
         typer.echo(f"error: {exc}", err=True)
         sys.exit(exc.exit_code)
-    app(args=args, default_map=file_config.default_map if file_config else None, obj=file_config, prog_name="decider")
+    sys.exit(_run_command(args, file_config))
+
+
+def _run_command(args: list[str], file_config) -> int:
+    """Run the command line with the config file's values as the parse's defaults and the file as ``ctx.obj``;
+    -> its exit code. A mistake on the command line itself (an unknown option, a value of the wrong type or out of
+    range) is one line on stderr and exit code 2, like every other user error."""
+    try:
+        outcome = app(args=args, default_map=file_config.default_map if file_config else None, obj=file_config,
+                      prog_name="decider", standalone_mode=False)
+    except getattr(click_errors, "NoArgsIsHelpError", ()) as exc:  # a bare "decider" or group: the help
+        exc.show()
+        return exc.exit_code
+    except click_errors.UsageError as exc:
+        where = f"; see {exc.ctx.command_path} --help" if exc.ctx is not None else ""
+        typer.echo(f"error: {' '.join(exc.format_message().split()).rstrip('.')}{where}", err=True)
+        return 2
+    except click_errors.ClickException as exc:
+        exc.show()
+        return exc.exit_code
+    except typer.Abort:
+        typer.echo("aborted", err=True)
+        return 1
+    return outcome if isinstance(outcome, int) else 0
 
 
 if __name__ == "__main__":

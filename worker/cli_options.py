@@ -41,7 +41,7 @@ LOOP_OPTIONS = [
     _option("schema_wait_ms", int, typer.Option(DEFAULTS["schema_wait_ms"], "--schema-wait-ms", envvar="DECIDER_SCHEMA_WAIT_MS", help="How long a state naming an unknown schema waits before it is dead-lettered.")),
     _option("max_state_chars", int, typer.Option(DEFAULTS["max_state_chars"], "--max-state-chars", envvar="DECIDER_MAX_STATE_CHARS", help="Longer states are dead-lettered (state_too_large).")),
     _option("schema_memory_mb", float, typer.Option(DEFAULTS["schema_memory_mb"], "--schema-memory-mb", envvar="DECIDER_SCHEMA_MEMORY_MB", help="Device memory budget for prepared schemas; least recently used ones are released beyond it.")),
-    _option("tokenizer_threads", int, typer.Option(DEFAULTS["tokenizer_threads"], "--tokenizer-threads", envvar="DECIDER_TOKENIZER_THREADS", help="Threads tokenizing states off the GPU thread.")),
+    _option("tokenizer_threads", int, typer.Option(DEFAULTS["tokenizer_threads"], "--tokenizer-threads", envvar="DECIDER_TOKENIZER_THREADS", min=1, help="Threads tokenizing states off the GPU thread.")),
     _option("warmup_state_tokens", str, typer.Option(
         "", "--warmup-state-tokens", envvar="DECIDER_WARMUP_STATE_TOKENS",
         help="Comma-separated state lengths in tokens (e.g. 96,128,192). On CUDA, when a schema version is prepared, "
@@ -49,7 +49,8 @@ LOOP_OPTIONS = [
              "of one at a time as batches of new sizes arrive (each capture briefly stalls the stream). ~0.1-0.5 s a "
              "graph, once per schema version. Default: capture on first sight.")),
     _option("transaction_timeout_ms", int, typer.Option(DEFAULTS["transaction_timeout_ms"], "--transaction-timeout-ms", envvar="DECIDER_TRANSACTION_TIMEOUT_MS", help="Broker-side timeout of an open transaction.")),
-    _option("metrics_port", Optional[int], typer.Option(None, "--metrics-port", envvar="DECIDER_METRICS_PORT", help="Serve /metrics (Prometheus), /healthz and /readyz on this port.")),
+    _option("metrics_port", Optional[int], typer.Option(None, "--metrics-port", envvar="DECIDER_METRICS_PORT", min=1, max=65535, help="Serve /metrics (Prometheus), /healthz and /readyz on this port.")),
+    _option("metrics_host", str, typer.Option(DEFAULTS["metrics_host"], "--metrics-host", envvar="DECIDER_METRICS_HOST", help="Address the --metrics-port server listens on: 127.0.0.1 (this machine only) or 0.0.0.0 (every interface, for a scraper on another host or container).")),
     _option("log_level", str, typer.Option("info", "--log-level", envvar="DECIDER_LOG_LEVEL", help="debug, info, warning or error.")),
     _option("log_format", str, typer.Option("human", "--log-format", envvar="DECIDER_LOG_FORMAT", help="human, or json: one JSON object a line.")),
     _option("states_topic", str, StatesTopicOpt),
@@ -97,7 +98,7 @@ def loop_config(ctx: typer.Context, flags: dict[str, Any], probabilities_topic: 
         schema_memory_mb=flags["schema_memory_mb"], tokenizer_threads=flags["tokenizer_threads"],
         warmup_state_tokens=_token_counts(flags["warmup_state_tokens"]),
         transaction_timeout_ms=flags["transaction_timeout_ms"], metrics_port=flags["metrics_port"],
-        kafka=kafka_settings(ctx), **own,
+        metrics_host=flags["metrics_host"],        kafka=kafka_settings(ctx), **own,
     )
     if not Path(config.model_dir).is_dir():
         raise ConfigError(f"--model {config.model_dir}: no such directory")

@@ -11,14 +11,15 @@ import time
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
-from confluent_kafka import OFFSET_BEGINNING, OFFSET_END, KafkaError, TopicPartition
+from confluent_kafka import OFFSET_BEGINNING, OFFSET_END, KafkaError, KafkaException, TopicPartition
 
 import schemas
 from worker.config import Cluster, Topics
 from worker.exceptions import BrokerUnavailableError, ConfigError
-from worker.kafka_clients import plain_producer, reader_consumer, require_topics
-from worker.records import load_schema_file, question_schema_record, state_record_from_json
+from worker.kafka_clients import client_settings, plain_producer, reader_consumer, require_topics
+from worker.records import question_schema_record
 from worker.schema_table import SchemaTable
+from worker.user_files import load_schema_file, read_state_lines  # noqa: F401 (read_state_lines: cli's produce imports it here)
 
 
 def _deliver(producer, what: str) -> None:
@@ -58,17 +59,6 @@ def delete_schema(cluster: Cluster | str, topics: Topics, schema_id: str) -> Non
     _deliver(producer, "tombstones")
 
 
-def read_state_lines(path: str | Path, schema_id: str) -> list[dict[str, Any]]:
-    """StateEvent records for every non-empty line of a JSON-lines states file ('-' reads stdin)."""
-    import sys
-
-    try:
-        text = sys.stdin.read() if str(path) == "-" else Path(path).read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ConfigError(f"cannot read states file {path}: {exc.strerror}") from exc
-    return [state_record_from_json(line, schema_id, n) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
-
-
 def produce_states(cluster: Cluster | str, topics: Topics, records: Iterable[dict[str, Any]]) -> int:
     """Publish StateEvent records keyed by state id; returns how many."""
     require_topics(cluster, [topics.states])
@@ -82,9 +72,21 @@ def produce_states(cluster: Cluster | str, topics: Topics, records: Iterable[dic
                 break
             except BufferError:
                 producer.poll(0.1)
+            except KafkaException as exc:
+                if exc.args[0].code() == KafkaError.MSG_SIZE_TOO_LARGE:
+                    raise _too_large(record["state_id"], count + 1, len(payload)) from None
+                raise
         count += 1
     _deliver(producer, "states")
     return count
+
+
+def _too_large(state_id: str, number: int, size: int) -> ConfigError:
+    limit = client_settings().get("message.max.bytes", 1_000_000)  # librdkafka's default
+    return ConfigError(
+        f"state {state_id!r} (number {number}) is {size} bytes as a record, over the producer's limit of {limit} bytes "
+        "(message.max.bytes); shorten it (workers dead-letter states over --max-state-chars, 32768 characters by "
+        "default), or raise message.max.bytes in the config file's [kafka] table and the topic's max.message.bytes")
 
 
 def as_json(topic_kind: str, message) -> dict[str, Any]:

@@ -63,6 +63,7 @@ class WorkerConfig:
     transaction_timeout_ms: int = 30_000
     session_timeout_ms: int = 10_000
     metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"   # this machine only; a scraper in another container needs 0.0.0.0
     kafka: Mapping[str, Any] = field(default_factory=dict)  # the config file's [kafka] table
 
     def __post_init__(self) -> None:

@@ -23,6 +23,8 @@ from worker.config import Topics, WorkerConfig
 from worker.embedded_broker import EmbeddedBroker, free_port
 from worker.exceptions import FatalError
 from worker.kafka_clients import create_topics
+from worker.reaper import Reaper
+from worker.user_files import read_state_lines
 
 EXAMPLES = files("worker").joinpath("examples")
 
@@ -34,10 +36,12 @@ def run_demo(model_dir: str | None = None, port: int | None = None, records_show
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     console = Console(highlight=False)
     scratch = Path(tempfile.mkdtemp(prefix="decider-demo-"))
+    reaper = Reaper([], [str(scratch)])  # deletes the scratch dir even if the demo is killed with SIGKILL
     stop = threading.Event()
     thread: threading.Thread | None = None
     try:
-        with EmbeddedBroker(port=port or free_port(), data_dir=str(scratch / "broker")) as broker:
+        # data_dir None: the broker's own temporary dir, which it deletes (or its reaper) however the demo ends
+        with EmbeddedBroker(port=port or free_port()) as broker:
             console.rule("[bold]decider demo")
             console.print(f"[green]✓[/] embedded Kafka broker (noida-db) on [bold]{broker.bootstrap}[/]")
             topics = Topics()
@@ -49,7 +53,7 @@ def run_demo(model_dir: str | None = None, port: int | None = None, records_show
             record = commands.put_schema(broker.bootstrap, topics, "support", schema_file)
             console.print(f"[green]✓[/] schema [bold]support[/] v{record['version']} published: "
                           + ", ".join(q["id"] for q in record["questions"]))
-            states = commands.read_state_lines(Path(str(EXAMPLES.joinpath("support_states.jsonl"))), "support")
+            states = read_state_lines(Path(str(EXAMPLES.joinpath("support_states.jsonl"))), "support")
             commands.produce_states(broker.bootstrap, topics, states)
             console.print(f"[green]✓[/] {len(states)} support tickets published to [bold]{topics.states}[/]")
 
@@ -74,6 +78,7 @@ def run_demo(model_dir: str | None = None, port: int | None = None, records_show
         if thread is not None:
             thread.join(30)
         shutil.rmtree(scratch, ignore_errors=True)
+        reaper.release()
 
 
 def _tiny_model(console: Console, path: Path) -> Path:

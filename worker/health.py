@@ -8,11 +8,16 @@ call is ended by the transaction watchdog (exit 5), not by a probe.
 
 from __future__ import annotations
 
+import errno
+import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
+
+from worker.exceptions import ConfigError
+from worker.ports import in_use_message
 
 
 class Health:
@@ -39,8 +44,15 @@ class Health:
             return self.ready, self.reason
 
 
-def serve(port: int, health: Health, host: str = "0.0.0.0") -> ThreadingHTTPServer:
-    """Serve the three paths on ``port`` from a daemon thread; returns the server (``shutdown()`` stops it)."""
+class _IPv6Server(ThreadingHTTPServer):
+    address_family = socket.AF_INET6
+
+
+def serve(port: int, health: Health, host: str = "127.0.0.1") -> ThreadingHTTPServer:
+    """Serve the three paths on ``host:port`` from a daemon thread; returns the server (``shutdown()`` stops it).
+
+    The default host answers this machine only; a scraper elsewhere (another container) needs ``0.0.0.0``.
+    ``ConfigError`` when the address cannot be bound (taken port, unknown host), naming what to change."""
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
@@ -65,7 +77,24 @@ def serve(port: int, health: Health, host: str = "0.0.0.0") -> ThreadingHTTPServ
         def log_message(self, *args) -> None:  # scrapes every few seconds would flood the worker's log
             pass
 
-    server = ThreadingHTTPServer((host, port), Handler)
+    server_class = _IPv6Server if ":" in host else ThreadingHTTPServer
+    try:
+        server = server_class((host, port), Handler)
+    except OverflowError:
+        raise ConfigError(f"--metrics-port {port}: ports are 1 to 65535") from None
+    except OSError as exc:
+        raise ConfigError(_bind_problem(host, port, exc)) from None
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, name="decider-http", daemon=True).start()
     return server
+
+
+def _bind_problem(host: str, port: int, error: OSError) -> str:
+    if error.errno == errno.EADDRINUSE:
+        return in_use_message(port, "--metrics-port")
+    if error.errno == errno.EACCES:
+        return f"--metrics-port {port}: permission denied (ports below 1024 need privileges); pick a port above 1023"
+    if isinstance(error, socket.gaierror) or error.errno == errno.EADDRNOTAVAIL:
+        return (f"--metrics-host {host!r}: not an address of this machine ({error.strerror}); "
+                "use 127.0.0.1 (this machine only) or 0.0.0.0 (every interface)")
+    return f"--metrics-host {host} --metrics-port {port}: cannot listen there: {error.strerror or error}"

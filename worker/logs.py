@@ -15,6 +15,7 @@ import time
 from typing import Any
 
 EVENTS = logging.getLogger("decider.events")
+LEVELS = ("debug", "info", "warning", "error")
 # Bulky fields of the loop's events that a log line does not need (whole records).
 _DROPPED_FIELDS = {"samples"}
 
@@ -49,16 +50,19 @@ class HumanFormatter(logging.Formatter):
 
 
 def setup_logging(level: str = "info", fmt: str = "human") -> None:
-    """Configure the root logger on stderr in ``fmt`` (human or json); replaces earlier handlers."""
-    if fmt not in ("human", "json"):
-        from worker.exceptions import ConfigError
+    """Configure the root logger on stderr in ``fmt`` (human or json) at ``level`` (debug, info, warning or
+    error); replaces earlier handlers."""
+    from worker.exceptions import ConfigError
 
+    if fmt not in ("human", "json"):
         raise ConfigError(f"--log-format must be human or json, not {fmt!r}")
+    if level.lower() not in LEVELS:
+        raise ConfigError(f"--log-level must be {', '.join(LEVELS[:-1])} or {LEVELS[-1]}, not {level!r}")
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter() if fmt == "json" else HumanFormatter())
     root = logging.getLogger()
     root.handlers[:] = [handler]
-    root.setLevel(getattr(logging, level.upper(), logging.INFO))
+    root.setLevel(getattr(logging, level.upper()))
 
 
 def log_event(kind: str, info: dict[str, Any]) -> None:

@@ -39,7 +39,7 @@ def run_logged(run: Callable[[EventSink], None], config: WorkerConfig) -> None:
         from worker.health import Health, serve
 
         health = Health()
-        serve(config.metrics_port, health)
+        serve(config.metrics_port, health, config.metrics_host)
     if config.kafka:
         logging.getLogger("decider").info("kafka client settings from the config file: %s", redact(config.kafka))
     sinks = [logs.log_event, metrics.on_event] + ([health.on_event] if health else [])

@@ -5,6 +5,7 @@ import shutil
 import pytest
 
 from engine import Engine, MAX_OPTIONS
+from engine.prompt import MAX_OPTION_CHARS, MAX_PREFIX_TOKENS, MAX_QUESTION_CHARS
 
 from .conftest import make_questions
 
@@ -25,6 +26,10 @@ GOOD = {"question": "Is it bad?", "options": ["yes", "no"]}
     ([GOOD, {"question": "Q?", "options": ["a", "b"], "temperature": 0}], "question 2"),
     ([{"question": "Q?", "options": ["a", "b"], "temperature": -1.0}], "positive"),
     ([GOOD, "not a dict"], "question 2"),
+    ([{"question": "Q" * (MAX_QUESTION_CHARS + 1), "options": ["a", "b"]}], f"at most {MAX_QUESTION_CHARS} are allowed"),
+    ([{"question": "Q?", "options": ["a", "b" * (MAX_OPTION_CHARS + 1)]}], f"at most {MAX_OPTION_CHARS} are allowed"),
+    ([{"question": "Q? " * (MAX_QUESTION_CHARS // 3), "options": ["a", "b"]}] * (MAX_PREFIX_TOKENS // 500),
+     f"tokens; at most {MAX_PREFIX_TOKENS} are allowed"),
 ])
 def test_bad_questions(se, questions, message):
     with pytest.raises(ValueError, match=None) as err:

@@ -26,6 +26,8 @@ def test_compose_file_matches_the_deployment_contract():
         assert worker["command"] == ["decider", "worker"]
         assert worker["depends_on"]["topics"]["condition"] == "service_completed_successfully"
         assert worker["environment"]["DECIDER_DEVICE"] == "cuda"
+        # scraped from other containers: the metrics server must listen beyond the container's loopback
+        assert worker["environment"]["DECIDER_METRICS_HOST"] == "0.0.0.0" and worker["environment"]["DECIDER_METRICS_PORT"]
         assert any(v.endswith(":/models/model:ro") for v in worker["volumes"])
         devices = worker["deploy"]["resources"]["reservations"]["devices"]
         assert devices[0]["capabilities"] == ["gpu"] and len(devices[0]["device_ids"]) == 1

@@ -18,6 +18,10 @@ def test_each_bad_input_goes_to_dead_letters_between_scored_states(stream_factor
     too_many = {"schema_id": "nine", "version": 1, "mode": "packed", "created_at": None,
                 "questions": [{"id": "q", "question": "Pick one", "options": [f"o{i}" for i in range(9)], "temperature": None}]}
     stream.produce_raw(b"nine", schemas.encode_question_schema(too_many), topic=stream.topics.schemas)
+    # ... one over the engine's size limits (a question of 2,500 characters) ...
+    too_long = {"schema_id": "long", "version": 1, "mode": "packed", "created_at": None,
+                "questions": [{"id": "q", "question": "Why? " * 500, "options": ["a", "b"], "temperature": None}]}
+    stream.produce_raw(b"long", schemas.encode_question_schema(too_long), topic=stream.topics.schemas)
     # ... and a schema record that is not Avro at all.
     stream.produce_raw(b"garbled", b"\x00\x01 definitely not avro", topic=stream.topics.schemas)
 
@@ -29,6 +33,7 @@ def test_each_bad_input_goes_to_dead_letters_between_scored_states(stream_factor
         "unknown_schema": (b"bad-unknown", encode_state("bad-unknown", "no-such-schema", "who asks?")),
         "schema_unpreparable": (b"bad-nine", encode_state("bad-nine", "nine", "nine options")),
         "schema_unpreparable-garbled": (b"bad-garbled", encode_state("bad-garbled", "garbled", "garbled schema")),
+        "schema_unpreparable-long": (b"bad-long", encode_state("bad-long", "long", "a long question")),
         "state_too_large": (b"bad-large", encode_state("bad-large", "tickets", "x" * 600)),
         "scoring_error": (b"bad-fault", encode_state("bad-fault", "tickets", f"this state fails {FAULT_MARKER} on the device")),
     }
@@ -62,6 +67,7 @@ def test_each_bad_input_goes_to_dead_letters_between_scored_states(stream_factor
         assert letter["worker_id"] == "dlq"
     assert "no-such-schema" in by_offset[_offset(sent, "unknown_schema")]["message"]
     assert "9 options" in by_offset[_offset(sent, "schema_unpreparable")]["message"]
+    assert "2500 characters; at most 2000" in by_offset[_offset(sent, "schema_unpreparable-long")]["message"]
     assert "600 characters" in by_offset[_offset(sent, "state_too_large")]["message"]
     assert "injected" in by_offset[_offset(sent, "scoring_error")]["message"]
 
