@@ -181,24 +181,33 @@ def cublas_is_invariant(weight: torch.Tensor, row_counts: list[int], probe_rows:
 
 
 class InvariantLinear:
-    """`F.linear` with a summation order that does not depend on the row count: per weight shape, cuBLAS where
-    `cublas_is_invariant` holds over `row_counts`, else `matmul`. Fewer rows than `min_rows` are zero-padded up to it,
-    so cuBLAS never sees the small row counts where it switches to split-K kernels; at those sizes a GEMM's time is
-    the weight's read, which the padding does not change."""
+    """`F.linear` with a summation order that does not depend on the row count. Per weight shape: cuBLAS with fewer
+    rows than a floor zero-padded up to it, at the lowest floor of `MIN_ROWS` from which `cublas_is_invariant` holds
+    (cuBLAS switches to split-K kernels at small row counts, and where that happens depends on the shape; below the
+    floor a GEMM's time is mostly the weight's read, which the padding does not change), else `matmul`."""
 
-    def __init__(self, weights: list[torch.Tensor], row_counts: list[int], min_rows: int = 256):
-        self.min_rows = min_rows
-        counts = sorted({max(min_rows, m) for m in row_counts})
-        shapes = {(tuple(w.shape), w.dtype): w for w in weights}
-        self.cublas = {shape for (shape, _), w in shapes.items() if cublas_is_invariant(w, counts)}
-        self.triton = {shape for shape, _ in shapes} - self.cublas
+    MIN_ROWS = (256, 1024, 4096)
+
+    def __init__(self, weights: list[torch.Tensor], row_counts: list[int]):
+        shapes = {tuple(w.shape): w for w in weights}
+        self.floors = {shape: floor for shape, w in shapes.items()
+                       if (floor := _invariant_floor(w, row_counts, self.MIN_ROWS)) is not None}
+        self.triton = set(shapes) - set(self.floors)
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        if tuple(weight.shape) not in self.cublas:
+        floor = self.floors.get(tuple(weight.shape))
+        if floor is None:
             return matmul(x, weight)
         rows = x.reshape(-1, x.shape[-1])                                              # [M, K]
         M = rows.shape[0]
-        if M >= self.min_rows:
+        if M >= floor:
             return torch.nn.functional.linear(x, weight)
-        padded = torch.nn.functional.pad(rows, (0, 0, 0, self.min_rows - M))           # [min_rows, K]
+        padded = torch.nn.functional.pad(rows, (0, 0, 0, floor - M))                   # [floor, K]
         return torch.nn.functional.linear(padded, weight)[:M].view(*x.shape[:-1], weight.shape[0])
+
+
+def _invariant_floor(weight: torch.Tensor, row_counts: list[int], floors: tuple[int, ...]) -> int | None:
+    for floor in floors:
+        if cublas_is_invariant(weight, sorted({max(floor, m) for m in row_counts})):
+            return floor
+    return None

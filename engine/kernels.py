@@ -96,8 +96,9 @@ def batch_invariant_kernels(table: Kernels, gemm_weights: Sequence[torch.Tensor]
     rows = sorted({r * t for r in B_BUCKETS for t in (1, 10, 32, 64, 128, 184, 256, 512, 1024)})
     started = time.perf_counter()
     linear = bi.InvariantLinear(list(gemm_weights), rows)
-    log.info("deterministic: GEMMs of %d weight shapes by cuBLAS (batch-invariant at %d row counts), %s by the Triton "
-             "matmul; checked in %.1f s", len(linear.cublas), len(rows), sorted(linear.triton) or "none",
-             time.perf_counter() - started)
-    return replace(table, name=f"{table.name}+batch-invariant({len(linear.cublas)} cuBLAS, {len(linear.triton)} "
-                   "Triton GEMM shapes)", linear=linear, attention=bi.attention, ragged_prefixes=True)
+    log.info("deterministic: GEMMs by cuBLAS for weight shapes %s (rows padded up to the floor given; batch-invariant "
+             "at %d row counts), by the Triton matmul for %s; checked in %.1f s", linear.floors, len(rows),
+             sorted(linear.triton) or "none", time.perf_counter() - started)
+    floors = ", ".join(f"{n}x{k}>={f}" for (n, k), f in sorted(linear.floors.items()))
+    return replace(table, name=f"{table.name}+batch-invariant(cuBLAS {floors}; Triton {sorted(linear.triton)})",
+                   linear=linear, attention=bi.attention, ragged_prefixes=True)

@@ -19,7 +19,7 @@ try:
 except ImportError:
     from click import exceptions as click_errors
 
-from worker.cli_options import (DEFAULTS, BootstrapOpt, DeadLetterTopicOpt, DeviceOpt, DtypeOpt, ModelOpt, ProbabilitiesTopicOpt,
+from worker.cli_options import (DEFAULTS, BootstrapOpt, DeadLetterTopicOpt, DeterministicOpt, DeviceOpt, DtypeOpt, ModelOpt, ProbabilitiesTopicOpt,
                                 SchemasTopicOpt, StatesTopicOpt, cluster, kafka_settings, loop_config, loop_options)
 from worker.config import REPLAY_MAX_BATCH, Topics
 from worker.exceptions import ConfigError, DeciderError, FatalError
@@ -289,11 +289,12 @@ def score(
     dtype: Optional[str] = DtypeOpt,
     schema_id: Optional[str] = typer.Option(None, "--schema-id", help="schema_id written in the output (default: the schema file's name)."),
     batch_size: int = typer.Option(32, "--batch-size", help="States scored per forward pass."),
+    deterministic: Optional[bool] = DeterministicOpt,
 ) -> None:
     """Score states offline, no Kafka: one JSON line of probabilities per state, for trying a schema and a model."""
     from worker.offline import score_file, write_scores
 
-    write_scores(score_file(model, schema, states, device, dtype, schema_id, batch_size), sys.stdout)
+    write_scores(score_file(model, schema, states, device, dtype, schema_id, batch_size, deterministic), sys.stdout)
 
 
 @app.callback()

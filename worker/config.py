@@ -49,6 +49,7 @@ class WorkerConfig:
     worker_id: str
     device: str = "cpu"
     dtype: str | None = None  # None: float32 on CPU, bfloat16 on CUDA
+    deterministic: bool | None = None  # None: the engine's default for the device (Engine.load)
     group: str = DEFAULT_GROUP
     topics: Topics = field(default_factory=Topics)
     max_batch: int = 32

@@ -16,7 +16,8 @@ from worker.user_files import load_schema_file, read_state_lines
 
 
 def score_file(model_dir: str, schema_path: str | Path, states_path: str | Path, device: str = "cpu",
-               dtype: str | None = None, schema_id: str | None = None, batch_size: int = 32) -> Iterator[dict]:
+               dtype: str | None = None, schema_id: str | None = None, batch_size: int = 32,
+               deterministic: bool | None = None) -> Iterator[dict]:
     """Read both files, load the model and prepare the schema now; return an iterator that scores the states,
     one result per state line in file order: {"state_id", "schema_id", "schema_version", "model_id",
     "questions": [{"id", "options", "probabilities"}], "truncated"}."""
@@ -27,7 +28,7 @@ def score_file(model_dir: str, schema_path: str | Path, states_path: str | Path,
     states = read_state_lines(states_path, schema_id)
     from engine import Engine, InputError, ModelLoadError, SchemaEngine  # torch: only once the files are good
     try:
-        eng = Engine.load(model_dir, device=device, dtype=dtype)
+        eng = Engine.load(model_dir, device=device, dtype=dtype, deterministic=deterministic)
     except ModelLoadError as exc:
         raise ConfigError(f"--model: {exc}") from None
     se = SchemaEngine(eng)

@@ -41,7 +41,8 @@ def load_scorer(config: WorkerConfig) -> tuple[Any, Scorer]:
 
     gpu = device_thread()
     try:
-        engine = gpu.submit(Engine.load, config.model_dir, device=config.device, dtype=config.resolved_dtype).result()
+        engine = gpu.submit(Engine.load, config.model_dir, device=config.device, dtype=config.resolved_dtype,
+                            deterministic=config.deterministic).result()
     except (ValueError, OSError) as exc:
         raise ConfigError(f"cannot load the model from {config.model_dir}: {exc}") from exc
     except RuntimeError as exc:  # e.g. CUDA requested on a machine without it
