@@ -39,12 +39,11 @@ import schemas
 from worker import paths
 from worker.dead_letters import Reason
 from worker.exceptions import ConfigError, RetriableError
-from worker.registry import transport_errors
+from worker.registry import framed_schema_id, transport_errors
 
 FORMATS = ("decider", "json", "avro-registry", "text")
 SCHEMA_ID_HEADER = "decider-schema-id"
 DEFAULT_PROPAGATE_HEADERS = ("traceparent", "tracestate")
-REGISTRY_MAGIC_BYTE = 0
 
 Headers = Sequence[tuple[str, bytes | None]] | None
 
@@ -165,7 +164,8 @@ class InputMapper:
                 raise ConfigError("--input-format avro-registry needs --schema-registry-url")
             from confluent_kafka.schema_registry.avro import AvroDeserializer
 
-            self._deserializer = AvroDeserializer(registry_client)
+            # <topic>-value subjects without asking the registry for an "association" per topic.
+            self._deserializer = AvroDeserializer(registry_client, conf={"subject.name.strategy.type": "TOPIC"})
 
     def map(self, key: bytes | None, value: bytes | None, headers: Headers, timestamp_ms: int | None,
             topic: str = "") -> dict[str, Any] | MappingFailure:
@@ -223,7 +223,7 @@ class InputMapper:
             record = self._deserializer(value, context)
         except SchemaRegistryError as exc:
             if exc.http_status_code == 404:
-                raise _Failed(Reason.UNDECODABLE, f"the Schema Registry does not know this record's schema id {registry_schema_id(value)}: {exc.error_message}") from None
+                raise _Failed(Reason.UNDECODABLE, f"the Schema Registry does not know this record's schema id {framed_schema_id(value)}: {exc.error_message}") from None
             raise RegistryUnavailableError(f"Schema Registry error while decoding a record: {exc}") from exc
         except Exception as exc:  # noqa: BLE001 - the serde raises SerializationError, EOFError, ... on garbage
             if _is_connection_error(exc):
@@ -315,15 +315,8 @@ def _utf8(raw: bytes, what: str, reason: Reason = Reason.UNDECODABLE) -> str:
         raise _Failed(reason, f"{what} is not UTF-8 (byte {exc.start}: {raw[exc.start:exc.start + 1]!r})") from None
 
 
-def registry_schema_id(value: bytes) -> int | None:
-    """The schema id of a Confluent-framed value (magic byte 0, then a big-endian int32), or None."""
-    if len(value) > 5 and value[0] == REGISTRY_MAGIC_BYTE:
-        return int.from_bytes(value[1:5], "big")
-    return None
-
-
 def _json_object(value: bytes) -> dict[str, Any]:
-    schema_id = registry_schema_id(value)
+    schema_id = framed_schema_id(value)
     if schema_id is not None:
         raise _Failed(Reason.UNDECODABLE, f"the value is Schema Registry framed (magic byte 0, schema id {schema_id}), not JSON; "
                       "read this topic with --input-format avro-registry")

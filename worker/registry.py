@@ -7,6 +7,7 @@ every message the way ``worker.settings`` keeps the ``[kafka]`` secrets out.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any, Mapping
 from urllib.parse import urlsplit
 
@@ -60,6 +61,13 @@ def registry_client(url: str, settings: Mapping[str, Any] | None = None) -> Any:
         raise ConfigError(f"[{REGISTRY_TABLE}]: {redact_registry_text(str(exc), url, settings)}") from None
 
 
+def framed_schema_id(value: bytes) -> int | None:
+    """The schema id of a Confluent-framed value (magic byte 0, then a big-endian int32), or None."""
+    if len(value) > 5 and value[0] == 0:
+        return int.from_bytes(value[1:5], "big")
+    return None
+
+
 def transport_errors() -> tuple[type[BaseException], ...]:
     """The exception types the client raises when the registry cannot be reached (refused, DNS, timeout)."""
     try:  # the client's own httpx flavour (httpx2 on newer releases)
@@ -67,3 +75,25 @@ def transport_errors() -> tuple[type[BaseException], ...]:
     except ImportError:  # pragma: no cover - older confluent-kafka releases use httpx directly
         import httpx
     return (httpx.TransportError,)
+
+
+@dataclass(frozen=True)
+class RegistryConfig:
+    """Where the Schema Registry is and how to talk to it: ``--schema-registry-url``, ``[schema_registry]``
+    client settings, and whether decider may register its own schemas (``--no-auto-register`` turns it off)."""
+
+    url: str
+    settings: Mapping[str, Any] = field(default_factory=dict)
+    auto_register: bool = True
+
+    def client(self) -> Any:
+        """A new ``SchemaRegistryClient`` (``ConfigError`` on unknown settings)."""
+        return registry_client(self.url, self.settings)
+
+    def redact(self, text: str) -> str:
+        """``text`` without this configuration's secrets."""
+        return redact_registry_text(text, self.url, self.settings)
+
+    def shown_url(self) -> str:
+        """The URL as it may be logged (a password in it replaced)."""
+        return self.redact(self.url)

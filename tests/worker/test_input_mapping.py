@@ -251,3 +251,17 @@ def test_from_config_table():
     with pytest.raises(ConfigError, match="must be a string"):
         InputMapping.from_table({"id_field": 3})
     assert split_list(" a, ,b ", "--metadata-fields") == ("a", "b")
+
+
+def test_avro_registry_input_through_the_registry_double_over_http():
+    from tests.registry_double import RegistryDouble
+    from worker.registry import registry_client
+
+    with RegistryDouble() as double:
+        value = produce_avro(registry_client(double.url), "tickets", {"id": "B-2", "body": "where is it", "opened": 5, "customer": {"tier": "free"}})
+        mapper = InputMapper(InputMapping(format="avro-registry", schema_id="support", id_field="id", text_field="body"),
+                             registry_client(double.url))
+        state = mapper.map(None, value, None, TS, topic="tickets")
+        assert (state["state_id"], state["state"], state["event_time"]) == ("B-2", "where is it", TS)
+        unknown = failure(mapper.map(None, b"\x00\x00\x00\x00\x63" + value[5:], None, TS, topic="tickets"))
+        assert unknown.reason is Reason.UNDECODABLE and "schema id 99" in unknown.message
