@@ -32,6 +32,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import math
+import re
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
@@ -89,6 +90,16 @@ class InputMapping:
                 raise ConfigError(f"{where} {key} must be a string, not {value!r}")
             values[name] = value
         return cls(**values)
+
+
+_FLAG_ESCAPES = {"\\n": "\n", "\\t": "\t", "\\\\": "\\"}
+
+
+def unescape_flag_template(text: str) -> str:
+    """A ``--text-template`` as typed in a shell, with ``\\n``, ``\\t`` and ``\\\\`` turned into a newline, a tab and a
+    backslash (a shell passes them literally; the config file's TOML strings have their own escapes, so the
+    ``[input]`` table's value is used as it is)."""
+    return re.sub(r"\\[nt\\]", lambda m: _FLAG_ESCAPES[m.group(0)], text)
 
 
 def split_list(value: str | Sequence[str], option: str) -> tuple[str, ...]:

@@ -265,3 +265,11 @@ def test_avro_registry_input_through_the_registry_double_over_http():
         assert (state["state_id"], state["state"], state["event_time"]) == ("B-2", "where is it", TS)
         unknown = failure(mapper.map(None, b"\x00\x00\x00\x00\x63" + value[5:], None, TS, topic="tickets"))
         assert unknown.reason is Reason.UNDECODABLE and "schema id 99" in unknown.message
+
+
+def test_flag_templates_unescape_newlines_tabs_and_backslashes():
+    from worker.input_mapping import unescape_flag_template
+
+    typed = r"Subject: {a}\n\n{b}\tend \\n stays"
+    assert unescape_flag_template(typed) == "Subject: {a}\n\n{b}\tend \\n stays"
+    assert unescape_flag_template("no escapes {x}") == "no escapes {x}"
