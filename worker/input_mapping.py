@@ -40,7 +40,7 @@ import schemas
 from worker import paths
 from worker.dead_letters import Reason
 from worker.exceptions import ConfigError, RetriableError
-from worker.registry import framed_schema_id, transport_errors
+from worker.registry import RegistryConfig, framed_schema_id, transport_errors
 
 FORMATS = ("decider", "json", "avro-registry", "text")
 SCHEMA_ID_HEADER = "decider-schema-id"
@@ -166,13 +166,15 @@ class _Failed(Exception):
 class InputMapper:
     """Applies an ``InputMapping`` to consumed records; built once per worker (holds the registry deserializer)."""
 
-    def __init__(self, mapping: InputMapping, registry_client: Any = None) -> None:
-        """``registry_client``: a ``confluent_kafka.schema_registry.SchemaRegistryClient``, required for avro-registry."""
-        self.mapping = mapping
+    def __init__(self, mapping: InputMapping, registry: RegistryConfig | None = None, client: Any = None) -> None:
+        """``registry``: required for avro-registry input. ``client``: a registry client to use instead of
+        ``registry.client()`` (tests share one ``mock://`` client between producer and mapper)."""
+        self.mapping, self.registry = mapping, registry
         self._deserializer = None
         if mapping.format == "avro-registry":
-            if registry_client is None:
+            if registry is None:
                 raise ConfigError("--input-format avro-registry needs --schema-registry-url")
+            registry_client = client if client is not None else registry.client()
             from confluent_kafka.schema_registry.avro import AvroDeserializer
 
             # <topic>-value subjects without asking the registry for an "association" per topic.
@@ -181,7 +183,8 @@ class InputMapper:
     def map(self, key: bytes | None, value: bytes | None, headers: Headers, timestamp_ms: int | None,
             topic: str = "") -> dict[str, Any] | MappingFailure:
         """The state (``state_id``, ``schema_id``, ``state``, ``event_time``, ``metadata``, as
-        ``schemas.decode_state`` returns it) or why not. Raises only ``RegistryUnavailableError``."""
+        ``schemas.decode_state`` returns it) or why not. Raises only for what is not the record's fault:
+        ``RegistryUnavailableError`` (retry the record) and ``ConfigError`` (the registry refused the credentials)."""
         fmt = self.mapping.format
         if value is None:
             return MappingFailure(Reason.UNDECODABLE, "the value is null (a tombstone): there is no event to score")
@@ -235,10 +238,13 @@ class InputMapper:
         except SchemaRegistryError as exc:
             if exc.http_status_code == 404:
                 raise _Failed(Reason.UNDECODABLE, f"the Schema Registry does not know this record's schema id {framed_schema_id(value)}: {exc.error_message}") from None
-            raise RegistryUnavailableError(f"Schema Registry error while decoding a record: {exc}") from exc
+            if exc.http_status_code in (401, 403):
+                raise ConfigError(self.registry.redact(f"the Schema Registry refused decider's credentials ({exc}); "
+                                                       "check [schema_registry] basic.auth.user.info")) from None
+            raise RegistryUnavailableError(self.registry.redact(f"Schema Registry error while decoding a record: {exc}")) from None
         except Exception as exc:  # noqa: BLE001 - the serde raises SerializationError, EOFError, ... on garbage
             if _is_connection_error(exc):
-                raise RegistryUnavailableError(f"Schema Registry unreachable while decoding a record: {exc}") from exc
+                raise RegistryUnavailableError(self.registry.redact(f"Schema Registry unreachable while decoding a record: {exc}")) from None
             raise _Failed(Reason.UNDECODABLE, f"not registry-framed Avro: {exc}") from None
         if not isinstance(record, dict):
             raise _Failed(Reason.UNDECODABLE, f"the registry schema of this record is not an Avro record (it decodes to {paths.describe(record)})")

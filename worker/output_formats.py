@@ -58,7 +58,9 @@ class OutputEncoder:
         instead of ``registry.client()`` (tests share one ``mock://`` client between writer and reader)."""
         check_output_format(output_format, registry)
         self.output_format, self.topics, self.registry = output_format, dict(topics), registry
-        self._client = client if client is not None or registry is None else registry.client()
+        if client is None and output_format == "avro-registry":
+            client = registry.client()
+        self._client = client
         self._serializers: dict[str, Any] = {}
         self._started = output_format != "avro-registry"
 

@@ -12,6 +12,7 @@ import schemas
 from worker.dead_letters import Reason
 from worker.exceptions import ConfigError
 from worker.input_mapping import InputMapper, InputMapping, MappingFailure, RegistryUnavailableError, split_list
+from worker.registry import RegistryConfig, registry_client
 
 TS = 1_700_000_000_000
 TICKET = {"ticket": {"id": "T-1", "subject": "Late box", "body": "It arrived broken.", "priority": 2,
@@ -169,10 +170,11 @@ USER_SCHEMA = json.dumps({
 })
 
 
+MOCK = RegistryConfig("mock://shared-through-client")
+
+
 @pytest.fixture
 def mock_registry():
-    from worker.registry import registry_client
-
     return registry_client(f"mock://{uuid.uuid4().hex}")
 
 
@@ -187,14 +189,14 @@ def test_avro_registry_records_from_confluent_serializer(mock_registry):
     value = produce_avro(mock_registry, "tickets", {"id": "A-1", "body": "refund please", "opened": 1000, "customer": {"tier": "gold"}})
     mapper = InputMapper(InputMapping(format="avro-registry", schema_id="support", id_field="id",
                                       text_template="[{customer.tier}] {body}", event_time_field="opened",
-                                      metadata_fields=("customer.tier",)), mock_registry)
+                                      metadata_fields=("customer.tier",)), MOCK, client=mock_registry)
     assert mapper.map(b"k", value, None, TS, topic="tickets") == {
         "state_id": "A-1", "schema_id": "support", "state": "[gold] refund please", "event_time": 1000,
         "metadata": {"customer.tier": "gold"}}
 
 
 def test_avro_registry_bad_records(mock_registry):
-    mapper = InputMapper(InputMapping(format="avro-registry", schema_id="support", text_field="body"), mock_registry)
+    mapper = InputMapper(InputMapping(format="avro-registry", schema_id="support", text_field="body"), MOCK, client=mock_registry)
     unknown = failure(mapper.map(b"k", b"\x00\x00\x01\x86\xa0\x02hi", None, TS, topic="tickets"))
     assert unknown.reason is Reason.UNDECODABLE and "schema id 100000" in unknown.message
     not_framed = failure(mapper.map(b"k", b'{"body": "json"}', None, TS, topic="tickets"))
@@ -206,10 +208,8 @@ def test_avro_registry_bad_records(mock_registry):
 
 
 def test_avro_registry_down_is_not_the_records_fault():
-    from worker.registry import registry_client
-
-    client = registry_client("http://127.0.0.1:9", {"max.retries": 0, "timeout": 2})
-    mapper = InputMapper(InputMapping(format="avro-registry", schema_id="s", text_field="body"), client)
+    down = RegistryConfig("http://127.0.0.1:9", {"max.retries": 0, "timeout": 2})
+    mapper = InputMapper(InputMapping(format="avro-registry", schema_id="s", text_field="body"), down)
     with pytest.raises(RegistryUnavailableError):
         mapper.map(b"k", b"\x00\x00\x00\x00\x01\x02hi", None, TS, topic="tickets")
 
@@ -255,12 +255,11 @@ def test_from_config_table():
 
 def test_avro_registry_input_through_the_registry_double_over_http():
     from tests.registry_double import RegistryDouble
-    from worker.registry import registry_client
 
     with RegistryDouble() as double:
         value = produce_avro(registry_client(double.url), "tickets", {"id": "B-2", "body": "where is it", "opened": 5, "customer": {"tier": "free"}})
         mapper = InputMapper(InputMapping(format="avro-registry", schema_id="support", id_field="id", text_field="body"),
-                             registry_client(double.url))
+                             RegistryConfig(double.url))
         state = mapper.map(None, value, None, TS, topic="tickets")
         assert (state["state_id"], state["state"], state["event_time"]) == ("B-2", "where is it", TS)
         unknown = failure(mapper.map(None, b"\x00\x00\x00\x00\x63" + value[5:], None, TS, topic="tickets"))
@@ -273,3 +272,16 @@ def test_flag_templates_unescape_newlines_tabs_and_backslashes():
     typed = r"Subject: {a}\n\n{b}\tend \\n stays"
     assert unescape_flag_template(typed) == "Subject: {a}\n\n{b}\tend \\n stays"
     assert unescape_flag_template("no escapes {x}") == "no escapes {x}"
+
+
+def test_avro_registry_refusing_credentials_is_fatal_not_a_dead_letter():
+    from tests.registry_double import RegistryDouble
+
+    with RegistryDouble(users={"u": "right"}) as double:
+        value = produce_avro(registry_client(double.url, {"basic.auth.user.info": "u:right"}), "tickets",
+                             {"id": "C", "body": "b", "opened": 1, "customer": {"tier": "t"}})
+        mapper = InputMapper(InputMapping(format="avro-registry", schema_id="s", text_field="body"),
+                             RegistryConfig(double.url, {"basic.auth.user.info": "u:wrong-pw"}))
+        with pytest.raises(ConfigError, match="refused decider's credentials") as caught:
+            mapper.map(None, value, None, TS, topic="tickets")
+        assert "wrong-pw" not in str(caught.value)
