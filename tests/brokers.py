@@ -90,9 +90,9 @@ def started_broker(workdir: Path, environ: Mapping[str, str] = os.environ) -> It
     with contextlib.ExitStack() as stack:
         registry_url = environ.get(REGISTRY_ENV) if choice == "external" else None
         if not registry_url:
-            from tests.registry_double import RegistryDouble
+            from tests.registry_double import registry_double_process
 
-            registry_url = stack.enter_context(RegistryDouble()).url
+            registry_url = stack.enter_context(registry_double_process())
         if choice == "external":
             yield TestBroker("external", environ[BOOTSTRAP_ENV], registry_url)
             return

@@ -4,7 +4,8 @@ real one (``docker-compose.yml``: ``confluentinc/cp-schema-registry``).
 
 It answers the REST calls confluent-kafka's ``SchemaRegistryClient`` makes for what decider does
 (register, lookup, get by id, versions, latest, compatibility test, config), with the registry's error
-codes, keeps everything in memory, and binds to 127.0.0.1 on a free port in a daemon thread. Registering
+codes, keeps everything in memory, and binds to 127.0.0.1 on a free port, in a thread (``RegistryDouble``) or a child process
+(``registry_double_process``, for worker subprocesses across a session). Registering
 checks BACKWARD compatibility against the subject's latest version (the registry's default) with the
 Apache Avro library's reader/writer rules, the rules the registry itself applies. Optional basic auth
 (``users={"name": "password"}``) answers 401 to a wrong or missing ``Authorization`` header.
@@ -16,11 +17,16 @@ Apache Avro library's reader/writer rules, the rules the registry itself applies
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import re
+import signal
+import subprocess
+import sys
 import threading
+from pathlib import Path
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, Iterator
 from urllib.parse import parse_qs, unquote, urlsplit
 
 CONTENT_TYPE = "application/vnd.schemaregistry.v1+json"
@@ -237,7 +243,10 @@ def _set_level(state: RegistryState, subject: str | None, body: dict[str, Any]) 
 
 
 class _Server(ThreadingHTTPServer):
-    daemon_threads = True
+    # Handlers answer HTTP/1.0 (one request per connection), so stop() can join them all: no thread of the
+    # double outlives its ``with`` block in the test process.
+    daemon_threads = False
+    block_on_close = True
 
     def __init__(self, users: dict[str, str] | None) -> None:
         super().__init__(("127.0.0.1", 0), _Handler)
@@ -247,7 +256,7 @@ class _Server(ThreadingHTTPServer):
 
 
 class RegistryDouble:
-    """The test double, serving in a daemon thread; ``url`` once started, ``requests`` lists calls seen."""
+    """The test double, serving in a thread of this process; ``url`` once started, ``requests`` lists calls seen."""
 
     def __init__(self, users: dict[str, str] | None = None) -> None:
         self._server = _Server(users)
@@ -273,6 +282,7 @@ class RegistryDouble:
     def stop(self) -> None:
         self._server.shutdown()
         self._server.server_close()
+        self._thread.join()
 
     def __enter__(self) -> "RegistryDouble":
         return self.start()
@@ -281,13 +291,35 @@ class RegistryDouble:
         self.stop()
 
 
+@contextlib.contextmanager
+def registry_double_process() -> Iterator[str]:
+    """The double in a child process (``python -m tests.registry_double``), for a whole test session: its URL.
+
+    A child keeps the double's threads out of the test process (some tests watch that process's garbage
+    collector); it is stopped by its PID when the block ends."""
+    child = subprocess.Popen([sys.executable, "-m", "tests.registry_double"], cwd=Path(__file__).resolve().parents[1],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        url = child.stdout.readline().strip()
+        if not url.startswith("http://"):
+            raise RuntimeError(f"the registry test double did not start (exit code {child.wait(10)})")
+        yield url
+    finally:
+        child.terminate()
+        child.wait(10)
+        child.stdout.close()
+
+
 def main() -> None:
-    """``python -m tests.registry_double``: serve until interrupted, printing the URL (for manual tries)."""
+    """``python -m tests.registry_double``: serve until SIGTERM or Ctrl-C, after printing the URL."""
     double = RegistryDouble().start()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     print(double.url, flush=True)
     try:
         threading.Event().wait()
     except KeyboardInterrupt:
+        pass
+    finally:
         double.stop()
 
 
