@@ -39,13 +39,19 @@ __all__ = [
     "decode_probability",
     "encode_dead_letter",
     "decode_dead_letter",
+    "schema_text",
+    "plain_times",
 ]
+
+
+def schema_text(name: str) -> str:
+    """The text of ``name``.avsc as shipped (what a Schema Registry is given)."""
+    return files(__name__).joinpath(f"{name}.avsc").read_text(encoding="utf-8")
 
 
 def _load(name: str) -> dict:
     """Parse ``name``.avsc from this package once; fastavro caches the named types it defines."""
-    text = files(__name__).joinpath(f"{name}.avsc").read_text(encoding="utf-8")
-    return fastavro.parse_schema(json.loads(text))
+    return fastavro.parse_schema(json.loads(schema_text(name)))
 
 
 STATE_EVENT = _load("state_event")
@@ -81,17 +87,17 @@ def decode(schema: dict, payload: bytes) -> dict[str, Any]:
         raise ValueError(
             f"not a valid {schema.get('name', 'Avro')} encoding: {len(payload) - buffer.tell()} trailing bytes"
         )
-    return _plain_times(record)
+    return plain_times(record)
 
 
-def _plain_times(value: Any) -> Any:
+def plain_times(value: Any) -> Any:
     """Replace fastavro's ``datetime`` (timestamp-millis) by epoch milliseconds, recursively."""
     if isinstance(value, _dt.datetime):
         return int(round(value.timestamp() * 1000))
     if isinstance(value, dict):
-        return {k: _plain_times(v) for k, v in value.items()}
+        return {k: plain_times(v) for k, v in value.items()}
     if isinstance(value, list):
-        return [_plain_times(v) for v in value]
+        return [plain_times(v) for v in value]
     return value
 
 

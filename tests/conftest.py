@@ -1,26 +1,45 @@
-"""Session fixtures shared by every test package: the Kafka broker.
+"""Session fixtures shared by every test package: the Kafka broker and the Schema Registry.
 
-``KAFKA_BOOTSTRAP`` set: tests use that (real) Kafka. Otherwise the embedded noida-db broker is started
-once per session on a free port and stopped by PID at the end (``worker.embedded_broker``). Tests that
-need the broker isolate themselves with unique topic and group names, so they can share it.
+``tests.brokers`` picks them: ``KAFKA_BOOTSTRAP`` (an external Kafka), ``DECIDER_TEST_BROKER=kafka`` (Apache
+Kafka and a Schema Registry in Docker, via testcontainers; no Docker engine fails the run at once with one
+line), else the embedded noida-db broker with the registry test double. Tests that need the broker isolate
+themselves with unique topic and group names, so they can share it.
 """
 
 from __future__ import annotations
 
-import os
+import uuid
 
 import pytest
 
+from tests import brokers
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    brokers.check_selection()
+
 
 @pytest.fixture(scope="session")
-def kafka_bootstrap(tmp_path_factory) -> str:
-    """Bootstrap servers of a running broker for this test session."""
-    external = os.environ.get("KAFKA_BOOTSTRAP")
-    if external:
-        yield external
-        return
-    from worker.embedded_broker import EmbeddedBroker, free_port
+def test_broker(tmp_path_factory) -> brokers.TestBroker:
+    """The session's broker and registry (started on first use, stopped at the end of the session)."""
+    with brokers.started_broker(tmp_path_factory.mktemp("broker")) as broker:
+        yield broker
 
-    log_path = tmp_path_factory.mktemp("broker") / "broker.log"
-    with open(log_path, "w") as log, EmbeddedBroker(port=free_port(), data_dir=str(log_path.parent / "data"), log=log) as broker:
-        yield broker.bootstrap
+
+@pytest.fixture(scope="session")
+def kafka_bootstrap(test_broker) -> str:
+    """Bootstrap servers of a running broker for this test session."""
+    return test_broker.bootstrap
+
+
+@pytest.fixture(scope="session")
+def schema_registry_url(test_broker) -> str:
+    """URL of a Schema Registry that worker subprocesses can reach (the container, or the test double)."""
+    return test_broker.registry_url
+
+
+@pytest.fixture
+def mock_registry_url() -> str:
+    """A fresh ``mock://`` URL: confluent-kafka's in-process registry, for tests that run in one process
+    (each client built from it has its own store, so share one client between writer and reader)."""
+    return f"mock://{uuid.uuid4().hex}"

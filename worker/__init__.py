@@ -13,6 +13,8 @@ secret redaction), ``exceptions``, ``kafka_clients`` (client settings and topic 
 loop as an operated process), ``replay`` (``decider replay``: the loop over a fixed range), ``cli`` and
 ``cli_options`` (the command line and its shared options), ``commands`` (what the CLI's schema/produce/tail
 commands do), ``offline`` (``decider score``), ``user_files`` (reading users' schema and states files, with one-line
-errors), ``embedded_broker`` (with ``reaper``, clean-up that outlives a SIGKILL, and ``ports``, who holds a local
+errors), ``input_mapping`` (users' own events -> states) with ``paths`` (dotted paths and templates),
+``output_formats`` (avro, avro-registry, json out, and read back), ``registry`` (the Schema Registry client and
+its secrets), ``embedded_broker`` (with ``reaper``, clean-up that outlives a SIGKILL, and ``ports``, who holds a local
 port) and ``demo``.
 """

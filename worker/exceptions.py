@@ -1,5 +1,7 @@
 """Named error types of the worker, by what the caller must do about them.
 
+- ``RetriableError``: a service the record does not control (the Schema Registry) failed for now; try the same
+  record again, never dead-letter it for that.
 - ``AbortableError``: the open transaction is lost; abort it, rewind the consumer to the last
   committed offsets and process the records again. No output of the aborted attempt is ever visible.
 - ``FatalError``: this process cannot go on (fenced by a newer instance, bad configuration, bad model
@@ -18,6 +20,10 @@ from __future__ import annotations
 
 class DeciderError(Exception):
     """Base of every error the worker raises on purpose."""
+
+
+class RetriableError(DeciderError):
+    """A transient failure outside the record; retry the same operation."""
 
 
 class AbortableError(DeciderError):
