@@ -2,7 +2,8 @@
 
 On CUDA with flash-linear-attention (fla) installed: `engine.fla_kernels` (fla's Gated DeltaNet recurrence and the
 fused Triton kernels of `engine.triton_kernels`). Elsewhere: `engine.torch_kernels`, PyTorch code that computes
-exactly what transformers' modules compute (what CPU tests run).
+exactly what transformers' modules compute (what CPU tests run). Deterministic (batch-invariant) scoring on the CPU:
+`engine.invariant_kernels`.
 """
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import logging
 from dataclasses import dataclass
 from typing import Callable
 
+from engine import invariant_kernels as inv_k
 from engine import torch_kernels as torch_k
 
 log = logging.getLogger(__name__)
@@ -33,7 +35,10 @@ class Kernels:
     qk_norm_rope(q [B, T, Hq, D], k [B, T, Hkv, D], q_weight, k_weight, cos, sin, eps) -> (q, k) as [B, H, T, D]: the
         attention's per-head RMSNorms, then transformers' `apply_rotary_pos_emb`;
     gate_attention(engine.attention.AttentionOut, gate [B, T, Hq, D]) -> [B, T, Hq * D]: the merge of a prefix/suffix
-        split attention (if any), then transformers' sigmoid output gate."""
+        split attention (if any), then transformers' sigmoid output gate;
+    linear(x [..., K], weight [N, K]) -> [..., N]: every projection (bias-free), the label read-out included;
+    attend_by_request: the suffix pass runs attention one request at a time on its own length (eager only: a graph
+        cannot capture per-batch lengths), for tables whose attention kernel depends on the batch's padded length."""
     name: str
     delta_rule: Callable
     conv_qkv: Callable
@@ -43,28 +48,47 @@ class Kernels:
     add_rms_norm: Callable
     qk_norm_rope: Callable
     gate_attention: Callable
+    linear: Callable
+    attend_by_request: bool = False
 
 
-def select_kernels(device_type: str) -> Kernels:
-    """The kernel table for a device type ("cuda", "cpu")."""
+def select_kernels(device_type: str, deterministic: bool = False) -> Kernels:
+    """The kernel table for a device type ("cuda", "cpu").
+
+    deterministic: a table whose result for a row does not depend on the batch around it (its size, the row's
+    position, its neighbours, the padded length). On the CPU: `engine.invariant_kernels`. On CUDA the table is the
+    regular one: batch-invariant GPU kernels are not written yet, and a warning says so.
+    """
     if device_type == "cuda":
+        if deterministic:
+            log.warning("deterministic=True on CUDA: there are no batch-invariant GPU kernels yet, so a state's "
+                        "probabilities can still change with its batch's composition")
         try:
             return fla_kernels()
         except ImportError:
             log.warning("flash-linear-attention is not installed: the Gated DeltaNet layers run PyTorch fallbacks, "
                         "several times slower (pip install 'decider[gpu]')")
-    return torch_kernels()
+    return invariant_kernels() if deterministic else torch_kernels()
 
 
 def torch_kernels() -> Kernels:
     """`engine.torch_kernels`: transformers' PyTorch formulas (any device)."""
     t = torch_k
     return Kernels("torch", t.torch_delta_rule, t.torch_conv_qkv, t.torch_rms_norm, t.torch_gated_rms_norm,
-                   t.torch_swiglu, t.torch_add_rms_norm, t.torch_qk_norm_rope, t.torch_gate_attention)
+                   t.torch_swiglu, t.torch_add_rms_norm, t.torch_qk_norm_rope, t.torch_gate_attention, t.torch_linear)
+
+
+def invariant_kernels() -> Kernels:
+    """`engine.invariant_kernels`: the PyTorch table made batch-invariant (blocked GEMMs, exp-based activations,
+    attention by request)."""
+    i = inv_k
+    return Kernels("torch-invariant", i.delta_rule, i.conv_qkv, i.rms_norm, i.gated_rms_norm, i.swiglu,
+                   torch_k.torch_add_rms_norm, torch_k.torch_qk_norm_rope, i.gate_attention, i.linear,
+                   attend_by_request=True)
 
 
 def fla_kernels() -> Kernels:
     """`engine.fla_kernels` (CUDA only): ImportError where fla or triton is not installed."""
     from engine import fla_kernels as f      # imports fla and triton, which CPU machines may lack
     return Kernels("fla", f.delta_rule, f.conv_qkv, f.row_norm, f.gated_rms_norm, f.swiglu, f.add_rms_norm,
-                   f.qk_norm_rope, f.gate_attention)
+                   f.qk_norm_rope, f.gate_attention, f.linear)

@@ -22,11 +22,12 @@ class Engine:
     """A loaded model on one device: the transformers module, its tokenizer, and the option-label read-out.
 
     Attributes: `model` (Qwen3_5ForCausalLM), `core` (its decoder), `cfg` (text config), `tok`, `dev`, `dtype`,
-    `W` ([MAX_OPTIONS, hidden]: the unembedding rows of the labels " A".." H"), `label_ids`, `use_graphs`, `model_id`.
+    `W` ([MAX_OPTIONS, hidden]: the unembedding rows of the labels " A".." H"), `label_ids`, `use_graphs`, `model_id`,
+    `deterministic` (batch-invariant kernels: see `load`).
     CUDA-graph memory pools belong to each SchemaEngine's graph manager (`engine.graphs.GraphManager`).
     """
 
-    def __init__(self, model, tok, model_id: str, use_graphs: bool | None = None):
+    def __init__(self, model, tok, model_id: str, use_graphs: bool | None = None, deterministic: bool = False):
         self.model = model.eval()
         self.core = model.model
         self.cfg = model.config
@@ -37,6 +38,7 @@ class Engine:
         self.label_ids = label_token_ids(tok)
         self.W = model.lm_head.weight[self.label_ids].detach().clone()          # [MAX_OPTIONS, hidden]
         self.use_graphs = (self.dev.type == "cuda") if use_graphs is None else (use_graphs and self.dev.type == "cuda")
+        self.deterministic = bool(deterministic)
         self._forward = None
 
     @property
@@ -44,15 +46,19 @@ class Engine:
         """The engine's own layer loop (`engine.model.HybridForward`), built once and shared by every SchemaEngine."""
         if self._forward is None:
             from engine.model import HybridForward
-            self._forward = HybridForward(self.model)
+            self._forward = HybridForward(self.model, deterministic=self.deterministic)
         return self._forward
 
     @classmethod
     def load(cls, model_dir: str | Path, device: str = "cpu", dtype: str | None = None,
-             use_graphs: bool | None = None) -> "Engine":
+             use_graphs: bool | None = None, deterministic: bool = False) -> "Engine":
         """Load a local HF directory of the Qwen3.5 family onto `device` ("cpu", "cuda", "cuda:N").
 
         dtype: "float32" | "bfloat16" | "float16"; default float32 on CPU, bfloat16 on CUDA.
+        deterministic: a state's probabilities are bit-identical whatever batch it is scored in (its size, the state's
+        position, its neighbours, the padded length), so a replay reproduces live records exactly. On the CPU this
+        runs `engine.invariant_kernels` (bench/README.md gives its cost); on CUDA the batch-invariant kernels are not
+        written yet and the regular ones run (a warning says so).
         Raises ModelLoadError (a ValueError) naming what is missing or unsupported.
         """
         from transformers import AutoTokenizer
@@ -66,7 +72,7 @@ class Engine:
         tok = AutoTokenizer.from_pretrained(model_dir)
         model = build_model(text_cfg, load_weights(model_dir), dev, torch_dtype)
         log.info("loaded %s on %s (%s): %d layers", model_dir, dev, torch_dtype, text_cfg.num_hidden_layers)
-        return cls(model, tok, model_id=model_dir.name, use_graphs=use_graphs)
+        return cls(model, tok, model_id=model_dir.name, use_graphs=use_graphs, deterministic=deterministic)
 
 
 def read_text_config(model_dir: Path):
