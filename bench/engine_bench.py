@@ -8,7 +8,8 @@ Methods (one row per method x batch x state length):
   full_fast      the engine's own forward over the whole prompt, no cache: a good server that recomputes the prompt
   cached_eager   SchemaEngine, prefix cached, no graphs
   cached_graphs  SchemaEngine with CUDA graphs (GPU only)
-  cached_graphs_deterministic  the same with batch-invariant kernels (Engine(..., deterministic=True); GPU only)
+  cached_graphs_deterministic   the same with Engine.load(..., deterministic=True): batch-invariant kernels (GPU only)
+  cached_eager_deterministic    cached_eager with deterministic=True (not in the default list; the CPU's cost)
 
 Writes a markdown table to stdout and bench/results/<date>-<gpu>.json ({"env": ..., "runs": [...]}).
 """
@@ -147,24 +148,26 @@ def main(argv=None) -> dict:
     qs = questions(eng.tok, args.questions, args.options, args.prefix_tokens if not args.quick else 60)
     se_eager, se_graph, full = SchemaEngine(eng, use_graphs=False), SchemaEngine(eng, use_graphs=True), FullPromptScorer(eng)
     h_eager, h_graph = se_eager.prepare(qs), se_graph.prepare(qs)
-    se_det = h_det = None
-    if "cached_graphs_deterministic" in methods:      # the same weights, batch-invariant kernels
-        se_det = SchemaEngine(Engine(eng.model, eng.tok, model_id=eng.model_id, deterministic=True))
-        h_det = se_det.prepare(qs)
+    # the same weights behind a deterministic forward (its own fused matrices: one more copy of the layers' weights)
+    det_eng = Engine(eng.model, eng.tok, model_id=eng.model_id, deterministic=True)
+    se_det_eager, se_det_graph = SchemaEngine(det_eng, use_graphs=False), SchemaEngine(det_eng, use_graphs=True)
+    h_det_eager, h_det_graph = se_det_eager.prepare(qs), se_det_graph.prepare(qs)
     nonemb = sum(p.numel() for n, p in eng.model.named_parameters() if "embed" not in n and "lm_head" not in n)
     flop_per_token = 2 * nonemb
     ceiling = gemm_ceiling(dev)
     env = dict(gpu=torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu",
                torch=torch.__version__, transformers=__import__("transformers").__version__, fla=_fla_version(),
                delta_rule=se_eager.fwd.kernels.name,
-               deterministic_kernels=se_det.fwd.kernels.name if se_det is not None else None,
+               deterministic_kernels=se_det_graph.fwd.kernels.name,
                model=model_desc, dtype=args.dtype,
                prefix_tokens=h_eager.prefix_tokens, questions=args.questions, options=args.options,
                flop_per_token=flop_per_token, gemm_ceiling_tflops=ceiling / 1e12,
                date=datetime.date.today().isoformat())
     print(json.dumps(env), flush=True)
     # Parity first: a run cut short by a time limit still shows that what it timed computes the right thing.
-    parity = _parity(eng, se_eager, h_eager, se_graph, h_graph, full, qs, dev, se_det, h_det)
+    parity = _parity(eng, full, qs, dev, {"cached_eager": (se_eager, h_eager), "cached_graphs": (se_graph, h_graph),
+                                          "cached_eager_deterministic": (se_det_eager, h_det_eager),
+                                          "cached_graphs_deterministic": (se_det_graph, h_det_graph)})
     print(f"max |p - reference| on 16 states: {json.dumps(parity)}", flush=True)
     runs = []
     _save(args, env, runs, parity=parity)
@@ -180,7 +183,8 @@ def main(argv=None) -> dict:
                 "full_fast": (lambda: full.score_prompts(*prompt), prompt_tokens),
                 "cached_eager": (lambda: se_eager.score_rows(h_eager, rows), suffix_tokens),
                 "cached_graphs": (lambda: se_graph.score_rows(h_graph, rows), suffix_tokens),
-                "cached_graphs_deterministic": (lambda: se_det.score_rows(h_det, rows), suffix_tokens),
+                "cached_eager_deterministic": (lambda: se_det_eager.score_rows(h_det_eager, rows), suffix_tokens),
+                "cached_graphs_deterministic": (lambda: se_det_graph.score_rows(h_det_graph, rows), suffix_tokens),
             }
             for m in methods:
                 fn, tokens_run = calls[m]
@@ -198,9 +202,11 @@ def main(argv=None) -> dict:
                 runs.append(r)
                 print(_row(r), f"  ({time.perf_counter() - started:.1f} s incl. warm-up and captures)", flush=True)
                 _save(args, env, runs, parity=parity)   # after every row: a run cut short still leaves its numbers
-    result = dict(env=env, runs=runs, parity=parity, graph_stats=se_graph.graph_stats())
+    result = dict(env=env, runs=runs, parity=parity, graph_stats=se_graph.graph_stats(),
+                  deterministic_graph_stats=se_det_graph.graph_stats())
     print(markdown(result))
-    path = _save(args, env, runs, parity=parity, graph_stats=result["graph_stats"])
+    path = _save(args, env, runs, parity=parity, graph_stats=result["graph_stats"],
+                 deterministic_graph_stats=result["deterministic_graph_stats"])
     if path:
         print(f"wrote {path}")
     return result
@@ -216,15 +222,14 @@ def _save(args, env, runs, **extra) -> Path | None:
     return path
 
 
-def _parity(eng, se_eager, h_eager, se_graph, h_graph, full, qs, dev, se_det=None, h_det=None) -> dict:
+def _parity(eng, full, qs, dev, cached: dict) -> dict:
+    """max |p - oracle| per method on 16 states; cached: method -> (SchemaEngine, handle)."""
     S = states(eng.tok, 16, 100, seed=5)
     ref = torch.stack(score_full(eng, qs, S))
-    got = {"cached_eager": torch.stack(se_eager.score(h_eager, S)),
-           "full_fast": full.score_prompts(*full.prompts(qs, S)).cpu()}
-    if dev.type == "cuda":
-        got["cached_graphs"] = torch.stack(se_graph.score(h_graph, S))
-    if se_det is not None:
-        got["cached_graphs_deterministic"] = torch.stack(se_det.score(h_det, S))
+    got = {"full_fast": full.score_prompts(*full.prompts(qs, S)).cpu()}
+    for m, (se, h) in cached.items():
+        if dev.type == "cuda" or "graphs" not in m:
+            got[m] = torch.stack(se.score(h, S))
     return {m: (p - ref).abs().max().item() for m, p in got.items()}
 
 
@@ -260,6 +265,10 @@ def markdown(result) -> str:
     by = {(r["method"], r["batch"], r["state_tokens"]): r for r in result["runs"]}
     lines.append("")
     for (m, B, L), r in sorted(by.items()):
+        if m.endswith("_deterministic") and (m[:-len("_deterministic")], B, L) in by:
+            base = by[(m[:-len("_deterministic")], B, L)]
+            lines.append(f"- batch {B}, {L}-token states: {m} / {base['method']} = "
+                         f"{r['states_per_s'] / base['states_per_s']:.3f}x states/s")
         if m == "cached_graphs" and ("full_fast", B, L) in by:
             f = by[("full_fast", B, L)]
             ratio = r["states_per_s"] / f["states_per_s"]

@@ -10,11 +10,12 @@ Importing this module imports fla and triton: ImportError where they are not ins
 from __future__ import annotations
 
 from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+from torch.nn.functional import linear
 
 from engine.triton_kernels import GATED, add_rms_norm, conv_qkv, gate_attention, rms_norm_rope, row_norm, swiglu
 
 __all__ = ["delta_rule", "conv_qkv", "row_norm", "gated_rms_norm", "swiglu", "add_rms_norm", "qk_norm_rope",
-           "gate_attention"]
+           "gate_attention", "linear"]
 
 
 def delta_rule(q, k, v, a, b, A_log, dt_bias, initial_state, output_final_state):

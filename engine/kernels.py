@@ -2,7 +2,8 @@
 
 On CUDA with flash-linear-attention (fla) installed: `engine.fla_kernels` (fla's Gated DeltaNet recurrence and the
 fused Triton kernels of `engine.triton_kernels`). Elsewhere: `engine.torch_kernels`, PyTorch code that computes
-exactly what transformers' modules compute (what CPU tests run).
+exactly what transformers' modules compute (what CPU tests run). Deterministic (batch-invariant) scoring on the CPU:
+`engine.invariant_kernels`.
 
 Deterministic on CUDA: the same table with the attention of `engine.batch_invariant` (torch's flash op splits the keys
 by batch size) and the GEMMs of cuBLAS where a check at load shows them batch-invariant for this model's shapes, else
@@ -19,6 +20,7 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from engine import invariant_kernels as inv_k
 from engine import torch_kernels as torch_k
 from engine.attention import sdpa_with_lse
 
@@ -44,9 +46,11 @@ class Kernels:
         attention's per-head RMSNorms, then transformers' `apply_rotary_pos_emb`;
     gate_attention(engine.attention.AttentionOut, gate [B, T, Hq, D]) -> [B, T, Hq * D]: the merge of a prefix/suffix
         split attention (if any), then transformers' sigmoid output gate;
-    linear(x [..., K], weight [N, K]) -> [..., N]: a bias-free projection;
+    linear(x [..., K], weight [N, K]) -> [..., N]: every projection (bias-free), the label read-out included;
     attention(q [Z, H, M, D], k, v [Z, Hkv, N, D], causal, scale, key_lengths [Z] | None) -> (out [Z, H, M, D],
-        lse [Z, H, M] float32); key_lengths (keys of entry z past it are padding) only where `ragged_prefixes`."""
+        lse [Z, H, M] float32); key_lengths (keys of entry z past it are padding) only where `ragged_prefixes`;
+    attend_by_request: the suffix pass runs attention one request at a time on its own length (eager only: a graph
+        cannot capture per-batch lengths), for tables whose attention kernel depends on the batch's padded length."""
     name: str
     delta_rule: Callable
     conv_qkv: Callable
@@ -59,12 +63,18 @@ class Kernels:
     linear: Callable = F.linear
     attention: Callable = lambda q, k, v, causal, scale, key_lengths=None: sdpa_with_lse(q, k, v, causal, scale)
     ragged_prefixes: bool = False
+    attend_by_request: bool = False
 
 
 def select_kernels(device_type: str, deterministic: bool = False, gemm_weights: Sequence[torch.Tensor] = ()) -> Kernels:
-    """The kernel table for a device type ("cuda", "cpu"); deterministic: batch-invariant (CUDA: `gemm_weights` are
-    the weights whose cuBLAS GEMMs are checked)."""
+    """The kernel table for a device type ("cuda", "cpu"); deterministic: a table whose result for a row does not
+    depend on the batch around it (its size, the row's position, its neighbours, the padded length): on CUDA
+    `batch_invariant_kernels` (`gemm_weights` are the weights whose cuBLAS GEMMs it checks), on the CPU
+    `engine.invariant_kernels`."""
     if device_type == "cuda":
+        if deterministic:
+            log.warning("deterministic=True on CUDA: there are no batch-invariant GPU kernels yet, so a state's "
+                        "probabilities can still change with its batch's composition")
         try:
             table = fla_kernels()
         except ImportError:
@@ -72,21 +82,32 @@ def select_kernels(device_type: str, deterministic: bool = False, gemm_weights: 
                         "several times slower (pip install 'decider[gpu]')")
             table = torch_kernels()
         return batch_invariant_kernels(table, gemm_weights) if deterministic else table
-    return torch_kernels()
+    return invariant_kernels() if deterministic else torch_kernels()
 
 
 def torch_kernels() -> Kernels:
     """`engine.torch_kernels`: transformers' PyTorch formulas (any device)."""
     t = torch_k
     return Kernels("torch", t.torch_delta_rule, t.torch_conv_qkv, t.torch_rms_norm, t.torch_gated_rms_norm,
-                   t.torch_swiglu, t.torch_add_rms_norm, t.torch_qk_norm_rope, t.torch_gate_attention)
+                   t.torch_swiglu, t.torch_add_rms_norm, t.torch_qk_norm_rope, t.torch_gate_attention, t.torch_linear)
+
+
+def invariant_kernels() -> Kernels:
+    """`engine.invariant_kernels`: the PyTorch table made batch-invariant (blocked GEMMs, exp-based activations,
+    attention by request)."""
+    i = inv_k
+    return Kernels("torch-invariant", i.delta_rule, i.conv_qkv, i.rms_norm, i.gated_rms_norm, i.swiglu,
+                   torch_k.torch_add_rms_norm, torch_k.torch_qk_norm_rope, i.gate_attention, i.linear,
+                   attend_by_request=True)
 
 
 def fla_kernels() -> Kernels:
     """`engine.fla_kernels` (CUDA only): ImportError where fla or triton is not installed."""
     from engine import fla_kernels as f      # imports fla and triton, which CPU machines may lack
     return Kernels("fla", f.delta_rule, f.conv_qkv, f.row_norm, f.gated_rms_norm, f.swiglu, f.add_rms_norm,
-                   f.qk_norm_rope, f.gate_attention)
+                   f.qk_norm_rope, f.gate_attention, f.linear)
+
+
 def batch_invariant_kernels(table: Kernels, gemm_weights: Sequence[torch.Tensor]) -> Kernels:
     """`table` with batch-invariant attention, and GEMMs whose summation order is proven not to depend on M."""
     from engine import batch_invariant as bi      # imports triton

@@ -41,7 +41,7 @@ class Engine:
         self.label_ids = label_token_ids(tok)
         self.W = model.lm_head.weight[self.label_ids].detach().clone()          # [MAX_OPTIONS, hidden]
         self.use_graphs = (self.dev.type == "cuda") if use_graphs is None else (use_graphs and self.dev.type == "cuda")
-        self.deterministic = deterministic
+        self.deterministic = bool(deterministic)
         self._forward = None
 
     @property
@@ -59,8 +59,9 @@ class Engine:
 
         dtype: "float32" | "bfloat16" | "float16"; default float32 on CPU, bfloat16 on CUDA.
         deterministic: a state's probabilities are bit-identical whatever its batch size, position, neighbours and
-        length bucket (`engine.kernels.batch_invariant_kernels` on CUDA). None: `DETERMINISTIC_BY_DEFAULT` for
-        the device, on where it costs at most 5% throughput.
+        length bucket, so a replay reproduces live records exactly (`engine.kernels.batch_invariant_kernels` on CUDA,
+        `engine.invariant_kernels` on the CPU). None: `DETERMINISTIC_BY_DEFAULT` for the device, on where it costs
+        at most 5% throughput.
         Raises ModelLoadError (a ValueError) naming what is missing or unsupported.
         """
         from transformers import AutoTokenizer

@@ -106,8 +106,10 @@ class SuffixContext:
 
     records = False
 
-    def __init__(self, prefix: PrefixState, R: int, T: int, device):
-        self.prefix, self.R, self.P = prefix, R, prefix.P
+    def __init__(self, prefix: PrefixState, R: int, T: int, device, lengths: list[int] | None = None):
+        """lengths: each request's suffix length (<= T); given, attention runs one request at a time on its own length
+        (`Kernels.attend_by_request`), so that no kernel sees the batch's padded length or row count."""
+        self.prefix, self.R, self.P, self.T, self.lengths = prefix, R, prefix.P, T, lengths
         lengths = torch.tensor(prefix.lengths, device=device)
         self.positions = (lengths.repeat(R)[:, None] + torch.arange(T, device=device)[None, :]).contiguous()   # [B, T]
         # Prefixes of one length (always, packed) need no mask: the fused, merged path. Else explicit scores.
@@ -130,25 +132,27 @@ class SuffixContext:
 
     def attend(self, i, q, k, v, scale, kernels):
         """q: [B, Hq, T, D]; k, v: [B, Hkv, T, D] (this suffix). Softmax over [own prefix keys | causal suffix keys]."""
+        if self.lengths is not None:
+            return self._attend_by_request(i, q, k, v, scale, kernels.attention)
         if self.uniform_prefix:
-            return self._attend_merged(i, q, k, v, scale, kernels.attention, None)
+            return self._attend_merged(i, q, k, v, scale, self.R, kernels.attention, None)
         if kernels.ragged_prefixes:
-            return self._attend_merged(i, q, k, v, scale, kernels.attention, self.key_lengths)
-        return self._attend_masked(i, q, k, v, scale)
+            return self._attend_merged(i, q, k, v, scale, self.R, kernels.attention, self.key_lengths)
+        return self._attend_masked(i, q, k, v, scale, self.R)
 
-    def _attend_merged(self, i, q, k, v, scale, attention, key_lengths):
+    def _attend_merged(self, i, q, k, v, scale, R, attention, key_lengths):
         """Two fused attention calls, merged later by their log-sum-exps: the prefix part runs every row's queries
         against the one shared prefix K/V (no copies; prefixes of unequal lengths masked by `key_lengths`), the
         suffix part is plain causal attention."""
         B, Hq, T, D = q.shape
         Hkv = k.shape[1]
         G = Hq // Hkv
-        qp = prefix_major(q.reshape(B, Hkv, G * T, D), self.R, self.P)                  # [P, Hkv, R*G*T, D]
+        qp = prefix_major(q.reshape(B, Hkv, G * T, D), R, self.P)                         # [P, Hkv, R*G*T, D]
         o_pre, lse_pre = attention(qp, self.prefix.k[i], self.prefix.v[i], False, scale, key_lengths)
         o_self, lse_self = attention(q, k, v, True, scale)                               # head h reads kv head h // G
-        return AttentionOut(o_self, lse_self, o_pre, lse_pre, self.R, self.P)
+        return AttentionOut(o_self, lse_self, o_pre, lse_pre, R, self.P)
 
-    def _attend_masked(self, i, q, k, v, scale):
+    def _attend_masked(self, i, q, k, v, scale, R):
         """Prefixes of unequal lengths (independent mode): explicit scores, padded prefix keys masked out."""
         B, Hq, T, D = q.shape
         Hkv = k.shape[1]
@@ -156,14 +160,39 @@ class SuffixContext:
         kp, vp = self.prefix.k[i], self.prefix.v[i]                                       # [P, Hkv, Tp, D]
         Tp = kp.shape[2]
         qs = q.reshape(B, Hkv, G * T, D)
-        s_pre = (prefix_major(qs, self.R, self.P) @ kp.transpose(-1, -2)).float() * scale
-        s_pre = row_major(s_pre + self.prefix.key_bias[:, None, None, :], self.R)         # [B, Hkv, G*T, Tp]
+        s_pre = (prefix_major(qs, R, self.P) @ kp.transpose(-1, -2)).float() * scale
+        s_pre = row_major(s_pre + self.prefix.key_bias[:, None, None, :], R)              # [B, Hkv, G*T, Tp]
         s_self = (qs @ k.transpose(-1, -2)).float() * scale                                # [B, Hkv, G*T, T]
-        s_self = (s_self.view(B, Hkv, G, T, T) + self.self_bias).view(B, Hkv, G * T, T)
+        s_self = (s_self.view(B, Hkv, G, T, T) + self.self_bias[:T, :T]).view(B, Hkv, G * T, T)
         a = torch.softmax(torch.cat([s_pre, s_self], -1), -1).to(q.dtype)
         a_pre, a_self = a.split([Tp, T], -1)
-        o_pre = row_major(prefix_major(a_pre, self.R, self.P) @ vp, self.R)               # [B, Hkv, G*T, D]
+        o_pre = row_major(prefix_major(a_pre, R, self.P) @ vp, R)                         # [B, Hkv, G*T, D]
         return AttentionOut((o_pre + a_self @ v).reshape(B, Hq, T, D))
+
+    def _attend_by_request(self, i, q, k, v, scale, attention):
+        """Each request's P rows alone on their own L tokens (what the request computes when it is scored alone),
+        written into zeroed batch-shaped outputs; padded positions get o = 0 and log-sum-exps 0."""
+        B, Hq, T, D = q.shape
+        Hkv, P, R = k.shape[1], self.P, self.R
+        G = Hq // Hkv
+        o = q.new_zeros(B, Hq, T, D)
+        if not self.uniform_prefix:
+            for r, L in enumerate(self.lengths):
+                rows = slice(r * P, (r + 1) * P)
+                o[rows, :, :L] = self._attend_masked(i, q[rows, :, :L], k[rows, :, :L], v[rows, :, :L], scale, 1).o
+            return AttentionOut(o)
+        lse = torch.zeros(B, Hq, T, device=q.device)
+        o_pre = q.new_zeros(P, Hkv, R * G * T, D)                                          # prefix-major, as merged
+        lse_pre = torch.zeros(P, Hkv, R * G * T, device=q.device)
+        o_pre_r = o_pre.view(P, Hkv, R, G, T, D)
+        lse_pre_r = lse_pre.view(P, Hkv, R, G, T)
+        for r, L in enumerate(self.lengths):
+            rows = slice(r * P, (r + 1) * P)
+            a = self._attend_merged(i, q[rows, :, :L], k[rows, :, :L], v[rows, :, :L], scale, 1, attention, None)
+            o[rows, :, :L], lse[rows, :, :L] = a.o, a.lse
+            o_pre_r[:, :, r, :, :L] = a.o_pre.view(P, Hkv, G, L, D)
+            lse_pre_r[:, :, r, :, :L] = a.lse_pre.view(P, Hkv, G, L)
+        return AttentionOut(o, lse, o_pre, lse_pre, R, P)
 
 
 class HybridForward:
@@ -254,7 +283,7 @@ class HybridForward:
         q, gate = torch.chunk(qg.view(B, T, -1, 2 * D), 2, dim=-1)                         # [B, T, Hq, D] each
         q, k = self.kernels.qk_norm_rope(q, k.view(B, T, -1, D), w["q_norm"], w["k_norm"], cos, sin, self.eps)
         v = v.reshape(B, T, -1, D).transpose(1, 2)                                         # q, k, v: [B, H, T, D]
-        out = self.kernels.gate_attention(ctx.attend(i, q, k, v, attn.scaling, self.kernels), gate)            # [B, T, Hq * D]
+        out = self.kernels.gate_attention(ctx.attend(i, q, k, v, attn.scaling, self.kernels), gate)       # [B, T, Hq * D]
         return self.kernels.linear(out, attn.o_proj.weight)
 
     def _gated_delta_net(self, lin, w, x, i, ctx):
@@ -274,7 +303,7 @@ class HybridForward:
             ctx.keep("rec", i, final)
         out = self.kernels.gated_rms_norm(out, z.view(B, T, H, lin.head_v_dim), lin.norm.weight,
                                           lin.norm.variance_epsilon)                       # [B, T, Hv, Dv]
-        return self.kernels.linear(out.reshape(B, T, -1), lin.out_proj.weight)                  # [B, T, hidden]
+        return self.kernels.linear(out.reshape(B, T, -1), lin.out_proj.weight)            # [B, T, hidden]
 
 
 def _fuse(linears) -> torch.Tensor:

@@ -30,8 +30,8 @@ def read_slots(hidden: torch.Tensor, flat_slots: torch.Tensor, norm, W: torch.Te
     """hidden: [B, T, H] before the final norm; flat_slots: [S] indices into B*T; inv_temp: [S, 1]; mask: [S, MAX_OPTIONS].
 
     -> [S, MAX_OPTIONS] float32 probabilities; options a question lacks are exactly 0.
-    The final norm and the label projection run on the S slot rows only.
+    The final norm and the label projection (`linear`, the forward's own) run on the S slot rows only.
     """
     hs = hidden.reshape(-1, hidden.shape[-1]).index_select(0, flat_slots)            # [S, H]
-    logits = linear(norm(hs), W).float() * inv_temp                                # [S, MAX_OPTIONS]
+    logits = linear(norm(hs), W).float() * inv_temp                                  # [S, MAX_OPTIONS]
     return torch.softmax(logits.masked_fill(~mask, float("-inf")), -1)

@@ -80,7 +80,9 @@ class SchemaEngine:
                  max_ctx_tokens: int = DEFAULT_MAX_CTX_TOKENS):
         """chat: wrap prompts in a chat template (`engine.prompt.QWEN_CHAT` for Qwen3.5 instruct models)."""
         self.e, self.fwd, self.chat, self.max_ctx_tokens = engine, engine.forward, chat, max_ctx_tokens
-        self.graphs = GraphManager(enabled=use_graphs and engine.use_graphs)
+        # a table that attends request by request needs each batch's lengths, which a captured graph cannot take
+        by_request = self.fwd.kernels.attend_by_request
+        self.graphs = GraphManager(enabled=use_graphs and engine.use_graphs and not by_request)
         self._ids = itertools.count()
 
     # ---- schemas ---------------------------------------------------------------------------------------------------
@@ -180,7 +182,9 @@ class SchemaEngine:
         flat[:n * h.n_questions] = torch.tensor(self._slot_indices(h, rows, T))
         temps = inv_temp.repeat(R)[:, None]                                                  # [R * nq, 1]
         inputs = tuple(x.to(dev, non_blocking=True) for x in (ids, flat.pin_memory() if pin else flat, temps))
-        probs = self.graphs.run((h.id,), shape, inputs, lambda s: self._step_fn(h, s), out_rows=n * h.n_questions)
+        lengths = [len(r.ids) for r in rows] if self.fwd.kernels.attend_by_request else None
+        probs = self.graphs.run((h.id,), shape, inputs, lambda s: self._step_fn(h, s, lengths),
+                                out_rows=n * h.n_questions)
         return probs.float().cpu()
 
     @staticmethod
@@ -195,7 +199,8 @@ class SchemaEngine:
         mask = h.option_mask.repeat(ctx.R, 1)                                                 # [R*nq, MAX_OPTIONS]
         return read_slots(hidden, flat, self.fwd.final_norm, self.e.W, inv_temp, mask, self.fwd.kernels.linear)
 
-    def _step_fn(self, h: PreparedSchema, shape: StepShape):
-        """-> (fn(ids, flat, inv_temp) -> probabilities, the context it closes over) for one step at `shape`."""
-        ctx = SuffixContext(h.prefix, shape.R, shape.T, self.e.dev)
+    def _step_fn(self, h: PreparedSchema, shape: StepShape, lengths: list[int] | None = None):
+        """-> (fn(ids, flat, inv_temp) -> probabilities, the context it closes over) for one step at `shape`;
+        lengths: the requests' suffix lengths, for a kernel table that attends request by request."""
+        ctx = SuffixContext(h.prefix, shape.R, shape.T, self.e.dev, lengths)
         return (lambda ids, flat, inv_temp: self._step(h, ctx, ids, flat, inv_temp)), ctx

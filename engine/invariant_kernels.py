@@ -1,0 +1,98 @@
+"""Batch-invariant PyTorch kernels (the CPU table `Engine.load(..., deterministic=True)` selects): a row's result does
+not depend on how many rows run beside it, where it sits among them, or how far the batch is padded.
+
+What makes PyTorch's CPU kernels batch-dependent, found one family at a time (bench/README.md, "Batch invariance";
+tests/engine/test_batch_invariance.py holds a test per family):
+- GEMMs: MKL picks its kernel and blocking by the row count M (rows = batch x padded length), so a row's dot
+  products round differently at M = 1, 2, ... and, with a wide K, at most M. `linear` runs every GEMM as blocks of
+  exactly `ROW_BLOCK` rows (the last one zero-padded): every row goes through the same M, whatever the batch.
+- sigmoid, SiLU and softplus: PyTorch computes a tensor's elements in vector registers and its last few (past the last
+  full pair of vectors, and per thread's share) with scalar code that rounds differently, so an element's value depends
+  on its offset in the batch's tensor. Written here as `exp`, `log1p` and IEEE division, whose vector and scalar code
+  agree bit for bit.
+- The CPU flash attention splits queries and keys into blocks whose sizes follow the padded length, so the
+  reduction over keys changes with the batch's longest row: the engine runs attention one request at a time on its
+  own length (`attend_by_request`, read by `engine.model.SuffixContext`).
+Norms, the causal conv and transformers' chunked delta rule (given its gate and beta) were found invariant as they are.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from transformers.models.qwen3_5.modeling_qwen3_5 import l2norm
+
+from engine.attention import AttentionOut, row_major
+from engine.torch_kernels import _chunk_gated_delta_rule, torch_rms_norm
+
+ROW_BLOCK = 64
+"""Rows per GEMM call: a fixed M, so MKL runs one kernel and one blocking for every row. 64 rows keep the weights'
+reuse (a state is ~100-250 rows) at a few percent of the unblocked GEMM's time (bench/README.md)."""
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [..., K] @ weight[N, K].T -> [..., N], computed in blocks of `ROW_BLOCK` rows."""
+    lead = x.shape[:-1]
+    rows = x.reshape(-1, x.shape[-1])                                                  # [M, K]
+    M = rows.shape[0]
+    rows = F.pad(rows, (0, 0, 0, -M % ROW_BLOCK))                                      # [M rounded up, K]
+    out = torch.cat([F.linear(blk, weight) for blk in rows.split(ROW_BLOCK)])          # [M rounded up, N]
+    return out[:M].view(*lead, weight.shape[0])
+
+
+def sigmoid(x: torch.Tensor) -> torch.Tensor:
+    return 1.0 / (1.0 + torch.exp(-x))
+
+
+def silu(x: torch.Tensor) -> torch.Tensor:
+    return x / (1.0 + torch.exp(-x))
+
+
+def softplus(x: torch.Tensor) -> torch.Tensor:
+    """F.softplus (beta 1, threshold 20)."""
+    return torch.where(x > 20.0, x, torch.log1p(torch.exp(x.clamp(max=20.0))))
+
+
+def delta_rule(q, k, v, a, b, A_log, dt_bias, initial_state, output_final_state):
+    g = -A_log.float().exp() * softplus(a.float() + dt_bias)                            # [B, T, Hv]
+    if v.shape[2] > q.shape[2]:
+        rep = v.shape[2] // q.shape[2]
+        q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)       # [B, T, Hv, Dk]
+    return _chunk_gated_delta_rule(q, k, v, g=g, beta=sigmoid(b), initial_state=initial_state,
+                                   output_final_state=output_final_state)
+
+
+def conv_qkv(x: torch.Tensor, weight: torch.Tensor, prev: torch.Tensor | None, key_dim: int, head_k_dim: int,
+             head_v_dim: int):
+    B, T, C = x.shape
+    K = weight.shape[1]
+    xt = x.transpose(1, 2)                                                             # [B, C, T]
+    full = F.pad(xt, (K - 1, 0)) if prev is None else torch.cat([prev.to(x.dtype), xt], -1)   # [B, C, K-1+T]
+    conv = silu(F.conv1d(full, weight[:, None, :], groups=C)).transpose(1, 2)          # [B, T, C]
+    q, k, v = conv.split([key_dim, key_dim, C - 2 * key_dim], dim=-1)
+    q, k = (l2norm(t.reshape(B, T, -1, head_k_dim).float(), dim=-1, eps=1e-6).to(x.dtype) for t in (q, k))
+    return q, k, v.reshape(B, T, -1, head_v_dim)                                       # [B, T, H, D] each
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return silu(gate) * up
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return ((weight * normed) * silu(gate.float())).to(x.dtype)
+
+
+def gate_attention(a: AttentionOut, gate: torch.Tensor) -> torch.Tensor:
+    o = a.o
+    B, Hq, T, D = o.shape
+    if a.o_pre is not None:
+        o_pre = row_major(a.o_pre, a.R).reshape(B, Hq, T, D)
+        lse_pre = row_major(a.lse_pre[..., None], a.R).reshape(B, Hq, T)
+        w_pre = sigmoid(lse_pre - a.lse)[..., None]                                        # share of the prefix keys
+        o = (o + (o_pre - o) * w_pre).to(o.dtype)
+    return o.transpose(1, 2).reshape(B, T, -1) * sigmoid(gate.reshape(B, T, -1))         # [B, T, Hq * D]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return torch_rms_norm(x, weight, eps)
