@@ -4,8 +4,8 @@ not depend on how many rows run beside it, where it sits among them, or how far 
 What makes PyTorch's CPU kernels batch-dependent, found one family at a time (bench/README.md, "Batch invariance";
 tests/engine/test_batch_invariance.py holds a test per family):
 - GEMMs: MKL picks its kernel and blocking by the row count M (rows = batch x padded length), so a row's dot
-  products round differently at M = 1, 2, ... and, with a wide K, at most M. `linear` runs every GEMM as blocks of
-  exactly `ROW_BLOCK` rows (the last one zero-padded): every row goes through the same M, whatever the batch.
+  products round differently at M = 1, 2, ... and, with a wide K, at most M. `linear` runs every GEMM as one batched
+  GEMM of blocks of exactly `ROW_BLOCK` rows (the last one zero-padded): every row goes through the same M.
 - sigmoid, SiLU and softplus: PyTorch computes a tensor's elements in vector registers and its last few (past the last
   full pair of vectors, and per thread's share) with scalar code that rounds differently, so an element's value depends
   on its offset in the batch's tensor. Written here as `exp`, `log1p` and IEEE division, whose vector and scalar code
@@ -25,18 +25,19 @@ from engine.attention import AttentionOut, row_major
 from engine.torch_kernels import _chunk_gated_delta_rule, torch_rms_norm
 
 ROW_BLOCK = 64
-"""Rows per GEMM call: a fixed M, so MKL runs one kernel and one blocking for every row. 64 rows keep the weights'
-reuse (a state is ~100-250 rows) at a few percent of the unblocked GEMM's time (bench/README.md)."""
+"""Rows per GEMM block: a fixed M, so every row goes through one kernel and one blocking whatever the batch."""
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [..., K] @ weight[N, K].T -> [..., N], computed in blocks of `ROW_BLOCK` rows."""
-    lead = x.shape[:-1]
-    rows = x.reshape(-1, x.shape[-1])                                                  # [M, K]
+    """x [..., K] @ weight[N, K].T -> [..., N], as blocks of `ROW_BLOCK` rows in one `bmm` (at least two blocks: a
+    batch of one block takes the plain GEMM's path, which rounds differently from the batched one)."""
+    lead, (N, K) = x.shape[:-1], weight.shape
+    rows = x.reshape(-1, K)                                                            # [M, K]
     M = rows.shape[0]
-    rows = F.pad(rows, (0, 0, 0, -M % ROW_BLOCK))                                      # [M rounded up, K]
-    out = torch.cat([F.linear(blk, weight) for blk in rows.split(ROW_BLOCK)])          # [M rounded up, N]
-    return out[:M].view(*lead, weight.shape[0])
+    blocks = max(2, -(-M // ROW_BLOCK))
+    rows = F.pad(rows, (0, 0, 0, blocks * ROW_BLOCK - M))                              # [blocks * ROW_BLOCK, K]
+    out = torch.bmm(rows.view(blocks, ROW_BLOCK, K), weight.t().expand(blocks, K, N))  # [blocks, ROW_BLOCK, N]
+    return out.view(-1, N)[:M].view(*lead, N)
 
 
 def sigmoid(x: torch.Tensor) -> torch.Tensor:
