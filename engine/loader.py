@@ -17,8 +17,8 @@ SUPPORTED_MODEL_TYPES = ("qwen3_5_text", "qwen3_5")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 _DEFAULT_DTYPE = {"cpu": "float32", "cuda": "bfloat16"}
 DETERMINISTIC_BY_DEFAULT = {"cuda": True, "cpu": False}
-"""Batch-invariant kernels where they cost at most 5% throughput: on the H200 (bf16, 0.8B shape) they cost 2.7% at
-batch 32 and 1.8% at batch 128 (bench/README.md, "Deterministic scoring")."""
+"""Batch-invariant kernels where they cost at most 5% throughput: on the H200 (bf16, 0.8B shape) they cost 3.0% at
+batch 32 and 4.1% at batch 128 (bench/README.md, "Deterministic scoring")."""
 
 
 class Engine:
