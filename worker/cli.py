@@ -146,7 +146,8 @@ def produce(
     states_topic: str = StatesTopicOpt,
 ) -> None:
     """Publish states (keyed by state id) to the states topic."""
-    from worker.commands import produce_states, read_state_lines
+    from worker.commands import produce_states
+    from worker.user_files import read_state_lines
 
     count = produce_states(cluster(ctx, bootstrap), Topics(states=states_topic), read_state_lines(file, schema_id))
     typer.echo(f"{count} states published to {states_topic}")

@@ -150,7 +150,7 @@ class Transactions:
             return
         self._open = False
         self._call("abort_transaction", self._producer.abort_transaction, abortable=False)
-        log.info("transaction aborted")
+        log.debug("transaction aborted")  # the loop reports it as the "aborted" event
 
     def close(self) -> None:
         """Abort whatever is open and release the producer's queue."""
