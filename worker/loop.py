@@ -83,8 +83,8 @@ class Worker:
         # No --max-wait-ms (replay): only full batches close a cycle, and the input's end closes the last one.
         self._max_wait_s = math.inf if config.max_wait_ms is None else config.max_wait_ms / 1000
         self._cycle = Cycle()
+        self._carried = 0  # states the open cycle took over, held back, from the one before it
         self._inflight: deque[InFlight] = deque()
-        self._holding = False  # the open cycle is due but waits for a schema: consume nothing meanwhile
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
     def run(self) -> None:
@@ -121,15 +121,19 @@ class Worker:
         """Stop requested: commit what can be committed now, drop the rest (it is re-read after restart)."""
         self._router.apply(self._table.catch_up(timeout_s=2.0), self._cycle)
         self._router.reroute(self._cycle, monotonic())
-        if self._cycle.waiting:
-            log.info("stopping: %d states still wait for their schema; left for the next owner", len(self._cycle.waiting))
-            self._drop_uncommitted("stopping")
-            return
-        if len(self._cycle):
-            self._submit_cycle()
+        ready = self._cycle
+        self._cycle = ready.carry_held(monotonic())
+        if len(ready):
+            self._submit_cycle(ready)
         while self._inflight:
             self._commit_oldest()
-        self._assignment.finish(self._txns)
+        if len(self._cycle):
+            log.info("stopping: %d states wait for their schema or come after one in their partition; left "
+                     "uncommitted for the next owner", len(self._cycle))
+            self._release_pins(self._cycle)
+            self._cycle = Cycle()
+        else:
+            self._assignment.finish(self._txns)  # the input's end offsets: only with nothing held back before them
         self._emit("stopped", {})
 
     def _close(self) -> None:
@@ -142,26 +146,35 @@ class Worker:
 
     # ---- the loop --------------------------------------------------------------------------------------------
     def _step(self) -> None:
-        if self._holding:
-            # The due cycle cannot commit past a state that waits for its schema, and must not grow
-            # meanwhile, so the consumer is not polled: at most --schema-wait-ms, far below
-            # max.poll.interval.ms. (pause()/resume() would do the same but costs ~1 s of refetch.)
-            time.sleep(0.02)
-        else:
-            self._consume(self._poll_timeout())
+        self._consume(self._poll_timeout())
         self._router.apply(self._table.poll(), self._cycle)
         now = monotonic()
         if self._inflight and self._inflight[0].future.done():
             self._commit_oldest()
-        if self._holding or self._cycle.due(now, self.config.max_batch, self._max_wait_s):
+        if self._should_close(now):
             self._close_cycle()
-        elif self._assignment.exhausted() and len(self._cycle):
-            self._close_cycle()  # no deadline closes the last, partial cycle of a finite input: its end does
-        if self._assignment.exhausted() and not len(self._cycle) and not self._holding:
+        if self._assignment.exhausted() and not len(self._cycle):
             self.stop.set()  # run() drains: the cycles in flight are committed
 
+    def _should_close(self, now: float) -> bool:
+        cycle = self._cycle
+        if not len(cycle):
+            return False
+        if cycle.due(now, self.config.max_batch, self._max_wait_s):
+            return True
+        wait_deadline = cycle.wait_deadline()
+        if wait_deadline is not None and now >= wait_deadline:
+            return True  # a wait for a schema ran out: its state becomes a dead letter, its partition flows again
+        # No deadline closes the last, partial cycle of a finite input: its end does, once some of it can commit
+        # (states carried over only wait for their schema's arrival or their wait's end, both handled above).
+        return self._assignment.exhausted() and (not cycle.waiting or len(cycle) > self._carried)
+
     def _poll_timeout(self) -> float:
-        until_due = self._cycle.seconds_until_due(monotonic(), self._max_wait_s)
+        now = monotonic()
+        until_due = self._cycle.seconds_until_due(now, self._max_wait_s)
+        wait_deadline = self._cycle.wait_deadline()
+        if wait_deadline is not None:
+            until_due = min(until_due if until_due is not None else math.inf, max(0.0, wait_deadline - now))
         # A cycle on the GPU is committed by the first step after it finishes: wait briefly, so that a quiet
         # stream (no message ends the wait early) does not add the wait to that cycle's latency.
         timeout = 0.005 if self._inflight else 0.1
@@ -195,26 +208,28 @@ class Worker:
         try:
             pending.state = decode_source(pending.source, self.config.max_state_chars)
         except Unscorable as exc:
+            pending.state = exc.state
             return self._outputs.reject(pending, exc.reason, str(exc))
         self._router.route(pending, self._cycle, monotonic())
 
     # ---- closing and committing a cycle ----------------------------------------------------------------------
     def _close_cycle(self) -> None:
-        """Bring the cycle up to date with the schema topic, then submit it, or pause until its waits resolve."""
+        """Bring the cycle up to date with the schema topic, then submit it, but for the states held back by a
+        wait for a schema: those (per partition, the waiting state and every later one) open the next cycle."""
         with _blocking_step("schema_catch_up"):      # a broker round trip per schema partition
             changes = self._table.catch_up()
         self._router.apply(changes, self._cycle)
         self._router.reroute(self._cycle, monotonic())
-        self._holding = bool(self._cycle.waiting)
-        if self._holding:
+        ready, self._cycle = self._cycle, self._cycle.carry_held(monotonic())
+        self._carried = len(self._cycle)
+        if not len(ready):
             return
-        self._submit_cycle()
+        self._submit_cycle(ready)
         # Keep at most one cycle on the GPU while the one before it commits.
         while len(self._inflight) > 1:
             self._commit_oldest()
 
-    def _submit_cycle(self) -> None:
-        cycle, self._cycle = self._cycle, Cycle()
+    def _submit_cycle(self, cycle: Cycle) -> None:
         if cycle.opened_at is not None:
             metrics.FILL_WAIT.observe(monotonic() - cycle.opened_at)
         keys = list(cycle.batches)
@@ -241,7 +256,6 @@ class Worker:
                 self._txns.commit(out.records, offsets)
         except AbortableError as exc:
             metrics.TRANSACTIONS.labels("aborted").inc()
-            log.warning("transaction aborted (%s); rewinding to the committed offsets", exc)
             self._emit("aborted", {"error": str(exc)})
             self._rewind()
             return
@@ -274,7 +288,7 @@ class Worker:
         for cycle in [self._cycle, *(f.cycle for f in self._inflight)]:
             self._release_pins(cycle)
         self._cycle, self._inflight = Cycle(), deque()
-        self._holding = False
+        self._carried = 0
         if dropped:
             log.info("%s: dropped %d uncommitted states (they will be read again)", why, dropped)
 
