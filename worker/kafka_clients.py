@@ -9,10 +9,17 @@ from confluent_kafka.admin import AdminClient, NewTopic
 
 from worker.config import Cluster, Topics, WorkerConfig
 from worker.exceptions import BrokerUnavailableError
+from worker import liveness
 from worker.metrics import on_consumer_stats
 
 # librdkafka logs every failed connection attempt to stderr; the CLI reports unreachable brokers itself.
 _QUIET = {"log_level": 0}
+
+
+def _on_states_consumer_stats(stats_json: str) -> None:
+    """The states consumer's statistics: lag for the metrics, broker connections for readiness."""
+    on_consumer_stats(stats_json)
+    liveness.BROKER.on_stats(stats_json)
 
 
 def as_cluster(cluster: Cluster | str) -> Cluster:
@@ -145,9 +152,10 @@ def worker_consumer_config(config: WorkerConfig) -> dict[str, Any]:
         # Scoring a batch holds the loop for at most seconds; this is the bound on a stuck GPU.
         "max.poll.interval.ms": 300_000,
         "fetch.wait.max.ms": 20,
-        # Consumer lag per partition for the metrics, computed by librdkafka from the fetch responses.
+        # Consumer lag per partition for the metrics, computed by librdkafka from the fetch responses, and whether
+        # any broker connection is up, for /readyz (``worker.liveness``).
         "statistics.interval.ms": 2000,
-        "stats_cb": on_consumer_stats,
+        "stats_cb": _on_states_consumer_stats,
     }
 
 
@@ -163,7 +171,7 @@ def replay_consumer_config(config: WorkerConfig) -> dict[str, Any]:
         "auto.offset.reset": "earliest",
         "fetch.wait.max.ms": 100,
         "statistics.interval.ms": 2000,
-        "stats_cb": on_consumer_stats,
+        "stats_cb": _on_states_consumer_stats,
     }
 
 

@@ -10,6 +10,9 @@ from and where committed positions go is the ``Assignment``'s (``worker.assignme
 
 Failure rules:
 - an error inside a transaction -> abort, drop all uncommitted work, seek to the committed offsets;
+- the broker unreachable -> nothing commits; the transactional producer is replaced where librdkafka needs it
+  (``worker.transactions``), and once the broker answers again the loop rewinds to the committed offsets and goes on;
+  after --broker-outage-s without an answer -> ``BrokerOutageError`` (exit 5);
 - partitions revoked or lost -> drop all uncommitted work (never commit for partitions we may not own);
 - fenced (another process with this --worker-id) or fatal client error -> ``FatalError`` to the CLI;
 - stop requested (SIGTERM/SIGINT) -> score and commit the open cycle if it can close now, else drop it,
@@ -29,11 +32,11 @@ from dataclasses import dataclass
 
 from confluent_kafka import KafkaException
 
-from worker import gc_pauses, metrics
+from worker import gc_pauses, liveness, metrics
 from worker.assignment import Assignment, EventSink, GroupAssignment, check_consumer_error, partition_names
 from worker.batcher import Cycle, Pending, monotonic
 from worker.config import WorkerConfig
-from worker.exceptions import AbortableError, FatalError
+from worker.exceptions import AbortableError, BrokerOutageError, FatalError
 from worker.kafka_clients import require_topics, transactional_producer_config
 from worker.outputs import Outputs
 from worker.records import SchemaKey, SourceRecord, Unscorable, decode_source
@@ -105,7 +108,8 @@ class Worker:
         log.info("%d objects of the loaded model and libraries exempted from garbage collection", frozen)
         self._consumer = self._assignment.consumer()
         self._txns = Transactions(transactional_producer_config(self.config), self._consumer, self.config.worker_id,
-                                  timeout_s=self.config.transaction_timeout_ms / 1000 / 2)
+                                  timeout_s=self.config.transaction_timeout_ms / 1000 / 2,
+                                  outage_s=self.config.broker_outage_s)
         try:
             # Before reading any offset: fence a previous instance of this worker id and abort its open
             # transaction, so the committed offsets we start from are final.
@@ -119,7 +123,7 @@ class Worker:
 
     def _drain(self) -> None:
         """Stop requested: commit what can be committed now, drop the rest (it is re-read after restart)."""
-        self._router.apply(self._table.catch_up(timeout_s=2.0), self._cycle)
+        self._router.apply(self._catch_up_schemas(timeout_s=2.0) or [], self._cycle)
         self._router.reroute(self._cycle, monotonic())
         ready = self._cycle
         self._cycle = ready.carry_held(monotonic())
@@ -146,6 +150,7 @@ class Worker:
 
     # ---- the loop --------------------------------------------------------------------------------------------
     def _step(self) -> None:
+        self._check_outage()
         self._consume(self._poll_timeout())
         self._router.apply(self._table.poll(), self._cycle)
         now = monotonic()
@@ -217,7 +222,9 @@ class Worker:
         """Bring the cycle up to date with the schema topic, then submit it, but for the states held back by a
         wait for a schema: those (per partition, the waiting state and every later one) open the next cycle."""
         with _blocking_step("schema_catch_up"):      # a broker round trip per schema partition
-            changes = self._table.catch_up()
+            changes = self._catch_up_schemas()
+        if changes is None:
+            return  # the broker does not answer: the cycle stays open (nothing could commit anyway)
         self._router.apply(changes, self._cycle)
         self._router.reroute(self._cycle, monotonic())
         ready, self._cycle = self._cycle, self._cycle.carry_held(monotonic())
@@ -228,6 +235,16 @@ class Worker:
         # Keep at most one cycle on the GPU while the one before it commits.
         while len(self._inflight) > 1:
             self._commit_oldest()
+
+    def _catch_up_schemas(self, timeout_s: float = 5.0) -> list | None:
+        """The schema topic's changes up to its end now; None when the broker does not answer."""
+        try:
+            changes = self._table.catch_up(timeout_s=timeout_s)
+        except KafkaException as exc:
+            liveness.BROKER.failed(f"schema topic: {exc.args[0].str()}")
+            return None
+        liveness.BROKER.succeeded()
+        return changes
 
     def _submit_cycle(self, cycle: Cycle) -> None:
         if cycle.opened_at is not None:
@@ -271,17 +288,28 @@ class Worker:
                                  "commit_ms": commit_ms, "offsets": [(tp.partition, tp.offset) for tp in cycle.offsets()]})
 
     # ---- failure paths ---------------------------------------------------------------------------------------
+    def _check_outage(self) -> None:
+        outage_s = liveness.BROKER.outage_s()
+        if outage_s > self.config.broker_outage_s:
+            raise BrokerOutageError(f"the broker has not answered for {outage_s:.0f} s (--broker-outage-s "
+                                    f"{self.config.broker_outage_s:g}); restart the worker (same --worker-id) once it is "
+                                    "back: it resumes from the committed offsets")
+
     def _rewind(self) -> None:
-        """After an abort: forget all uncommitted work and read again from the committed offsets."""
+        """After an abort: forget all uncommitted work and read again from the committed offsets, retried while the
+        broker does not answer (without a rewind the next cycle would skip the aborted records)."""
         self._drop_uncommitted("transaction aborted")
-        try:
-            for tp in self._assignment.rewind_positions(self._consumer):
-                self._consumer.seek(tp)
-        except KafkaException as exc:
-            # Without a rewind the next cycle would skip the aborted records. Exiting is safe: a restart
-            # with the same --worker-id resumes from the committed offsets.
-            raise FatalError(f"could not rewind to the committed offsets after an abort: {exc.args[0].str()}; "
-                             "restart the worker (same --worker-id) to resume from them") from exc
+        while True:
+            try:
+                positions = self._assignment.rewind_positions(self._consumer)
+                for tp in positions:
+                    self._consumer.seek(tp)
+                return
+            except KafkaException as exc:
+                liveness.BROKER.failed(f"reading the committed offsets: {exc.args[0].str()}")
+                self._check_outage()
+                log.warning("could not rewind to the committed offsets yet (%s); retrying", exc.args[0].str())
+                time.sleep(0.5)
 
     def _drop_uncommitted(self, why: str) -> None:
         dropped = len(self._cycle) + sum(len(f.cycle) for f in self._inflight)
