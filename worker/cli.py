@@ -199,8 +199,10 @@ def replay(
     Resumable: after a kill, the same command (same --name) continues from the committed offsets and stops at
     the end offsets stored by the first run. Exit codes as for worker, plus 6: stopped before the end (rerun to resume).
     """
-    from worker.replay import Bound, replay_group, run_replay
+    from worker.replay import Bound, check_order, replay_dead_letter_topic, replay_group, run_replay
 
+    if ctx.get_parameter_source("dead_letter_topic").name == "DEFAULT":  # never the live worker's topic by default
+        loop_flags = {**loop_flags, "dead_letter_topic": replay_dead_letter_topic(output_topic)}
     config = loop_config(ctx, loop_flags, output_topic, worker_id=name, group=replay_group(name), max_batch=max_batch,
                           max_wait_ms=None)
     try:
@@ -208,6 +210,7 @@ def replay(
     except ValueError:
         raise ConfigError(f"--partitions {partitions!r}: expected comma-separated partition numbers") from None
     start, end = Bound.parse(from_offset, from_time, "from"), Bound.parse(to_offset, to_time, "to")
+    check_order(start, end)
     summary: dict = {}
     from worker.ops import run_logged, stop_on_signals
 

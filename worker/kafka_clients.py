@@ -51,8 +51,18 @@ def check_broker(cluster: Cluster | str, timeout_s: float = 5.0) -> dict:
         ) from exc
 
 
-def require_topics(cluster: Cluster | str, names: Iterable[str], timeout_s: float = 5.0) -> dict[str, int]:
-    """Partition count of each topic in ``names``; ``BrokerUnavailableError`` if any is missing."""
+def create_topics_command(bootstrap: str, topics: Topics) -> str:
+    """The ``decider topics create`` command that creates ``topics`` (flags only for names other than the defaults)."""
+    defaults = Topics()
+    flags = [f"--{role.replace('_', '-')}-topic {getattr(topics, role)}" for role in ("states", "schemas", "probabilities", "dead_letter")
+             if getattr(topics, role) != getattr(defaults, role)]
+    return " ".join([f"decider topics create -b {bootstrap}", *flags])
+
+
+def require_topics(cluster: Cluster | str, names: Iterable[str], timeout_s: float = 5.0,
+                   roles: Topics | None = None) -> dict[str, int]:
+    """Partition count of each topic in ``names``; ``BrokerUnavailableError`` if any is missing, with the command that
+    creates it (``roles``: the topic set the names belong to, for that command's flags)."""
     bootstrap = as_cluster(cluster).bootstrap
     topics = check_broker(cluster, timeout_s)
     counts: dict[str, int] = {}
@@ -65,7 +75,8 @@ def require_topics(cluster: Cluster | str, names: Iterable[str], timeout_s: floa
             counts[name] = len(meta.partitions)
     if missing:
         raise BrokerUnavailableError(
-            f"topic(s) {', '.join(missing)} do not exist on {bootstrap}; create them with: decider topics create -b {bootstrap}"
+            f"topic(s) {', '.join(missing)} do not exist on {bootstrap}; create them with: "
+            f"{create_topics_command(bootstrap, roles or Topics())}"
         )
     return counts
 

@@ -93,7 +93,7 @@ class Worker:
     def run(self) -> None:
         """Connect, load the model, then process until stopped."""
         topics = self.config.topics
-        require_topics(self.config.cluster, topics.all())
+        require_topics(self.config.cluster, topics.all(), roles=topics)
         engine, self._scorer = load_scorer(self.config)
         self._scorer.on_event = self._emit
         metrics.watch_scorer(self._scorer.graph_stats, self._scorer.prepared)
