@@ -86,7 +86,7 @@ class Worker:
         # No --max-wait-ms (replay): only full batches close a cycle, and the input's end closes the last one.
         self._max_wait_s = math.inf if config.max_wait_ms is None else config.max_wait_ms / 1000
         self._cycle = Cycle()
-        self._carried = 0  # states the open cycle took over, held back, from the one before it
+        self._carried = (0, 0)  # states (all, waiting) the open cycle took over, held back, from the one before it
         self._inflight: deque[InFlight] = deque()
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
@@ -165,14 +165,13 @@ class Worker:
         cycle = self._cycle
         if not len(cycle):
             return False
-        if cycle.due(now, self.config.max_batch, self._max_wait_s):
-            return True
         wait_deadline = cycle.wait_deadline()
         if wait_deadline is not None and now >= wait_deadline:
             return True  # a wait for a schema ran out: its state becomes a dead letter, its partition flows again
-        # No deadline closes the last, partial cycle of a finite input: its end does, once some of it can commit
-        # (states carried over only wait for their schema's arrival or their wait's end, both handled above).
-        return self._assignment.exhausted() and (not cycle.waiting or len(cycle) > self._carried)
+        if cycle.waiting and (len(cycle), len(cycle.waiting)) == self._carried:
+            return False  # nothing but the states held back last time, all still waiting: nothing could commit now
+        # No deadline closes the last, partial cycle of a finite input: its end does.
+        return cycle.due(now, self.config.max_batch, self._max_wait_s) or self._assignment.exhausted()
 
     def _poll_timeout(self) -> float:
         now = monotonic()
@@ -228,7 +227,7 @@ class Worker:
         self._router.apply(changes, self._cycle)
         self._router.reroute(self._cycle, monotonic())
         ready, self._cycle = self._cycle, self._cycle.carry_held(monotonic())
-        self._carried = len(self._cycle)
+        self._carried = (len(self._cycle), len(self._cycle.waiting))
         if not len(ready):
             return
         self._submit_cycle(ready)
@@ -316,7 +315,7 @@ class Worker:
         for cycle in [self._cycle, *(f.cycle for f in self._inflight)]:
             self._release_pins(cycle)
         self._cycle, self._inflight = Cycle(), deque()
-        self._carried = 0
+        self._carried = (0, 0)
         if dropped:
             log.info("%s: dropped %d uncommitted states (they will be read again)", why, dropped)
 
