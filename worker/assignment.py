@@ -105,20 +105,17 @@ class GroupAssignment:
         consumer.poll(0.2)
 
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
-        log.info("assigned %s", partition_names(partitions))
         self._emit("assigned", {"partitions": [p.partition for p in partitions]})
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         # Eager rebalancing revokes everything; uncommitted work is dropped, never committed, because
         # the next owner starts from the committed offsets and would score those states again.
-        log.info("revoked %s", partition_names(partitions))
         self._drop_uncommitted("partitions revoked")
         self._emit("revoked", {"partitions": [p.partition for p in partitions]})
 
     def _on_lost(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         # Lost (session expired): another worker may already own them; committing would be wrong, and a
         # transaction with stale group metadata would be rejected anyway.
-        log.warning("lost %s", partition_names(partitions))
         self._drop_uncommitted("partitions lost")
         self._emit("lost", {"partitions": [p.partition for p in partitions]})
 

@@ -3,8 +3,10 @@
 A batch closes at ``max_batch`` states or ``max_wait`` after its first state, whichever comes first.
 Kafka offsets are a per-partition watermark, so output must be committed in input order: when the
 first batch of a cycle closes, every other open batch (states of other schemas, interleaved in the
-same partitions) is scored with it and the whole cycle commits as one transaction. States that name a
-schema not seen yet wait in the cycle (up to ``--schema-wait-ms``); the cycle cannot commit past them.
+same partitions) is scored with it and the whole cycle commits as one transaction. A state that names a
+schema not seen yet waits (up to ``--schema-wait-ms``) and holds back only its own partition: when the cycle
+closes, that state and every later one of its partition are carried into the next cycle (``carry_held``), the
+offset committed for the partition stops just before it, and every other partition commits as usual.
 
 Only bookkeeping lives here: the loop prepares schemas and starts tokenizing (``worker.scorer``) and hands
 the cycle the futures; the batcher never calls the scorer.
@@ -44,6 +46,7 @@ class Batch:
     opened_at: float
     members: list[Pending] = field(default_factory=list)
     rows: list[Future] = field(default_factory=list)  # of tokenized rows, one per member
+    carried: int = 0  # members carried over from an earlier cycle: they do not make the batch full
 
     @property
     def key(self) -> SchemaKey:
@@ -93,8 +96,8 @@ class Cycle:
         self.waiting.append(pending)
 
     def full(self, max_batch: int) -> bool:
-        """Whether a batch reached ``max_batch`` states."""
-        return any(len(b.members) >= max_batch for b in self.batches.values())
+        """Whether a batch reached ``max_batch`` states (not counting states carried over, which stay held back)."""
+        return any(len(b.members) - b.carried >= max_batch for b in self.batches.values())
 
     def due(self, now: float, max_batch: int, max_wait_s: float) -> bool:
         """Whether the cycle should close now: a batch is full, or a batch (or a lone dead letter) has waited max_wait."""
@@ -108,6 +111,58 @@ class Cycle:
             return None
         first = min((b.opened_at for b in self.batches.values()), default=self.opened_at)
         return max(0.0, first + max_wait_s - now)
+
+    def wait_deadline(self) -> float | None:
+        """When the first wait for a schema runs out (None when no state waits): the cycle closes then, so that
+        the state goes to the dead letters and its partition flows again."""
+        return min((p.wait_deadline for p in self.waiting), default=None)
+
+    def carry_held(self, now: float) -> "Cycle":
+        """Move every state held back by a wait for its schema into a new cycle, which is returned: per partition,
+        the first waiting state and every state after it. This cycle keeps the rest (it can commit now) and commits
+        each held partition's offset up to, not including, its first waiting state."""
+        first_held: dict[tuple[str, int], int] = {}
+        for pending in self.waiting:
+            where = (pending.source.topic, pending.source.partition)
+            first_held[where] = min(first_held.get(where, pending.source.offset), pending.source.offset)
+        carried = Cycle()
+        if not first_held:
+            return carried
+        kept = []
+        for pending in self.entries:
+            where = (pending.source.topic, pending.source.partition)
+            if where in first_held and pending.source.offset >= first_held[where]:
+                carried._carry_in(pending, self.batches.get(pending.batch_key), now)
+            else:
+                kept.append(pending)
+        self.entries, self.waiting = kept, []
+        self._keep_batch_members({id(p) for p in kept})
+        for (topic, partition), offset in first_held.items():
+            self._next_offsets[(topic, partition)] = offset
+        return carried
+
+    def _carry_in(self, pending: Pending, batch: Batch | None, now: float) -> None:
+        """Take ``pending`` over from the cycle it was held back in (``batch``: its batch there, if any)."""
+        self.track(pending, now)
+        if pending.dead_letter is not None:
+            return
+        if batch is not None:
+            self.add_to_batch(pending, batch.schema, batch.handle, batch.rows[pending.batch_index], now)
+            self.batches[batch.key].carried += 1
+        else:
+            self.add_waiting(pending, pending.wait_deadline)
+
+    def _keep_batch_members(self, kept: set[int]) -> None:
+        """Drop from the batches the members not in ``kept`` (by ``id``), and batches left empty."""
+        for key in list(self.batches):
+            batch = self.batches[key]
+            pairs = [(m, r) for m, r in zip(batch.members, batch.rows) if id(m) in kept]
+            if not pairs:
+                del self.batches[key]
+                continue
+            batch.members, batch.rows = [m for m, _ in pairs], [r for _, r in pairs]
+            for index, member in enumerate(batch.members):
+                member.batch_index = index
 
     def take_waiting(self) -> list[Pending]:
         """Remove and return the states waiting for a schema (the caller routes each one again)."""

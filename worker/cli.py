@@ -146,7 +146,8 @@ def produce(
     states_topic: str = StatesTopicOpt,
 ) -> None:
     """Publish states (keyed by state id) to the states topic."""
-    from worker.commands import produce_states, read_state_lines
+    from worker.commands import produce_states
+    from worker.user_files import read_state_lines
 
     count = produce_states(cluster(ctx, bootstrap), Topics(states=states_topic), read_state_lines(file, schema_id))
     typer.echo(f"{count} states published to {states_topic}")
@@ -167,7 +168,7 @@ def worker(
 ) -> None:
     """Run the exactly-once stream processor (one per GPU). SIGTERM/SIGINT stop it cleanly.
 
-    Exit codes: 0 stopped cleanly, 1 fatal error, 2 bad configuration or model, 3 fenced by another worker with the same --worker-id, 4 broker unreachable or topic missing, 5 a Kafka call hung (restart it).
+    Exit codes: 0 stopped cleanly, 1 fatal error, 2 bad configuration or model, 3 fenced by another worker with the same --worker-id, 4 broker unreachable or topic missing at start, 5 broker unreachable for longer than --broker-outage-s, or a Kafka call hung (restart it with the same --worker-id).
     """
     config = loop_config(ctx, loop_flags, probabilities_topic, worker_id=worker_id, group=group, max_batch=max_batch,
                           max_wait_ms=max_wait_ms, session_timeout_ms=session_timeout_ms)
@@ -183,7 +184,7 @@ def worker(
 def replay(
     ctx: typer.Context,
     loop_flags: dict,
-    name: str = typer.Option(..., "--name", envvar="DECIDER_REPLAY_NAME", help="Name of this replay: its progress is committed under group decider-replay.NAME; rerun with the same name to resume."),
+    name: str = typer.Option(..., "--name", envvar="DECIDER_REPLAY_NAME", help="Name of this replay: its progress and range are committed under group decider-replay.NAME; rerun with the same name and range flags to resume (another range needs a new name)."),
     output_topic: str = typer.Option(..., "--output-topic", envvar="DECIDER_REPLAY_OUTPUT_TOPIC", help="Topic the probability records go to."),
     from_offset: Optional[str] = typer.Option(None, "--from-offset", help="First offset: N for every partition, or P:N[,P:N] (default: each partition's oldest)."),
     from_time: Optional[str] = typer.Option(None, "--from-time", help="First record at or after this time: ISO 8601 (UTC unless a zone is given) or epoch ms."),
@@ -196,10 +197,14 @@ def replay(
     """Score a historical range of the states topic (offsets or timestamps) into --output-topic, exactly once.
 
     Resumable: after a kill, the same command (same --name) continues from the committed offsets and stops at
-    the end offsets stored by the first run. Exit codes as for worker, plus 6: stopped before the end (rerun to resume).
+    the end offsets stored by the first run. Dead letters go to --dead-letter-topic, by default
+    OUTPUT_TOPIC.dead-letter (never the live worker's). Exit codes as for worker, plus 6: stopped before the end
+    (rerun to resume).
     """
-    from worker.replay import Bound, replay_group, run_replay
+    from worker.replay import Bound, check_order, replay_dead_letter_topic, replay_group, run_replay
 
+    if ctx.get_parameter_source("dead_letter_topic").name == "DEFAULT":  # never the live worker's topic by default
+        loop_flags = {**loop_flags, "dead_letter_topic": replay_dead_letter_topic(output_topic)}
     config = loop_config(ctx, loop_flags, output_topic, worker_id=name, group=replay_group(name), max_batch=max_batch,
                           max_wait_ms=None)
     try:
@@ -207,6 +212,7 @@ def replay(
     except ValueError:
         raise ConfigError(f"--partitions {partitions!r}: expected comma-separated partition numbers") from None
     start, end = Bound.parse(from_offset, from_time, "from"), Bound.parse(to_offset, to_time, "to")
+    check_order(start, end)
     summary: dict = {}
     from worker.ops import run_logged, stop_on_signals
 

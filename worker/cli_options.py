@@ -54,6 +54,7 @@ LOOP_OPTIONS = [
              "of one at a time as batches of new sizes arrive (each capture briefly stalls the stream). ~0.1-0.5 s a "
              "graph, once per schema version. Default: capture on first sight.")),
     _option("transaction_timeout_ms", int, typer.Option(DEFAULTS["transaction_timeout_ms"], "--transaction-timeout-ms", envvar="DECIDER_TRANSACTION_TIMEOUT_MS", help="Broker-side timeout of an open transaction.")),
+    _option("broker_outage_s", float, typer.Option(DEFAULTS["broker_outage_s"], "--broker-outage-s", envvar="DECIDER_BROKER_OUTAGE_S", help="How long to ride out an unreachable broker (nothing commits meanwhile; the worker resumes by itself when it returns) before exiting with code 5.")),
     _option("metrics_port", Optional[int], typer.Option(None, "--metrics-port", envvar="DECIDER_METRICS_PORT", min=1, max=65535, help="Serve /metrics (Prometheus), /healthz and /readyz on this port.")),
     _option("metrics_host", str, typer.Option(DEFAULTS["metrics_host"], "--metrics-host", envvar="DECIDER_METRICS_HOST", help="Address the --metrics-port server listens on: 127.0.0.1 (this machine only) or 0.0.0.0 (every interface, for a scraper on another host or container).")),
     _option("log_level", str, typer.Option("info", "--log-level", envvar="DECIDER_LOG_LEVEL", help="debug, info, warning or error.")),
@@ -103,8 +104,8 @@ def loop_config(ctx: typer.Context, flags: dict[str, Any], probabilities_topic: 
         schema_wait_ms=flags["schema_wait_ms"], max_state_chars=flags["max_state_chars"],
         schema_memory_mb=flags["schema_memory_mb"], tokenizer_threads=flags["tokenizer_threads"],
         warmup_state_tokens=_token_counts(flags["warmup_state_tokens"]),
-        transaction_timeout_ms=flags["transaction_timeout_ms"], metrics_port=flags["metrics_port"],
-        metrics_host=flags["metrics_host"], kafka=kafka_settings(ctx), **own,
+        transaction_timeout_ms=flags["transaction_timeout_ms"], broker_outage_s=flags["broker_outage_s"],
+        metrics_port=flags["metrics_port"], metrics_host=flags["metrics_host"], kafka=kafka_settings(ctx), **own,
     )
     if not Path(config.model_dir).is_dir():
         raise ConfigError(f"--model {config.model_dir}: no such directory")

@@ -19,7 +19,7 @@ from worker.exceptions import BrokerUnavailableError, ConfigError
 from worker.kafka_clients import as_cluster, plain_producer, reader_consumer, require_topics
 from worker.records import question_schema_record
 from worker.schema_table import SchemaTable
-from worker.user_files import load_schema_file, read_state_lines  # noqa: F401 (read_state_lines: cli's produce imports it here)
+from worker.user_files import load_schema_file
 
 
 def _deliver(producer, what: str) -> None:
@@ -34,7 +34,7 @@ def put_schema(cluster: Cluster | str, topics: Topics, schema_id: str, path: str
     if not schema_id:
         raise ConfigError("--id must not be empty")
     document = load_schema_file(path)
-    require_topics(cluster, [topics.schemas])
+    require_topics(cluster, [topics.schemas], roles=topics)
     if version is None:
         table = SchemaTable(cluster, topics.schemas)
         try:
@@ -53,7 +53,7 @@ def delete_schema(cluster: Cluster | str, topics: Topics, schema_id: str) -> Non
     """Publish a tombstone for ``schema_id``: workers forget it; later states for it are dead-lettered."""
     if not schema_id:
         raise ConfigError("--id must not be empty")
-    require_topics(cluster, [topics.schemas])
+    require_topics(cluster, [topics.schemas], roles=topics)
     producer = plain_producer(cluster)
     producer.produce(topics.schemas, key=schema_id.encode(), value=None)
     _deliver(producer, "tombstones")
@@ -61,7 +61,7 @@ def delete_schema(cluster: Cluster | str, topics: Topics, schema_id: str) -> Non
 
 def produce_states(cluster: Cluster | str, topics: Topics, records: Iterable[dict[str, Any]]) -> int:
     """Publish StateEvent records keyed by state id; returns how many."""
-    require_topics(cluster, [topics.states])
+    require_topics(cluster, [topics.states], roles=topics)
     producer = plain_producer(cluster)
     count = 0
     for record in records:

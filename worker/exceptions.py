@@ -10,9 +10,10 @@
 Retriable Kafka errors have no type here: ``worker.transactions`` retries what librdkafka marks retriable, within
 the transaction timeout, and turns what is left into one of these.
 
-Exit codes of ``decider worker``: 1 fatal, 2 configuration, 3 fenced, 4 broker or topic unavailable,
-5 a Kafka client call hung past its timeout (``worker.transactions``' watchdog exits the process directly, since
-the hung call cannot be interrupted; restart to recover).
+Exit codes of ``decider worker``: 1 fatal, 2 configuration, 3 fenced, 4 broker or topic unavailable at start,
+5 the broker stayed unreachable longer than --broker-outage-s, or a Kafka client call hung past its timeout
+(``worker.transactions``' watchdog exits the process directly, since the hung call cannot be interrupted; restart
+to recover).
 """
 
 from __future__ import annotations
@@ -57,3 +58,9 @@ class BrokerUnavailableError(FatalError):
     """No broker answered at the bootstrap address, or a required topic is missing."""
 
     exit_code = 4
+
+
+class BrokerOutageError(FatalError):
+    """The broker stayed unreachable longer than --broker-outage-s; the worker gives up (a restart resumes)."""
+
+    exit_code = 5

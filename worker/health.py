@@ -2,8 +2,9 @@
 
 Readiness follows the loop's events: ready once the topics were checked, the model loaded and the schema
 table caught up (the ``schemas_loaded`` event, which the loop emits only after the other two); not ready
-again once the loop stops. Liveness answers as long as the process serves HTTP: a loop stuck in a Kafka
-call is ended by the transaction watchdog (exit 5), not by a probe.
+again once the loop stops; and not ready while the broker is unreachable or a commit is stuck
+(``worker.liveness``), since then nothing the worker consumes can commit. Liveness answers 503 once a Kafka call
+overran its own timeout: the transaction watchdog then ends the process (exit 5) unless the call returns.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
+from worker import liveness
 from worker.exceptions import ConfigError
 from worker.ports import in_use_message
 
@@ -41,7 +43,15 @@ class Health:
     def status(self) -> tuple[bool, str]:
         """(ready, why) at this moment."""
         with self._lock:
-            return self.ready, self.reason
+            ready, reason = self.ready, self.reason
+        problem = liveness.BROKER.readiness_problem() if ready else None
+        return (False, problem) if problem else (ready, reason)
+
+    @staticmethod
+    def alive() -> tuple[bool, str]:
+        """(alive, why): not alive once the process is about to be ended by the watchdog."""
+        problem = liveness.BROKER.liveness_problem()
+        return (False, problem) if problem else (True, "ok")
 
 
 class _IPv6Server(ThreadingHTTPServer):
@@ -60,7 +70,8 @@ def serve(port: int, health: Health, host: str = "127.0.0.1") -> ThreadingHTTPSe
             if path == "/metrics":
                 self._reply(200, generate_latest(REGISTRY), CONTENT_TYPE_LATEST)
             elif path == "/healthz":
-                self._reply(200, b"ok\n")
+                alive, reason = health.alive()
+                self._reply(200 if alive else 503, reason.encode() + b"\n")
             elif path == "/readyz":
                 ready, reason = health.status()
                 self._reply(200 if ready else 503, reason.encode() + b"\n")

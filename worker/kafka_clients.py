@@ -9,10 +9,17 @@ from confluent_kafka.admin import AdminClient, NewTopic
 
 from worker.config import Cluster, Topics, WorkerConfig
 from worker.exceptions import BrokerUnavailableError
+from worker import liveness
 from worker.metrics import on_consumer_stats
 
 # librdkafka logs every failed connection attempt to stderr; the CLI reports unreachable brokers itself.
 _QUIET = {"log_level": 0}
+
+
+def _on_states_consumer_stats(stats_json: str) -> None:
+    """The states consumer's statistics: lag for the metrics, broker connections for readiness."""
+    on_consumer_stats(stats_json)
+    liveness.BROKER.on_stats(stats_json)
 
 
 def as_cluster(cluster: Cluster | str) -> Cluster:
@@ -44,8 +51,18 @@ def check_broker(cluster: Cluster | str, timeout_s: float = 5.0) -> dict:
         ) from exc
 
 
-def require_topics(cluster: Cluster | str, names: Iterable[str], timeout_s: float = 5.0) -> dict[str, int]:
-    """Partition count of each topic in ``names``; ``BrokerUnavailableError`` if any is missing."""
+def create_topics_command(bootstrap: str, topics: Topics) -> str:
+    """The ``decider topics create`` command that creates ``topics`` (flags only for names other than the defaults)."""
+    defaults = Topics()
+    flags = [f"--{role.replace('_', '-')}-topic {getattr(topics, role)}" for role in ("states", "schemas", "probabilities", "dead_letter")
+             if getattr(topics, role) != getattr(defaults, role)]
+    return " ".join([f"decider topics create -b {bootstrap}", *flags])
+
+
+def require_topics(cluster: Cluster | str, names: Iterable[str], timeout_s: float = 5.0,
+                   roles: Topics | None = None) -> dict[str, int]:
+    """Partition count of each topic in ``names``; ``BrokerUnavailableError`` if any is missing, with the command that
+    creates it (``roles``: the topic set the names belong to, for that command's flags)."""
     bootstrap = as_cluster(cluster).bootstrap
     topics = check_broker(cluster, timeout_s)
     counts: dict[str, int] = {}
@@ -58,7 +75,8 @@ def require_topics(cluster: Cluster | str, names: Iterable[str], timeout_s: floa
             counts[name] = len(meta.partitions)
     if missing:
         raise BrokerUnavailableError(
-            f"topic(s) {', '.join(missing)} do not exist on {bootstrap}; create them with: decider topics create -b {bootstrap}"
+            f"topic(s) {', '.join(missing)} do not exist on {bootstrap}; create them with: "
+            f"{create_topics_command(bootstrap, roles or Topics())}"
         )
     return counts
 
@@ -145,9 +163,10 @@ def worker_consumer_config(config: WorkerConfig) -> dict[str, Any]:
         # Scoring a batch holds the loop for at most seconds; this is the bound on a stuck GPU.
         "max.poll.interval.ms": 300_000,
         "fetch.wait.max.ms": 20,
-        # Consumer lag per partition for the metrics, computed by librdkafka from the fetch responses.
+        # Consumer lag per partition for the metrics, computed by librdkafka from the fetch responses, and whether
+        # any broker connection is up, for /readyz (``worker.liveness``).
         "statistics.interval.ms": 2000,
-        "stats_cb": on_consumer_stats,
+        "stats_cb": _on_states_consumer_stats,
     }
 
 
@@ -163,7 +182,7 @@ def replay_consumer_config(config: WorkerConfig) -> dict[str, Any]:
         "auto.offset.reset": "earliest",
         "fetch.wait.max.ms": 100,
         "statistics.interval.ms": 2000,
-        "stats_cb": on_consumer_stats,
+        "stats_cb": _on_states_consumer_stats,
     }
 
 

@@ -10,6 +10,9 @@ from and where committed positions go is the ``Assignment``'s (``worker.assignme
 
 Failure rules:
 - an error inside a transaction -> abort, drop all uncommitted work, seek to the committed offsets;
+- the broker unreachable -> nothing commits; the transactional producer is replaced where librdkafka needs it
+  (``worker.transactions``), and once the broker answers again the loop rewinds to the committed offsets and goes on;
+  after --broker-outage-s without an answer -> ``BrokerOutageError`` (exit 5);
 - partitions revoked or lost -> drop all uncommitted work (never commit for partitions we may not own);
 - fenced (another process with this --worker-id) or fatal client error -> ``FatalError`` to the CLI;
 - stop requested (SIGTERM/SIGINT) -> score and commit the open cycle if it can close now, else drop it,
@@ -29,11 +32,11 @@ from dataclasses import dataclass
 
 from confluent_kafka import KafkaException
 
-from worker import gc_pauses, metrics
+from worker import gc_pauses, liveness, metrics
 from worker.assignment import Assignment, EventSink, GroupAssignment, check_consumer_error, partition_names
 from worker.batcher import Cycle, Pending, monotonic
 from worker.config import WorkerConfig
-from worker.exceptions import AbortableError, FatalError
+from worker.exceptions import AbortableError, BrokerOutageError, FatalError
 from worker.kafka_clients import require_topics, transactional_producer_config
 from worker.outputs import Outputs
 from worker.records import SchemaKey, SourceRecord, Unscorable, decode_source
@@ -83,14 +86,14 @@ class Worker:
         # No --max-wait-ms (replay): only full batches close a cycle, and the input's end closes the last one.
         self._max_wait_s = math.inf if config.max_wait_ms is None else config.max_wait_ms / 1000
         self._cycle = Cycle()
+        self._carried = (0, 0)  # states (all, waiting) the open cycle took over, held back, from the one before it
         self._inflight: deque[InFlight] = deque()
-        self._holding = False  # the open cycle is due but waits for a schema: consume nothing meanwhile
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
     def run(self) -> None:
         """Connect, load the model, then process until stopped."""
         topics = self.config.topics
-        require_topics(self.config.cluster, topics.all())
+        require_topics(self.config.cluster, topics.all(), roles=topics)
         engine, self._scorer = load_scorer(self.config)
         self._scorer.on_event = self._emit
         metrics.watch_scorer(self._scorer.graph_stats, self._scorer.prepared)
@@ -105,7 +108,8 @@ class Worker:
         log.info("%d objects of the loaded model and libraries exempted from garbage collection", frozen)
         self._consumer = self._assignment.consumer()
         self._txns = Transactions(transactional_producer_config(self.config), self._consumer, self.config.worker_id,
-                                  timeout_s=self.config.transaction_timeout_ms / 1000 / 2)
+                                  timeout_s=self.config.transaction_timeout_ms / 1000 / 2,
+                                  outage_s=self.config.broker_outage_s)
         try:
             # Before reading any offset: fence a previous instance of this worker id and abort its open
             # transaction, so the committed offsets we start from are final.
@@ -119,17 +123,21 @@ class Worker:
 
     def _drain(self) -> None:
         """Stop requested: commit what can be committed now, drop the rest (it is re-read after restart)."""
-        self._router.apply(self._table.catch_up(timeout_s=2.0), self._cycle)
+        self._router.apply(self._catch_up_schemas(timeout_s=2.0) or [], self._cycle)
         self._router.reroute(self._cycle, monotonic())
-        if self._cycle.waiting:
-            log.info("stopping: %d states still wait for their schema; left for the next owner", len(self._cycle.waiting))
-            self._drop_uncommitted("stopping")
-            return
-        if len(self._cycle):
-            self._submit_cycle()
+        ready = self._cycle
+        self._cycle = ready.carry_held(monotonic())
+        if len(ready):
+            self._submit_cycle(ready)
         while self._inflight:
             self._commit_oldest()
-        self._assignment.finish(self._txns)
+        if len(self._cycle):
+            log.info("stopping: %d states wait for their schema or come after one in their partition; left "
+                     "uncommitted for the next owner", len(self._cycle))
+            self._release_pins(self._cycle)
+            self._cycle = Cycle()
+        else:
+            self._assignment.finish(self._txns)  # the input's end offsets: only with nothing held back before them
         self._emit("stopped", {})
 
     def _close(self) -> None:
@@ -142,26 +150,35 @@ class Worker:
 
     # ---- the loop --------------------------------------------------------------------------------------------
     def _step(self) -> None:
-        if self._holding:
-            # The due cycle cannot commit past a state that waits for its schema, and must not grow
-            # meanwhile, so the consumer is not polled: at most --schema-wait-ms, far below
-            # max.poll.interval.ms. (pause()/resume() would do the same but costs ~1 s of refetch.)
-            time.sleep(0.02)
-        else:
-            self._consume(self._poll_timeout())
+        self._check_outage()
+        self._consume(self._poll_timeout())
         self._router.apply(self._table.poll(), self._cycle)
         now = monotonic()
         if self._inflight and self._inflight[0].future.done():
             self._commit_oldest()
-        if self._holding or self._cycle.due(now, self.config.max_batch, self._max_wait_s):
+        if self._should_close(now):
             self._close_cycle()
-        elif self._assignment.exhausted() and len(self._cycle):
-            self._close_cycle()  # no deadline closes the last, partial cycle of a finite input: its end does
-        if self._assignment.exhausted() and not len(self._cycle) and not self._holding:
+        if self._assignment.exhausted() and not len(self._cycle):
             self.stop.set()  # run() drains: the cycles in flight are committed
 
+    def _should_close(self, now: float) -> bool:
+        cycle = self._cycle
+        if not len(cycle):
+            return False
+        wait_deadline = cycle.wait_deadline()
+        if wait_deadline is not None and now >= wait_deadline:
+            return True  # a wait for a schema ran out: its state becomes a dead letter, its partition flows again
+        if cycle.waiting and (len(cycle), len(cycle.waiting)) == self._carried:
+            return False  # nothing but the states held back last time, all still waiting: nothing could commit now
+        # No deadline closes the last, partial cycle of a finite input: its end does.
+        return cycle.due(now, self.config.max_batch, self._max_wait_s) or self._assignment.exhausted()
+
     def _poll_timeout(self) -> float:
-        until_due = self._cycle.seconds_until_due(monotonic(), self._max_wait_s)
+        now = monotonic()
+        until_due = self._cycle.seconds_until_due(now, self._max_wait_s)
+        wait_deadline = self._cycle.wait_deadline()
+        if wait_deadline is not None:
+            until_due = min(until_due if until_due is not None else math.inf, max(0.0, wait_deadline - now))
         # A cycle on the GPU is committed by the first step after it finishes: wait briefly, so that a quiet
         # stream (no message ends the wait early) does not add the wait to that cycle's latency.
         timeout = 0.005 if self._inflight else 0.1
@@ -195,26 +212,40 @@ class Worker:
         try:
             pending.state = decode_source(pending.source, self.config.max_state_chars)
         except Unscorable as exc:
+            pending.state = exc.state
             return self._outputs.reject(pending, exc.reason, str(exc))
         self._router.route(pending, self._cycle, monotonic())
 
     # ---- closing and committing a cycle ----------------------------------------------------------------------
     def _close_cycle(self) -> None:
-        """Bring the cycle up to date with the schema topic, then submit it, or pause until its waits resolve."""
+        """Bring the cycle up to date with the schema topic, then submit it, but for the states held back by a
+        wait for a schema: those (per partition, the waiting state and every later one) open the next cycle."""
         with _blocking_step("schema_catch_up"):      # a broker round trip per schema partition
-            changes = self._table.catch_up()
+            changes = self._catch_up_schemas()
+        if changes is None:
+            return  # the broker does not answer: the cycle stays open (nothing could commit anyway)
         self._router.apply(changes, self._cycle)
         self._router.reroute(self._cycle, monotonic())
-        self._holding = bool(self._cycle.waiting)
-        if self._holding:
+        ready, self._cycle = self._cycle, self._cycle.carry_held(monotonic())
+        self._carried = (len(self._cycle), len(self._cycle.waiting))
+        if not len(ready):
             return
-        self._submit_cycle()
+        self._submit_cycle(ready)
         # Keep at most one cycle on the GPU while the one before it commits.
         while len(self._inflight) > 1:
             self._commit_oldest()
 
-    def _submit_cycle(self) -> None:
-        cycle, self._cycle = self._cycle, Cycle()
+    def _catch_up_schemas(self, timeout_s: float = 5.0) -> list | None:
+        """The schema topic's changes up to its end now; None when the broker does not answer."""
+        try:
+            changes = self._table.catch_up(timeout_s=timeout_s)
+        except KafkaException as exc:
+            liveness.BROKER.failed(f"schema topic: {exc.args[0].str()}")
+            return None
+        liveness.BROKER.succeeded()
+        return changes
+
+    def _submit_cycle(self, cycle: Cycle) -> None:
         if cycle.opened_at is not None:
             metrics.FILL_WAIT.observe(monotonic() - cycle.opened_at)
         keys = list(cycle.batches)
@@ -241,7 +272,6 @@ class Worker:
                 self._txns.commit(out.records, offsets)
         except AbortableError as exc:
             metrics.TRANSACTIONS.labels("aborted").inc()
-            log.warning("transaction aborted (%s); rewinding to the committed offsets", exc)
             self._emit("aborted", {"error": str(exc)})
             self._rewind()
             return
@@ -257,24 +287,35 @@ class Worker:
                                  "commit_ms": commit_ms, "offsets": [(tp.partition, tp.offset) for tp in cycle.offsets()]})
 
     # ---- failure paths ---------------------------------------------------------------------------------------
+    def _check_outage(self) -> None:
+        outage_s = liveness.BROKER.outage_s()
+        if outage_s > self.config.broker_outage_s:
+            raise BrokerOutageError(f"the broker has not answered for {outage_s:.0f} s (--broker-outage-s "
+                                    f"{self.config.broker_outage_s:g}); restart the worker (same --worker-id) once it is "
+                                    "back: it resumes from the committed offsets")
+
     def _rewind(self) -> None:
-        """After an abort: forget all uncommitted work and read again from the committed offsets."""
+        """After an abort: forget all uncommitted work and read again from the committed offsets, retried while the
+        broker does not answer (without a rewind the next cycle would skip the aborted records)."""
         self._drop_uncommitted("transaction aborted")
-        try:
-            for tp in self._assignment.rewind_positions(self._consumer):
-                self._consumer.seek(tp)
-        except KafkaException as exc:
-            # Without a rewind the next cycle would skip the aborted records. Exiting is safe: a restart
-            # with the same --worker-id resumes from the committed offsets.
-            raise FatalError(f"could not rewind to the committed offsets after an abort: {exc.args[0].str()}; "
-                             "restart the worker (same --worker-id) to resume from them") from exc
+        while True:
+            try:
+                positions = self._assignment.rewind_positions(self._consumer)
+                for tp in positions:
+                    self._consumer.seek(tp)
+                return
+            except KafkaException as exc:
+                liveness.BROKER.failed(f"reading the committed offsets: {exc.args[0].str()}")
+                self._check_outage()
+                log.warning("could not rewind to the committed offsets yet (%s); retrying", exc.args[0].str())
+                time.sleep(0.5)
 
     def _drop_uncommitted(self, why: str) -> None:
         dropped = len(self._cycle) + sum(len(f.cycle) for f in self._inflight)
         for cycle in [self._cycle, *(f.cycle for f in self._inflight)]:
             self._release_pins(cycle)
         self._cycle, self._inflight = Cycle(), deque()
-        self._holding = False
+        self._carried = (0, 0)
         if dropped:
             log.info("%s: dropped %d uncommitted states (they will be read again)", why, dropped)
 

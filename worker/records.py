@@ -3,22 +3,19 @@
 The stream's path, in the order a state takes it: a consumed ``SourceRecord`` is decoded into a StateEvent
 (``decode_source``; ``Unscorable`` with a ``Reason`` when it cannot be scored), and leaves as an
 ``OutgoingRecord`` for the transaction: its ProbabilityRecord (``probability_record``) or a dead letter
-(``dead_letter``). Users' files are JSON (schema files, state lines) and become Avro records here too; the
+(``dead_letter``). A user's schema file (read by ``worker.user_files``) becomes its QuestionSchema record here; the
 engine takes a list of ``{"question", "options"}`` dicts (``engine_questions``).
 """
 
 from __future__ import annotations
 
 import enum
-import json
 import math
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import schemas
-from worker.exceptions import ConfigError
 
 MAX_OPTIONS = 8  # engine.MAX_OPTIONS; repeated here so the CLI can validate files without importing torch
 
@@ -61,11 +58,13 @@ class OutgoingRecord:
 
 
 class Unscorable(Exception):
-    """A consumed record that cannot be scored: it goes to the dead letters with ``reason`` and this message."""
+    """A consumed record that cannot be scored: it goes to the dead letters with ``reason`` and this message.
+    ``state`` is the decoded StateEvent when the bytes decoded (its ids then go into the dead letter)."""
 
-    def __init__(self, reason: Reason, message: str) -> None:
+    def __init__(self, reason: Reason, message: str, state: dict[str, Any] | None = None) -> None:
         super().__init__(message)
         self.reason = reason
+        self.state = state
 
 
 def decode_source(source: SourceRecord, max_state_chars: int) -> dict[str, Any]:
@@ -78,10 +77,10 @@ def decode_source(source: SourceRecord, max_state_chars: int) -> dict[str, Any]:
         raise Unscorable(Reason.UNDECODABLE, str(exc)) from None
     problem = state_problem(state)
     if problem:
-        raise Unscorable(Reason.INVALID_FIELDS, problem)
+        raise Unscorable(Reason.INVALID_FIELDS, problem, state)
     if len(state["state"]) > max_state_chars:
         raise Unscorable(Reason.STATE_TOO_LARGE,
-                         f"state has {len(state['state'])} characters; the limit is {max_state_chars} (--max-state-chars)")
+                         f"state has {len(state['state'])} characters; the limit is {max_state_chars} (--max-state-chars)", state)
     return state
 
 
@@ -97,27 +96,12 @@ def dead_letter(source: SourceRecord, reason: Reason, message: str, topic: str, 
         "source_offset": source.offset,
         "original_key": source.key,
         "original_value": source.value,
-        "state_id": state.get("state_id"),
-        "schema_id": state.get("schema_id"),
+        "state_id": state.get("state_id") or None,  # an empty id is no id
+        "schema_id": state.get("schema_id") or None,
         "failed_at": int(time.time() * 1000),
         "worker_id": worker_id,
     }
     return OutgoingRecord(topic=topic, key=source.key, value=schemas.encode_dead_letter(record))
-
-
-
-def load_schema_file(path: str | Path) -> dict[str, Any]:
-    """Read and validate a user's schema file; ``ConfigError`` with the reason if it is unusable."""
-    try:
-        document = json.loads(Path(path).read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise ConfigError(f"cannot read schema file {path}: {exc.strerror}") from exc
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"schema file {path} is not JSON: {exc}") from exc
-    problem = schema_problem(document)
-    if problem:
-        raise ConfigError(f"schema file {path}: {problem}")
-    return document
 
 
 def schema_problem(document: Any) -> str | None:
@@ -183,28 +167,6 @@ def engine_questions(schema_record: dict[str, Any]) -> list[dict[str, Any]]:
             item["temperature"] = float(q["temperature"])
         questions.append(item)
     return questions
-
-
-def state_record_from_json(line: str, schema_id: str, line_number: int) -> dict[str, Any]:
-    """The Avro StateEvent for one line of a user's states file."""
-    try:
-        item = json.loads(line)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"line {line_number} is not JSON: {exc}") from exc
-    if not isinstance(item, dict) or not isinstance(item.get("id"), str) or not isinstance(item.get("state"), str):
-        raise ConfigError(f'line {line_number} must be an object with string "id" and "state"')
-    metadata = item.get("metadata")
-    if metadata is not None:
-        if not isinstance(metadata, dict):
-            raise ConfigError(f'line {line_number}: "metadata" must be an object')
-        metadata = {str(k): v if isinstance(v, str) else json.dumps(v) for k, v in metadata.items()}
-    return {
-        "state_id": item["id"],
-        "schema_id": schema_id,
-        "state": item["state"],
-        "event_time": int(item.get("event_time") or time.time() * 1000),
-        "metadata": metadata,
-    }
 
 
 def state_problem(record: dict[str, Any]) -> str | None:

@@ -9,13 +9,15 @@ A replay is the worker's loop (``worker.loop.Worker``) given a ``RangeAssignment
 
 Exactly once and resumable: every cycle commits its records with its input offsets in one transaction, under
 the replay's own group id (``decider-replay.NAME``) and transactional id (so a second run of the same NAME
-fences the first). The range is stored in the committed offsets' metadata at the first commit; a rerun
-with the same NAME (after a kill -9, say) resumes from the committed offsets and stops at the stored end
-offsets, whatever range its own flags would resolve to now.
+fences the first). The range is stored in the committed offsets' metadata at the first commit, with the range
+flags that chose it; a rerun with the same NAME and the same flags (after a kill -9, say) resumes from the committed
+offsets and stops at the stored end offsets, whatever those flags would resolve to now. A rerun with different range
+flags is refused: a replay's range never changes (a new --name starts a new one).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import threading
@@ -36,7 +38,7 @@ from worker.transactions import Transactions
 
 log = logging.getLogger(__name__)
 
-_META = re.compile(r"decider-replay:v1:start=(\d+):end=(\d+)")
+_META = re.compile(r"decider-replay:v1:start=(\d+):end=(\d+)(?::flags=(.*))?")
 
 
 def replay_group(name: str) -> str:
@@ -69,6 +71,30 @@ class Bound:
             return Bound(time_ms=parse_time_ms(when, f"--{flag}-time"))
         return Bound()
 
+    def flags(self, flag: str) -> str:
+        """The flag that gives this bound, in one canonical spelling (times in epoch ms); empty for an open end."""
+        if self.per_partition is not None:
+            return f"--{flag}-offset " + ",".join(f"{p}:{o}" for p, o in sorted(self.per_partition.items()))
+        if self.offset is not None:
+            return f"--{flag}-offset {self.offset}"
+        if self.time_ms is not None:
+            return f"--{flag}-time {self.time_ms}"
+        return ""
+
+
+def check_order(start: Bound, end: Bound) -> None:
+    """``ConfigError`` when the range ends before it starts (bounds of the same kind; offsets and times are compared
+    once resolved, by ``resolve_range``)."""
+    if start.offset is not None and end.offset is not None and end.offset < start.offset:
+        raise ConfigError(f"--to-offset {end.offset} is before --from-offset {start.offset}: the range ends before it starts")
+    if start.time_ms is not None and end.time_ms is not None and end.time_ms < start.time_ms:
+        raise ConfigError("--to-time is before --from-time: the range ends before it starts")
+    if start.per_partition is not None and end.per_partition is not None:
+        for partition in sorted(set(start.per_partition) & set(end.per_partition)):
+            if end.per_partition[partition] < start.per_partition[partition]:
+                raise ConfigError(f"partition {partition}: --to-offset {end.per_partition[partition]} is before "
+                                  f"--from-offset {start.per_partition[partition]}: the range ends before it starts")
+
 
 def parse_time_ms(text: str, flag: str) -> int:
     """Epoch milliseconds from ``text``: an integer (ms) or ISO 8601 (``2026-11-29T10:00:00Z``; no zone means UTC)."""
@@ -85,10 +111,11 @@ def parse_time_ms(text: str, flag: str) -> int:
 
 @dataclass(frozen=True)
 class ReplayRange:
-    """Per partition: first offset to score and end offset (exclusive)."""
+    """Per partition: first offset to score and end offset (exclusive); ``flags``: the range flags that chose them."""
 
     starts: dict[int, int]
     ends: dict[int, int]
+    flags: str | None = None  # None: stored by a version that did not record them
 
     @property
     def total(self) -> int:
@@ -97,7 +124,7 @@ class ReplayRange:
 
     def metadata(self, partition: int) -> str:
         """What the committed offset of ``partition`` carries, so a rerun finds the same range."""
-        return f"decider-replay:v1:start={self.starts[partition]}:end={self.ends[partition]}"
+        return f"decider-replay:v1:start={self.starts[partition]}:end={self.ends[partition]}:flags={self.flags or ''}"
 
 
 def resolve_range(consumer: Consumer, topic: str, partitions: list[int], start: Bound, end: Bound,
@@ -122,9 +149,13 @@ def resolve_range(consumer: Consumer, topic: str, partitions: list[int], start: 
 
     starts, ends = resolve(start, default_high=False), resolve(end, default_high=True)
     clamp = {p: (lambda o, lo=marks[p][0], hi=marks[p][1]: min(max(o, lo), hi)) for p in partitions}
-    starts = {p: clamp[p](o) for p, o in starts.items()}
-    ends = {p: max(starts[p], clamp[p](o)) for p, o in ends.items()}
-    return ReplayRange(starts, ends)
+    starts, ends = {p: clamp[p](o) for p, o in starts.items()}, {p: clamp[p](o) for p, o in ends.items()}
+    if start != Bound() and end != Bound():
+        for p in partitions:
+            if ends[p] < starts[p]:
+                raise ConfigError(f"partition {p}: the range ends (offset {ends[p]}) before it starts (offset {starts[p]}); "
+                                  "check --from-* and --to-*")
+    return ReplayRange(starts, ends, " ".join(f for f in (start.flags("from"), end.flags("to")) if f))
 
 
 class RangeAssignment:
@@ -165,10 +196,12 @@ class RangeAssignment:
         wanted = resolve_range(consumer, topic, partitions, self._start, self._end)
         positions, stored = self._committed_positions(consumer, topic, partitions)
         name = self._config.worker_id
+        if stored is not None and stored.flags is not None and stored.flags != wanted.flags:
+            raise ConfigError(f"replay {name} was started with {stored.flags or 'no range flags'}, not "
+                              f"{wanted.flags or 'no range flags'}: a replay's range never changes. Rerun with its "
+                              "flags to resume it, or choose a new --name to replay another range")
         if stored is not None:
             log.info("resuming replay %s from its committed offsets %s", name, positions)
-        if stored is not None and stored != wanted:
-            log.warning("resuming replay %s: the range stored at its first run wins over this run's flags", name)
         self.range = stored or wanted
         if stored is None:
             # Make the range durable before scoring anything: a rerun after a kill must find the same end
@@ -193,19 +226,19 @@ class RangeAssignment:
             committed = consumer.committed([TopicPartition(topic, p) for p in partitions], timeout=10)
         except KafkaException as exc:
             raise FatalError(f"cannot read the committed offsets of replay group {self._config.group}: {exc.args[0].str()}") from exc
-        positions, starts, ends = {}, {}, {}
+        positions, starts, ends, flags = {}, {}, {}, None
         for tp in committed:
             if tp.offset >= 0:
                 positions[tp.partition] = tp.offset
             match = _META.fullmatch(tp.metadata or "")
             if match:
-                starts[tp.partition], ends[tp.partition] = int(match[1]), int(match[2])
+                starts[tp.partition], ends[tp.partition], flags = int(match[1]), int(match[2]), match[3]
         if not starts:
             return positions, None
         if set(starts) != set(partitions):
             raise ConfigError(f"replay {self._config.worker_id} was started on partitions {sorted(starts)}, not {sorted(partitions)}: "
                               "pass the same --partitions, or choose a new --name")
-        return positions, ReplayRange(starts, ends)
+        return positions, ReplayRange(starts, ends, flags)
 
     def accepts(self, message: Any) -> bool:
         """Not a record past the range's end, nor the end-of-partition event at it: both finish the partition."""
@@ -310,11 +343,25 @@ def run_replay(config: WorkerConfig, start: Bound, end: Bound, partitions: list[
 
     assignment = RangeAssignment(config, start, end, partitions, on_event=on_loop_event)
     tally = _Tally(assignment, config.worker_id, progress)
+    # Log lines go through tqdm while the bar is shown, so they print above it instead of into it.
+    logs_above_bar = _logging_redirect_tqdm() if progress else contextlib.nullcontext()
     try:
-        Worker(config, assignment, stop=stop, on_event=on_loop_event).run()
+        with logs_above_bar:
+            Worker(config, assignment, stop=stop, on_event=on_loop_event).run()
     finally:
         tally.close()
     return _summary(config, assignment, tally, write)
+
+
+def _logging_redirect_tqdm():
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    return logging_redirect_tqdm()
+
+
+def replay_dead_letter_topic(output_topic: str) -> str:
+    """A replay's dead-letter topic when none is given: next to its output topic, never the live one."""
+    return f"{output_topic}.dead-letter"
 
 
 def _summary(config: WorkerConfig, assignment: RangeAssignment, tally: _Tally, write: Callable[[str], None]) -> dict[str, Any]:

@@ -2,8 +2,9 @@
 
 A state whose schema is in the table joins that schema version's batch: the schema is prepared on first sight and
 the state's tokenization starts now, on the scorer's pool, so its row is usually ready when the batch closes. A
-state naming an unknown schema waits (up to ``--schema-wait-ms``); one naming a broken schema, or one whose wait
-ran out, becomes a dead letter. When the schema topic changes, waiting states are routed again, and before a cycle
+state naming a schema never seen waits (up to ``--schema-wait-ms``, holding back only later states of its own
+partition: ``worker.batcher``); one naming a broken or a deleted schema, or one whose wait ran out, becomes a dead
+letter. When the schema topic changes, waiting states are routed again, and before a cycle
 closes its batches of superseded or deleted versions are too.
 """
 
@@ -35,6 +36,13 @@ class Router:
             # One pin per state on the prepared schema (prepared on first sight), released when its cycle ends.
             handle = self._scorer.acquire(schema)
             cycle.add_to_batch(pending, schema, handle, self._scorer.tokenize(handle, pending.state["state"]), now)
+        elif self._table.highest_version(schema_id) and pending.wait_deadline is None:
+            # Seen before and tombstoned since. Decided when the cycle closes, after the table caught up with the
+            # schema topic (the schema may have been published again just now); no longer than that.
+            cycle.add_waiting(pending, now)
+        elif self._table.highest_version(schema_id):
+            self._outputs.reject(pending, Reason.UNKNOWN_SCHEMA, f"schema {schema_id!r} was deleted (a tombstone in "
+                                 f"topic {self._config.topics.schemas}); publish it again to score its states")
         elif pending.wait_deadline is not None and now >= pending.wait_deadline:
             self._outputs.reject(pending, Reason.UNKNOWN_SCHEMA, f"no schema with id {schema_id!r} in topic "
                                  f"{self._config.topics.schemas} after waiting {self._config.schema_wait_ms} ms")

@@ -153,7 +153,6 @@ class Scorer:
             if entry is not None:
                 entry.nbytes = int(handle.nbytes)
             self._evict_to_fit(keep=key)
-        log.info("prepared schema %s v%d: %d questions, %.1f MiB", key[0], key[1], handle.n_questions, handle.nbytes / 2**20)
         if self._warmup_state_tokens:
             self._warm_up(key, handle)
         if self.on_event is not None:

@@ -4,6 +4,14 @@ This module owns every call on the transactional producer. ``commit()`` runs the
 ``abort()`` is the single abort path. Callers see three outcomes: success, ``AbortableError``
 (the transaction was aborted: rewind the consumer to its committed offsets and redo the work), or
 ``FencedError`` / ``FatalError`` (stop the process).
+
+When the broker stops answering mid-transaction, aborting is not enough: librdkafka does not implement the client
+side of KIP-890, so a request that timed out (an EndTxn above all) may still reach the broker later and act on a
+later transaction. Its maintainers' advice (librdkafka issue 5423) is followed: a producer whose call timed out, or
+whose abort fails, or that hit a fatal error other than fencing, is replaced by a new one with the same
+transactional id. The new producer's ``init_transactions`` bumps the epoch, which fences every request of the old
+one and aborts its open transaction; it is retried until the broker answers, for at most --broker-outage-s
+(then ``BrokerOutageError``, exit 5). The caller sees an ``AbortableError`` as for any abort.
 """
 
 from __future__ import annotations
@@ -18,7 +26,8 @@ from typing import Callable, Sequence, TypeVar
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
 
-from worker.exceptions import AbortableError, FatalError, FencedError
+from worker import liveness
+from worker.exceptions import AbortableError, BrokerOutageError, FatalError, FencedError
 from worker.records import OutgoingRecord
 
 log = logging.getLogger(__name__)
@@ -27,6 +36,9 @@ T = TypeVar("T")
 
 # librdkafka reports fencing as _FENCED (its normalized code) or the broker's codes.
 _FENCING_CODES = {KafkaError._FENCED, KafkaError.PRODUCER_FENCED, KafkaError.INVALID_PRODUCER_EPOCH}
+# The broker did not answer: the request may still be applied later.
+_NO_ANSWER_CODES = {KafkaError._TIMED_OUT, KafkaError._TIMED_OUT_QUEUE, KafkaError._MSG_TIMED_OUT, KafkaError._TRANSPORT,
+                    KafkaError._ALL_BROKERS_DOWN, KafkaError.REQUEST_TIMED_OUT}
 
 
 class _Watchdog:
@@ -35,7 +47,8 @@ class _Watchdog:
     A transactional call blocked inside librdkafka cannot be interrupted from Python (seen on the embedded
     broker after a restart: send_offsets_to_transaction ignores its timeout). Nothing of the open
     transaction is visible, so exiting is safe, and a restart with the same --worker-id aborts the hung
-    transaction in init_transactions. Exit code 5.
+    transaction in init_transactions. Exit code 5. From the moment the call overruns its own timeout until it
+    returns, /healthz answers 503 (``worker.liveness``).
 
     One daemon thread per producer, armed around each call: a thread per call would mean three thread starts per
     transaction, noticeable at hundreds of small transactions per second.
@@ -43,16 +56,18 @@ class _Watchdog:
 
     EXIT_CODE = 5
 
-    def __init__(self) -> None:
+    def __init__(self, broker: liveness.BrokerLiveness) -> None:
+        self._broker = broker
         self._cond = threading.Condition()
-        self._armed: tuple[str, float, float] | None = None  # (step, limit_s, monotonic deadline)
+        self._armed: tuple[str, float, float, float] | None = None  # (step, limit_s, overdue at, deadline)
         threading.Thread(target=self._watch, name="decider-txn-watchdog", daemon=True).start()
 
     @contextlib.contextmanager
-    def guard(self, step: str, limit_s: float):
-        """Exit the process if the body runs longer than ``limit_s``."""
+    def guard(self, step: str, timeout_s: float, limit_s: float):
+        """Warn (/healthz) once the body runs past ``timeout_s``; exit the process once it runs past ``limit_s``."""
+        now = time.monotonic()
         with self._cond:
-            self._armed = (step, limit_s, time.monotonic() + limit_s)
+            self._armed = (step, limit_s, now + timeout_s, now + limit_s)
             self._cond.notify()
         try:
             yield
@@ -60,6 +75,7 @@ class _Watchdog:
             with self._cond:
                 self._armed = None
                 self._cond.notify()
+            self._broker.overran(None)
 
     def _watch(self) -> None:
         with self._cond:
@@ -67,11 +83,14 @@ class _Watchdog:
                 if self._armed is None:
                     self._cond.wait()
                     continue
-                step, limit_s, deadline = self._armed
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
+                step, limit_s, overdue, deadline = self._armed
+                now = time.monotonic()
+                if now >= deadline:
                     self._fire(step, limit_s)
-                self._cond.wait(remaining)
+                if now >= overdue:
+                    self._broker.overran(f"{step} overran its timeout; the process exits in {deadline - now:.0f} s "
+                                         "unless it returns")
+                self._cond.wait((deadline if now >= overdue else overdue) - now)
 
     def _fire(self, step: str, limit_s: float) -> None:
         message = (f"error: {step} did not return within {limit_s:.0f} s; exiting so that a restart with the same "
@@ -82,7 +101,7 @@ class _Watchdog:
 
 
 class Transactions:
-    """Runs one transaction at a time on ``producer``, committing ``consumer``'s offsets with it."""
+    """Runs one transaction at a time on a transactional producer, committing ``consumer``'s offsets with it."""
 
     def __init__(
         self,
@@ -90,75 +109,148 @@ class Transactions:
         consumer: Consumer,
         worker_id: str,
         timeout_s: float = 30.0,
+        outage_s: float = 300.0,
+        broker: liveness.BrokerLiveness = liveness.BROKER,
     ) -> None:
-        # error_cb collects client-level errors (fencing is reported there as a fatal error) instead of
-        # letting them surface from flush() in the middle of delivery callbacks.
-        self._producer = Producer({**producer_config, "error_cb": self._on_error})
+        self._producer_config = producer_config
         self._consumer = consumer
-        self._fatal: KafkaError | None = None
         self._worker_id = worker_id
         self._timeout_s = timeout_s
+        self._outage_s = outage_s
+        self._broker = broker
         self._open = False
+        self._in_doubt = False  # a request went unanswered: this producer must be replaced, not reused
+        self._failing_since: float | None = None  # monotonic time of the first failure since the last commit
         self._delivery_errors: list[KafkaError] = []
-        self._watchdog = _Watchdog()
+        self._watchdog = _Watchdog(broker)
+        self._generation = 0
+        self._producer = self._new_producer()
+
+    def _new_producer(self) -> Producer:
+        self._generation += 1
+        generation = self._generation
+        self._fatal: KafkaError | None = None
+        # error_cb collects client-level errors (fencing is reported there as a fatal error) instead of
+        # letting them surface from flush() in the middle of delivery callbacks; a replaced producer's are ignored.
+        return Producer({**self._producer_config, "error_cb": lambda error: self._on_error(generation, error)})
 
     def init(self) -> None:
         """Register the transactional id: fences any older instance with the same --worker-id and
         aborts whatever transaction it left open, so its partial output never becomes visible."""
-        self._call("init_transactions", self._producer.init_transactions)
+        self._init_until_answered()
 
     def commit(self, records: Sequence[OutgoingRecord], offsets: Sequence[TopicPartition]) -> None:
         """Publish ``records`` and commit ``offsets`` (next offset to read, per input partition) atomically."""
         try:
-            # 1. Begin: nothing produced from here on is visible until step 5 succeeds.
-            self._call("begin_transaction", lambda _timeout: self._producer.begin_transaction())
-            self._open = True
-            # 2. Send the input offsets with the group metadata, so the group coordinator rejects them
-            #    if this worker is no longer the group's owner of those partitions (zombie fencing).
-            #    First, before any record: if this call hangs (seen on the embedded broker right after a
-            #    restart) and the watchdog exits, the stuck transaction holds no output record, so it cannot
-            #    hold read_committed readers of the output topics behind it. The order inside a
-            #    transaction does not matter for atomicity; and a zombie is rejected before producing.
-            if offsets:
-                metadata = self._consumer.consumer_group_metadata()
-                self._call(
-                    "send_offsets_to_transaction",
-                    lambda timeout: self._producer.send_offsets_to_transaction(list(offsets), metadata, timeout),
-                )
-            # 3. Produce every output record and dead letter into the transaction.
-            self._delivery_errors.clear()
-            for record in records:
-                self._produce(record)
-            # 4. Flush, then check every delivery report: a lost record must not be committed around.
-            remaining = self._flush()
-            if self._fatal is not None:
-                self._raise_classified("produce", self._fatal)
-            if remaining:
-                raise AbortableError(f"{remaining} records were not delivered within {self._timeout_s:.0f} s")
-            if self._delivery_errors:
-                raise AbortableError(f"record delivery failed: {self._delivery_errors[0].str()}")
-            # 5. Commit: records and offsets become visible together, or not at all.
-            self._call("commit_transaction", self._producer.commit_transaction)
-            self._open = False
-        except AbortableError:
-            self.abort()
+            with self._broker.call("commit"):
+                self._commit_steps(records, offsets)
+        except AbortableError as exc:
+            if self._failing_since is None:
+                self._failing_since = time.monotonic()
+            self._abort_or_replace(str(exc))
             raise
+        self._failing_since = None
+        self._broker.succeeded()
+
+    def _commit_steps(self, records: Sequence[OutgoingRecord], offsets: Sequence[TopicPartition]) -> None:
+        # 1. Begin: nothing produced from here on is visible until step 5 succeeds.
+        self._call("begin_transaction", lambda _timeout: self._producer.begin_transaction())
+        self._open = True
+        # 2. Send the input offsets with the group metadata, so the group coordinator rejects them
+        #    if this worker is no longer the group's owner of those partitions (zombie fencing).
+        #    First, before any record: if this call hangs (seen on the embedded broker right after a
+        #    restart) and the watchdog exits, the stuck transaction holds no output record, so it cannot
+        #    hold read_committed readers of the output topics behind it. The order inside a
+        #    transaction does not matter for atomicity; and a zombie is rejected before producing.
+        if offsets:
+            metadata = self._consumer.consumer_group_metadata()
+            self._call(
+                "send_offsets_to_transaction",
+                lambda timeout: self._producer.send_offsets_to_transaction(list(offsets), metadata, timeout),
+            )
+        # 3. Produce every output record and dead letter into the transaction.
+        self._delivery_errors.clear()
+        for record in records:
+            self._produce(record)
+        # 4. Flush, then check every delivery report: a lost record must not be committed around.
+        remaining = self._flush()
+        if self._fatal is not None:
+            self._raise_classified("produce", self._fatal)
+        if remaining:
+            self._in_doubt = True
+            raise AbortableError(f"{remaining} records were not delivered within {self._timeout_s:.0f} s")
+        if self._delivery_errors:
+            self._in_doubt = any(e.code() in _NO_ANSWER_CODES for e in self._delivery_errors)
+            raise AbortableError(f"record delivery failed: {self._delivery_errors[0].str()}")
+        # 5. Commit: records and offsets become visible together, or not at all.
+        self._call("commit_transaction", self._producer.commit_transaction)
+        self._open = False
 
     def abort(self) -> None:
         """Abort the open transaction, if any. The single abort path; safe to call twice."""
         if not self._open:
             return
         self._open = False
-        self._call("abort_transaction", self._producer.abort_transaction, abortable=False)
-        log.info("transaction aborted")
+        try:
+            self._call("abort_transaction", self._producer.abort_transaction)
+        except AbortableError as exc:
+            raise FatalError(str(exc)) from exc
+        log.debug("transaction aborted")  # the loop reports it as the "aborted" event
 
     def close(self) -> None:
         """Abort whatever is open and release the producer's queue."""
         try:
-            self.abort()
+            if not self._in_doubt:
+                self.abort()
         finally:
             self._producer.flush(0)
 
+    # ---- after a failed step: abort, or replace the producer -------------------------------------------------
+    def _abort_or_replace(self, why: str) -> None:
+        """Abort the failed transaction; where a request went unanswered or the abort fails, replace the producer."""
+        if not self._in_doubt:
+            try:
+                self.abort()
+                return
+            except FatalError as exc:
+                if isinstance(exc, FencedError):
+                    raise
+                why = f"{why}; then {exc}"
+        self._replace_producer(why)
+
+    def _replace_producer(self, why: str) -> None:
+        """A new producer with the same transactional id: its epoch fences the old one's requests still in flight
+        and aborts its open transaction. Retried until the broker answers, at most --broker-outage-s."""
+        log.warning("replacing the transactional producer (%s): a new one with the same transactional id fences the "
+                    "old one's requests and aborts its open transaction", why)
+        old, self._producer = self._producer, self._new_producer()
+        self._open = self._in_doubt = False
+        # Destroying a producer may wait for its requests in flight: let that happen off the loop's thread.
+        threading.Thread(target=_retire, args=(old,), name="decider-producer-retire", daemon=True).start()
+        del old
+        self._init_until_answered()
+
+    def _init_until_answered(self) -> None:
+        deadline = (self._failing_since or time.monotonic()) + self._outage_s
+        reported = 0.0
+        while True:
+            try:
+                self._call("init_transactions", self._producer.init_transactions, replaceable=False)
+                self._broker.succeeded()
+                return
+            except AbortableError as exc:  # the broker did not answer (fatal errors, fencing included, stop here)
+                self._broker.failed(str(exc))
+                if time.monotonic() >= deadline:
+                    raise BrokerOutageError(
+                        f"no transaction coordinator answered for {self._outage_s:.0f} s (--broker-outage-s): {exc}; "
+                        "restart the worker (same --worker-id) once the broker is back") from exc
+                if time.monotonic() - reported >= 10:
+                    reported = time.monotonic()
+                    log.warning("the broker does not answer (%s); retrying for %.0f s more", exc,
+                                deadline - time.monotonic())
+                time.sleep(0.5)
+
+    # ---- one call on the producer --------------------------------------------------------------------------
     def _produce(self, record: OutgoingRecord) -> None:
         while True:
             try:
@@ -179,9 +271,12 @@ class Transactions:
             cause = exc if isinstance(exc, KafkaException) else exc.__cause__
             if isinstance(cause, KafkaException):
                 self._raise_classified("flush", cause.args[0])
+            self._in_doubt = True
             raise AbortableError(f"flush failed: {exc!r}") from exc
 
-    def _on_error(self, error: KafkaError) -> None:
+    def _on_error(self, generation: int, error: KafkaError) -> None:
+        if generation != self._generation:
+            return
         if error.fatal():
             self._fatal = error
         else:
@@ -191,7 +286,7 @@ class Transactions:
         if error is not None:
             self._delivery_errors.append(error)
 
-    def _call(self, step: str, action: Callable[[float], T], abortable: bool = True) -> T:
+    def _call(self, step: str, action: Callable[[float], T], replaceable: bool = True) -> T:
         """Run one transactional API call (given the seconds it may take); retry only what librdkafka marks
         retriable, and only within ``timeout_s`` in total, so a broker that never comes back turns into an
         abort (or an exit) instead of a worker that waits forever."""
@@ -200,25 +295,35 @@ class Transactions:
         while True:
             remaining = deadline - time.monotonic()
             try:
-                with self._watchdog.guard(step, self._timeout_s * 2 + 1):
+                with self._watchdog.guard(step, self._timeout_s, self._timeout_s * 2 + 1), self._broker.call(step):
                     return action(max(remaining, 0.1))
             except KafkaException as exc:
                 error: KafkaError = exc.args[0]
                 attempt += 1
                 if error.retriable() and not error.fatal() and deadline - time.monotonic() > 0.2:
-                    log.warning("%s failed (%s), retrying", step, error.str())
+                    log.log(logging.WARNING if attempt == 1 else logging.DEBUG, "%s failed (%s), retrying", step, error.str())
                     time.sleep(min(0.05 * 2**attempt, 1.0, max(deadline - time.monotonic() - 0.1, 0)))
                     continue
-                if not abortable and not error.fatal():
-                    raise FatalError(f"{step} failed: {error.str()}") from exc
-                self._raise_classified(step, error)
+                if error.retriable() or error.code() in _NO_ANSWER_CODES:
+                    self._in_doubt = True
+                    self._broker.failed(f"{step}: {error.str()}")
+                self._raise_classified(step, error, replaceable)
 
-    def _raise_classified(self, step: str, error: KafkaError) -> None:
+    def _raise_classified(self, step: str, error: KafkaError, replaceable: bool = True) -> None:
         if error.code() in _FENCING_CODES or (error.fatal() and "fenc" in error.str().lower()):
             raise FencedError(
                 f"producer fenced during {step}: another worker started with --worker-id {self._worker_id} "
                 "(same transactional id) and took over; this instance stops. Give each worker a unique --worker-id."
             )
-        if error.fatal():
+        if error.fatal() and not replaceable:
             raise FatalError(f"fatal Kafka error during {step}: {error.str()}")
+        if error.fatal():
+            self._in_doubt = True  # librdkafka's rule for a fatal error: this producer instance is done
         raise AbortableError(f"{step} failed: {error.str()}")
+
+
+def _retire(producer: Producer) -> None:
+    """Drop a replaced producer's queued records; its last reference goes with this thread."""
+    with contextlib.suppress(Exception):
+        producer.purge(in_queue=True, in_flight=True, blocking=False)
+        producer.flush(0)

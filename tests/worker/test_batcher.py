@@ -94,3 +94,40 @@ def test_batches_of_superseded_or_deleted_versions_are_taken_out():
     assert list(cycle.batches) == [("t", 4)] and list(cycle.pins()) == [("t", 4)]
     assert old.batch_key is None and old.batch_index == -1
     assert cycle.entries == [old, current, deleted]  # still consumed in this cycle: routed again by the caller
+
+
+def test_a_waiting_state_holds_back_only_its_own_partition():
+    cycle = Cycle()
+    before, waiting, after = _pending(0, 10), _pending(0, 11, schema_id="later"), _pending(0, 12)
+    other = [_pending(1, 20), _pending(1, 21)]
+    _batch(cycle, before, _schema(), 1.0)
+    _batch(cycle, other[0], _schema(), 1.0)
+    cycle.track(waiting, 1.1)
+    cycle.add_waiting(waiting, deadline=11.0)
+    _batch(cycle, after, _schema(), 1.2)
+    _batch(cycle, other[1], _schema(), 1.3)
+    after_row = cycle.batches[("s", 1)].rows[after.batch_index]
+
+    carried = cycle.carry_held(now=2.0)
+
+    # Partition 0 commits up to, not including, its waiting state; partition 1 wholly.
+    assert cycle.entries == [before, other[0], other[1]] and cycle.waiting == []
+    assert sorted((tp.partition, tp.offset) for tp in cycle.offsets()) == [(0, 11), (1, 22)]
+    assert cycle.batches[("s", 1)].members == [before, other[0], other[1]]
+    assert [m.batch_index for m in cycle.batches[("s", 1)].members] == [0, 1, 2]
+    assert sorted(cycle.pins()) == [("s", 1)] * 3
+    # The next cycle starts with the held states, in order, the batched one with its tokenized row.
+    assert carried.entries == [waiting, after] and carried.waiting == [waiting] and waiting.wait_deadline == 11.0
+    assert carried.batches[("s", 1)].members == [after] and carried.batches[("s", 1)].rows == [after_row]
+    assert [(tp.partition, tp.offset) for tp in carried.offsets()] == [(0, 13)]
+    assert carried.wait_deadline() == 11.0 and carried.opened_at == 2.0
+    # States carried over never make a batch full: they cannot commit before the wait ends anyway.
+    assert not carried.full(1)
+    _batch(carried, _pending(0, 13), _schema(), 2.5)
+    assert carried.full(1)
+
+
+def test_nothing_is_carried_when_no_state_waits():
+    cycle = Cycle()
+    _batch(cycle, _pending(0, 0), _schema(), 0.0)
+    assert len(cycle.carry_held(now=1.0)) == 0 and len(cycle) == 1 and cycle.wait_deadline() is None

@@ -25,11 +25,12 @@ def test_each_bad_input_goes_to_dead_letters_between_scored_states(stream_factor
     # ... and a schema record that is not Avro at all.
     stream.produce_raw(b"garbled", b"\x00\x01 definitely not avro", topic=stream.topics.schemas)
 
-    good = iter(state_texts(20, seed=3))
+    good = iter(state_texts(24, seed=3))
     bad_inputs = {
         "undecodable": (b"bad-bytes", b"\xff\xfe\xfd not a StateEvent"),
         "undecodable-null": (b"bad-null", None),
         "invalid_fields": (b"bad-fields", encode_state("", "tickets", "a state without an id")),
+        "invalid_fields-no-text": (b"bad-no-text", encode_state("bad-no-text", "tickets", "  ")),
         "unknown_schema": (b"bad-unknown", encode_state("bad-unknown", "no-such-schema", "who asks?")),
         "schema_unpreparable": (b"bad-nine", encode_state("bad-nine", "nine", "nine options")),
         "schema_unpreparable-garbled": (b"bad-garbled", encode_state("bad-garbled", "garbled", "garbled schema")),
@@ -65,6 +66,10 @@ def test_each_bad_input_goes_to_dead_letters_between_scored_states(stream_factor
         assert letter["original_key"] == key.decode()
         assert letter["original_value_base64"] == (None if value is None else base64.b64encode(value).decode())
         assert letter["worker_id"] == "dlq"
+        decoded = None if kind.startswith("undecodable") else schemas.decode_state(value)
+        # The ids of every record that decoded, whatever its reason (an empty id is none).
+        assert letter["state_id"] == (decoded and decoded["state_id"] or None), letter
+        assert letter["schema_id"] == (decoded and decoded["schema_id"]), letter
     assert "no-such-schema" in by_offset[_offset(sent, "unknown_schema")]["message"]
     assert "9 options" in by_offset[_offset(sent, "schema_unpreparable")]["message"]
     assert "2500 characters; at most 2000" in by_offset[_offset(sent, "schema_unpreparable-long")]["message"]

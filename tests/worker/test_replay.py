@@ -4,7 +4,9 @@ the end offsets of its first run, even after the topic grew (read_committed view
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import subprocess
 import re
 import sys
 import time
@@ -138,3 +140,56 @@ def test_replay_dead_letters_bad_input_and_unknown_schemas_at_the_end_of_the_ran
     assert sorted(r["state_id"] for r in probabilities) == sorted(f"ok-{i}" for i in range(5))
     assert Counter(d["reason"] for d in dead) == {"unknown_schema": 3, "undecodable": 1}, replay.log()
     assert "complete; 5 states scored, 4 dead letters" in replay.log()
+
+
+def _decider(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "worker", *args], capture_output=True, text=True, timeout=180,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def _one_line_error(done: subprocess.CompletedProcess, code: int) -> str:
+    lines = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert done.returncode == code and len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
+    return lines[0]
+
+
+def test_replay_refuses_an_inverted_range_and_a_changed_range_for_its_name(stream, model_dir):
+    stream.put_schema("tickets", QUESTIONS)
+    stream.produce_states([(f"c-{i}", t) for i, t in enumerate(state_texts(12, seed=14))], "tickets")
+    common = ["replay", "-b", stream.bootstrap, "--model", str(model_dir), "--states-topic", stream.topics.states,
+              "--schemas-topic", stream.topics.schemas, "--output-topic", stream.topics.probabilities,
+              "--dead-letter-topic", stream.topics.dead_letter, "--no-progress"]
+
+    inverted = _one_line_error(_decider(*common, "--name", "upside-down", "--from-offset", "100", "--to-offset", "50"), 2)
+    assert "--to-offset 50 is before --from-offset 100" in inverted
+
+    first = _decider(*common, "--name", "fixed", "--to-offset", "3")
+    assert first.returncode == 0 and "complete; 6 states scored" in first.stderr, first.stderr
+    changed = _one_line_error(_decider(*common, "--name", "fixed", "--to-offset", "5"), 2)
+    assert "started with --to-offset 3, not --to-offset 5" in changed and "new --name" in changed
+    again = _decider(*common, "--name", "fixed", "--to-offset", "3")  # the same flags: resumes (nothing left)
+    assert again.returncode == 0 and "complete; 0 states scored" in again.stderr, again.stderr
+    assert stream.committed_offsets(replay_group("fixed")) == {0: 3, 1: 3}
+
+
+def test_replay_dead_letters_default_next_to_its_output_and_a_missing_topic_names_its_command(stream, model_dir):
+    stream.put_schema("tickets", QUESTIONS)
+    stream.produce_raw(b"junk", b"\x00not avro")
+    output = f"{stream.topics.probabilities}.replayed"
+    args = ["replay", "-b", stream.bootstrap, "--model", str(model_dir), "--name", "own-dead-letters",
+            "--states-topic", stream.topics.states, "--schemas-topic", stream.topics.schemas, "--output-topic", output,
+            "--no-progress"]
+    missing = _one_line_error(_decider(*args), 4)
+    assert f"{output}, {output}.dead-letter do not exist" in missing, missing
+    # The suggested command creates exactly what is missing.
+    command = missing.split("create them with: ")[1].split()
+    assert command[:3] == ["decider", "topics", "create"], command
+    created = _decider(*command[1:])
+    assert created.returncode == 0, created.stderr
+    done = _decider(*args)
+    assert done.returncode == 0 and "0 states scored, 1 dead letters" in done.stderr, done.stderr
+    replayed = dataclasses.replace(stream, topics=dataclasses.replace(stream.topics, probabilities=output,
+                                                                      dead_letter=f"{output}.dead-letter"), partitions=4)
+    probabilities, dead = replayed.collect(1, timeout_s=30, settle_s=0.5)
+    assert probabilities == [] and [d["original_key"] for d in dead] == ["junk"]
+    assert stream.collect(1, timeout_s=2, settle_s=0) == ([], [])  # nothing in the live worker's topics

@@ -12,7 +12,7 @@ import time
 import pytest
 from confluent_kafka import Consumer, KafkaError, TopicPartition
 
-from worker.exceptions import AbortableError, FencedError
+from worker.exceptions import AbortableError, BrokerOutageError, FencedError
 from worker.kafka_clients import reader_consumer
 from worker.records import OutgoingRecord
 from worker.transactions import Transactions
@@ -108,11 +108,35 @@ def test_second_instance_with_same_transactional_id_fences_the_first(stream):
 
 
 def test_watchdog_exits_with_code_5_when_a_call_overruns_and_stays_quiet_otherwise():
-    script = ("import time\nfrom worker.transactions import _Watchdog\nw = _Watchdog()\n"
-              "for _ in range(200):\n    with w.guard('quick', 0.5):\n        pass\n"
-              "with w.guard('send_offsets_to_transaction', 0.3):\n    time.sleep(10)\n")
+    script = ("import sys, threading, time\nfrom worker.liveness import BrokerLiveness\n"
+              "from worker.transactions import _Watchdog\nbroker = BrokerLiveness()\nw = _Watchdog(broker)\n"
+              "for _ in range(200):\n    with w.guard('quick', 0.4, 0.5):\n        pass\n"
+              "print('after quick calls:', broker.liveness_problem(), file=sys.stderr, flush=True)\n"
+              "report = lambda: (time.sleep(0.3), print('overrun:', broker.liveness_problem(), file=sys.stderr, flush=True))\n"
+              "threading.Thread(target=report).start()\n"
+              "with w.guard('send_offsets_to_transaction', 0.1, 0.6):\n    time.sleep(10)\n")
     started = time.monotonic()
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=30)
     assert done.returncode == 5, done.stderr
+    assert "after quick calls: None" in done.stderr
+    # Between the call's own timeout and the exit, /healthz has its reason to answer 503.
+    assert "overrun: send_offsets_to_transaction overran its timeout" in done.stderr
     assert "send_offsets_to_transaction did not return" in done.stderr
     assert time.monotonic() - started < 8
+
+
+def test_no_coordinator_within_the_outage_bound_is_exit_5():
+    from worker.embedded_broker import free_port
+    from worker.liveness import BrokerLiveness
+
+    broker = BrokerLiveness()
+    consumer = Consumer({"bootstrap.servers": "127.0.0.1:1", "group.id": "nobody", "log_level": 0})
+    nobody = {"bootstrap.servers": f"127.0.0.1:{free_port()}", "transactional.id": "t-nobody", "log_level": 0}
+    txns = Transactions(nobody, consumer, "w", timeout_s=0.5, outage_s=1.5, broker=broker)
+    started = time.monotonic()
+    with pytest.raises(BrokerOutageError, match="--broker-outage-s") as raised:
+        txns.init()
+    assert raised.value.exit_code == 5
+    assert 1.5 <= time.monotonic() - started < 6
+    assert "broker unreachable" in broker.readiness_problem()
+    consumer.close()
