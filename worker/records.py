@@ -15,7 +15,7 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import schemas
 from worker.exceptions import ConfigError
@@ -49,6 +49,11 @@ class SourceRecord:
     offset: int
     key: bytes | None
     value: bytes | None
+    headers: list[tuple[str, bytes | None]] | None = None  # as the consumer returns them (None: no headers)
+    timestamp_ms: int | None = None  # the record's Kafka timestamp (None or <= 0: not available)
+
+
+Headers = list[tuple[str, bytes]]
 
 
 @dataclass(frozen=True)
@@ -58,14 +63,16 @@ class OutgoingRecord:
     topic: str
     key: bytes | None
     value: bytes
+    headers: Headers | None = None  # headers carried over from the input record (--propagate-headers)
 
 
 class Unscorable(Exception):
     """A consumed record that cannot be scored: it goes to the dead letters with ``reason`` and this message."""
 
-    def __init__(self, reason: Reason, message: str) -> None:
+    def __init__(self, reason: Reason, message: str, state: dict[str, Any] | None = None) -> None:
+        """``state``: what was read of the record before it failed (``state_id``/``schema_id``), for the dead letter."""
         super().__init__(message)
-        self.reason = reason
+        self.reason, self.state = reason, state
 
 
 def decode_source(source: SourceRecord, max_state_chars: int) -> dict[str, Any]:
@@ -76,18 +83,25 @@ def decode_source(source: SourceRecord, max_state_chars: int) -> dict[str, Any]:
         state = schemas.decode_state(source.value)
     except ValueError as exc:
         raise Unscorable(Reason.UNDECODABLE, str(exc)) from None
+    return checked_state(state, max_state_chars)
+
+
+def checked_state(state: dict[str, Any], max_state_chars: int) -> dict[str, Any]:
+    """``state`` if it can be scored; ``Unscorable`` (carrying the state's ids) says why not."""
     problem = state_problem(state)
     if problem:
-        raise Unscorable(Reason.INVALID_FIELDS, problem)
+        raise Unscorable(Reason.INVALID_FIELDS, problem, state)
     if len(state["state"]) > max_state_chars:
         raise Unscorable(Reason.STATE_TOO_LARGE,
-                         f"state has {len(state['state'])} characters; the limit is {max_state_chars} (--max-state-chars)")
+                         f"state has {len(state['state'])} characters; the limit is {max_state_chars} (--max-state-chars)", state)
     return state
 
 
 def dead_letter(source: SourceRecord, reason: Reason, message: str, topic: str, worker_id: str,
-                state: dict[str, Any] | None = None) -> OutgoingRecord:
-    """The dead-letter record for ``source`` (with the ids of its decoded ``state``, if any), keyed by the original key."""
+                state: dict[str, Any] | None = None, encode: Callable[[dict[str, Any]], bytes] = schemas.encode_dead_letter,
+                headers: Headers | None = None) -> OutgoingRecord:
+    """The dead-letter record for ``source`` (with the ids of its decoded ``state``, if any), keyed by the original key,
+    its value made by ``encode`` (``--output-format``)."""
     state = state or {}
     record = {
         "reason": reason.value,
@@ -102,7 +116,7 @@ def dead_letter(source: SourceRecord, reason: Reason, message: str, topic: str, 
         "failed_at": int(time.time() * 1000),
         "worker_id": worker_id,
     }
-    return OutgoingRecord(topic=topic, key=source.key, value=schemas.encode_dead_letter(record))
+    return OutgoingRecord(topic=topic, key=source.key, value=encode(record), headers=headers)
 
 
 

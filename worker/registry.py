@@ -12,9 +12,7 @@ from typing import Any, Mapping
 from urllib.parse import urlsplit
 
 from worker.exceptions import ConfigError
-from worker.config_file import REDACTED, is_secret, redact_text
-
-REGISTRY_TABLE = "schema_registry"
+from worker.config_file import REDACTED, REGISTRY_TABLE, is_secret, redact_text
 # Secrets the [kafka] rule (worker.config_file.is_secret) does not recognise by name: "user:password".
 _USER_INFO_KEYS = frozenset({"basic.auth.user.info"})
 
