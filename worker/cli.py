@@ -20,7 +20,8 @@ except ImportError:
     from click import exceptions as click_errors
 
 from worker.cli_options import (DEFAULTS, BootstrapOpt, DeadLetterTopicOpt, DeterministicOpt, DeviceOpt, DtypeOpt, ModelOpt, ProbabilitiesTopicOpt,
-                                SchemasTopicOpt, StatesTopicOpt, cluster, kafka_settings, loop_config, loop_options)
+                                SchemasTopicOpt, StatesTopicOpt, cluster, kafka_settings, loop_config, loop_options,
+                                registry_config, registry_settings)
 from worker.config import REPLAY_MAX_BATCH, Topics
 from worker.exceptions import ConfigError, DeciderError, FatalError
 
@@ -42,7 +43,7 @@ def friendly_errors(command: Callable) -> Callable:
 
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
-        settings = kafka_settings(kwargs.get("ctx"))
+        settings = _secrets(kwargs.get("ctx"))
         try:
             return command(*args, **kwargs)
         except FatalError as exc:
@@ -56,6 +57,13 @@ def friendly_errors(command: Callable) -> Callable:
             raise typer.Exit(4) from None
 
     return wrapper
+
+
+def _secrets(ctx: typer.Context | None) -> dict[str, Any]:
+    """Settings whose secrets must not show in an error: the config file's [kafka] and [schema_registry] tables."""
+    from worker.registry import secret_settings
+
+    return {**kafka_settings(ctx), **secret_settings(None, registry_settings(ctx))}
 
 
 def _redacted(text: str, settings: Mapping[str, Any]) -> str:
@@ -237,14 +245,16 @@ def tail(
     timeout: Optional[float] = typer.Option(None, "--timeout", min=0, help="Stop once no new record arrived for this many seconds."),
     probabilities_topic: str = ProbabilitiesTopicOpt,
     dead_letter_topic: str = DeadLetterTopicOpt,
+    schema_registry_url: Optional[str] = typer.Option(None, "--schema-registry-url", envvar="DECIDER_SCHEMA_REGISTRY_URL", help="Schema Registry URL, to read avro-registry output (avro and json need none)."),
 ) -> None:
-    """Print committed output records (read_committed: aborted attempts never show)."""
+    """Print committed output records in any --output-format (read_committed: aborted attempts never show)."""
     from worker import commands
 
     if topic not in ("probabilities", "dead-letter"):
         raise ConfigError(f"--topic must be probabilities or dead-letter, not {topic!r}")
     name = probabilities_topic if topic == "probabilities" else dead_letter_topic
-    for record in commands.tail(cluster(ctx, bootstrap), name, topic, from_beginning, max_records, timeout):
+    registry = registry_config(ctx, schema_registry_url)
+    for record in commands.tail(cluster(ctx, bootstrap), name, topic, from_beginning, max_records, timeout, registry):
         typer.echo(commands.json_line(record) if as_json else commands.summary_line(topic, record))
         sys.stdout.flush()
 

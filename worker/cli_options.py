@@ -13,9 +13,12 @@ import typer
 
 from worker.config import Cluster, Topics, WorkerConfig
 from worker.exceptions import ConfigError
+from worker.input_mapping import InputMapping, split_list, unescape_flag_template
+from worker.registry import RegistryConfig
 
 DEFAULTS = {f.name: f.default for f in dataclasses.fields(WorkerConfig) if f.default is not dataclasses.MISSING}
 TOPICS = Topics()  # the default topic names
+DEFAULT_INPUT = InputMapping()
 
 # ---- shared options -----------------------------------------------------------------------------------------
 BootstrapOpt = typer.Option(..., "-b", "--bootstrap", envvar="DECIDER_BOOTSTRAP", help="Kafka bootstrap servers, host:port[,host:port].")
@@ -62,6 +65,36 @@ LOOP_OPTIONS = [
     _option("states_topic", str, StatesTopicOpt),
     _option("schemas_topic", str, SchemasTopicOpt),
     _option("dead_letter_topic", str, DeadLetterTopicOpt),
+    # Users' own events in (worker.input_mapping); the config file's [input] table holds the same keys.
+    _option("input_format", str, typer.Option(
+        DEFAULT_INPUT.format, "--input-format", envvar="DECIDER_INPUT_FORMAT",
+        help="How the states topic's records read: decider (its StateEvent Avro), json (a UTF-8 JSON object), avro-registry "
+             "(Confluent wire format, decoded through --schema-registry-url) or text (the value is the state text).")),
+    _option("id_field", Optional[str], typer.Option(None, "--id-field", envvar="DECIDER_INPUT_ID_FIELD", help="Dotted path of the state id (a string or an integer; default: the record key).")),
+    _option("text_field", Optional[str], typer.Option(None, "--text-field", envvar="DECIDER_INPUT_TEXT_FIELD", help="Dotted path of the text to score (or --text-template).")),
+    _option("text_template", Optional[str], typer.Option(
+        None, "--text-template", envvar="DECIDER_INPUT_TEXT_TEMPLATE",
+        help="The text to score, with {dotted.path} placeholders ({{ and }} for braces; \\n a newline, \\t a tab).")),
+    _option("schema_id_field", Optional[str], typer.Option(None, "--schema-id-field", envvar="DECIDER_INPUT_SCHEMA_ID_FIELD", help="Dotted path of the question schema's id, read per record.")),
+    _option("schema_id", Optional[str], typer.Option(
+        None, "--schema-id", envvar="DECIDER_INPUT_SCHEMA_ID",
+        help="The question schema of every record that has no decider-schema-id header (json, avro-registry, text).")),
+    _option("event_time_field", Optional[str], typer.Option(None, "--event-time-field", envvar="DECIDER_INPUT_EVENT_TIME_FIELD", help="Dotted path of the event time: epoch ms or ISO 8601 (default: the record timestamp).")),
+    _option("metadata_fields", Optional[str], typer.Option(None, "--metadata-fields", envvar="DECIDER_INPUT_METADATA_FIELDS", help="Comma-separated dotted paths copied into the output record's metadata.")),
+    _option("propagate_headers", str, typer.Option(
+        ",".join(DEFAULT_INPUT.propagate_headers), "--propagate-headers", envvar="DECIDER_PROPAGATE_HEADERS",
+        help="Comma-separated headers copied from each input record to its output record (empty: none).")),
+    # Output formats and the Schema Registry (worker.output_formats, worker.registry).
+    _option("output_format", str, typer.Option(
+        DEFAULTS["output_format"], "--output-format", envvar="DECIDER_OUTPUT_FORMAT",
+        help="avro (schemaless, schemas/*.avsc), avro-registry (Confluent wire format, subject <topic>-value) or json; "
+             "for probability records and dead letters alike.")),
+    _option("schema_registry_url", Optional[str], typer.Option(
+        None, "--schema-registry-url", envvar="DECIDER_SCHEMA_REGISTRY_URL",
+        help="Schema Registry URL, for avro-registry input or output; client settings in the config file's [schema_registry].")),
+    _option("auto_register", bool, typer.Option(
+        True, "--auto-register/--no-auto-register", envvar="DECIDER_AUTO_REGISTER",
+        help="Register decider's output schemas at start (default), or only check that the subjects hold them.")),
 ]
 
 
@@ -106,10 +139,35 @@ def loop_config(ctx: typer.Context, flags: dict[str, Any], probabilities_topic: 
         warmup_state_tokens=_token_counts(flags["warmup_state_tokens"]),
         transaction_timeout_ms=flags["transaction_timeout_ms"], broker_outage_s=flags["broker_outage_s"],
         metrics_port=flags["metrics_port"], metrics_host=flags["metrics_host"], kafka=kafka_settings(ctx), **own,
+        input=input_mapping(ctx, flags), output_format=flags["output_format"],
+        registry=registry_config(ctx, flags["schema_registry_url"], flags["auto_register"]),
     )
     if not Path(config.model_dir).is_dir():
         raise ConfigError(f"--model {config.model_dir}: no such directory")
     return config
+
+
+def registry_settings(ctx: typer.Context | None) -> Mapping[str, Any]:
+    """The config file's [schema_registry] table."""
+    return ctx.obj.schema_registry if ctx is not None and ctx.obj is not None else {}
+
+
+def registry_config(ctx: typer.Context | None, url: str | None, auto_register: bool = True) -> RegistryConfig | None:
+    """The Schema Registry at ``url`` with the config file's client settings (None without a URL)."""
+    return RegistryConfig(url, registry_settings(ctx), auto_register) if url else None
+
+
+def input_mapping(ctx: typer.Context | None, flags: Mapping[str, Any]) -> InputMapping:
+    """The input mapping of a loop's flags. A --text-template typed in a shell (or the environment) gets its
+    \\n and \\t turned into a newline and a tab; the config file's TOML strings have their own escapes."""
+    template = flags["text_template"]
+    if template is not None and ctx is not None and ctx.get_parameter_source("text_template").name in ("COMMANDLINE", "ENVIRONMENT"):
+        template = unescape_flag_template(template)
+    return InputMapping(
+        format=flags["input_format"], id_field=flags["id_field"], text_field=flags["text_field"], text_template=template,
+        schema_id_field=flags["schema_id_field"], schema_id=flags["schema_id"], event_time_field=flags["event_time_field"],
+        metadata_fields=split_list(flags["metadata_fields"] or "", "--metadata-fields"),
+        propagate_headers=split_list(flags["propagate_headers"], "--propagate-headers"))
 
 
 def _token_counts(value: str) -> tuple[int, ...]:

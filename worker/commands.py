@@ -5,7 +5,6 @@ Kept apart from ``cli.py`` so tests and the demo call the same code the commands
 
 from __future__ import annotations
 
-import base64
 import json
 import time
 from pathlib import Path
@@ -17,7 +16,9 @@ import schemas
 from worker.config import Cluster, Topics
 from worker.exceptions import BrokerUnavailableError, ConfigError
 from worker.kafka_clients import as_cluster, plain_producer, reader_consumer, require_topics
+from worker.output_formats import OutputDecoder, json_ready
 from worker.records import question_schema_record
+from worker.registry import RegistryConfig
 from worker.schema_table import SchemaTable
 from worker.user_files import load_schema_file
 
@@ -89,17 +90,16 @@ def _too_large(cluster: Cluster | str, state_id: str, number: int, size: int) ->
         "default), or raise message.max.bytes in the config file's [kafka] table and the topic's max.message.bytes")
 
 
-def as_json(topic_kind: str, message) -> dict[str, Any]:
-    """A probability record or dead letter as a JSON-ready dict, plus where it was read from."""
+def as_json(topic_kind: str, message, decoder: OutputDecoder | None = None) -> dict[str, Any]:
+    """A probability record or dead letter (any ``--output-format``; registry framing needs a ``decoder`` with a
+    registry client) as a JSON-ready dict, plus where it was read from and, if any, its headers."""
     where = {"topic": message.topic(), "partition": message.partition(), "offset": message.offset()}
-    if topic_kind == "dead-letter":
-        record = schemas.decode_dead_letter(message.value())
-        key, value = record.pop("original_key"), record.pop("original_value")
-        record["original_key"] = None if key is None else key.decode("utf-8", errors="replace")
-        record["original_value_base64"] = None if value is None else base64.b64encode(value).decode("ascii")
-    else:
-        record = schemas.decode_probability(message.value())
-    return {**record, "kafka": where}
+    record = (decoder or OutputDecoder(topic_kind)).decode(message.value(), message.topic())
+    shown = {**json_ready(topic_kind, record), "kafka": where}
+    if message.headers():
+        shown["headers"] = {name: None if value is None else value.decode("utf-8", errors="replace")
+                            for name, value in message.headers()}
+    return shown
 
 
 def tail(
@@ -109,12 +109,15 @@ def tail(
     from_beginning: bool = False,
     max_records: int | None = None,
     idle_timeout_s: float | None = None,
+    registry: RegistryConfig | None = None,
 ) -> Iterator[dict[str, Any]]:
-    """Yield records of ``topic`` as a read_committed reader sees them (aborted output never shows).
+    """Yield records of ``topic`` as a read_committed reader sees them (aborted output never shows), in any
+    ``--output-format`` (registry-framed ones through ``registry``).
 
     Stops after ``max_records``, or once nothing new arrived for ``idle_timeout_s`` seconds.
     """
     counts = require_topics(cluster, [topic])
+    decoder = OutputDecoder(topic_kind, registry.client() if registry is not None else None)
     consumer = reader_consumer(cluster)
     start = OFFSET_BEGINNING if from_beginning else OFFSET_END
     consumer.assign([TopicPartition(topic, p, start) for p in range(counts[topic])])
@@ -130,7 +133,7 @@ def tail(
                 continue
             last_activity = time.monotonic()
             try:
-                record = as_json(topic_kind, message)
+                record = as_json(topic_kind, message, decoder)
             except ValueError as exc:
                 record = {"undecodable": str(exc), "kafka": {"topic": topic, "partition": message.partition(), "offset": message.offset()}}
             seen += 1

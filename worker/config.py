@@ -8,6 +8,9 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from worker.exceptions import ConfigError
+from worker.input_mapping import InputMapping
+from worker.output_formats import check_output_format
+from worker.registry import RegistryConfig
 
 DEFAULT_STATES_TOPIC = "decider.states"
 DEFAULT_SCHEMAS_TOPIC = "decider.schemas"
@@ -67,6 +70,9 @@ class WorkerConfig:
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"   # this machine only; a scraper in another container needs 0.0.0.0
     kafka: Mapping[str, Any] = field(default_factory=dict)  # the config file's [kafka] table
+    input: InputMapping = field(default_factory=InputMapping)  # how the states topic's records become states
+    output_format: str = "avro"  # avro | avro-registry | json (worker.output_formats)
+    registry: RegistryConfig | None = None  # --schema-registry-url and the config file's [schema_registry] table
 
     def __post_init__(self) -> None:
         if not self.bootstrap:
@@ -88,6 +94,9 @@ class WorkerConfig:
             raise ConfigError("--schema-memory-mb must be positive")
         if not (self.device == "cpu" or re.fullmatch(r"cuda(:\d+)?", self.device)):
             raise ConfigError(f"--device {self.device!r} must be cpu, cuda or cuda:N")
+        check_output_format(self.output_format, self.registry)
+        if self.input.format == "avro-registry" and self.registry is None:
+            raise ConfigError("--input-format avro-registry needs --schema-registry-url")
 
     @property
     def cluster(self) -> Cluster:

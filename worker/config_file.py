@@ -35,6 +35,13 @@ from worker.exceptions import ConfigError
 
 CONFIG_ENV = "DECIDER_CONFIG"
 KAFKA_TABLE = "kafka"
+REGISTRY_TABLE = "schema_registry"  # Schema Registry client settings (worker.registry)
+INPUT_TABLE = "input"  # the input mapping's options, for every command that has them (worker, replay)
+# The options [input] may set (worker.input_mapping.InputMapping's fields, as the CLI names them); list values
+# are allowed for the two comma-separated ones.
+INPUT_KEYS = ("input_format", "id_field", "text_field", "text_template", "schema_id_field", "schema_id",
+              "event_time_field", "metadata_fields", "propagate_headers")
+_INPUT_LISTS = ("metadata_fields", "propagate_headers")
 
 # Settings decider sets itself because exactly-once depends on them (or that have their own option):
 # overriding them from the file would silently break the contract, so they are refused.
@@ -83,6 +90,7 @@ class FileConfig:
     path: Path
     default_map: dict[str, Any] = field(default_factory=dict)
     kafka: dict[str, Any] = field(default_factory=dict)
+    schema_registry: dict[str, Any] = field(default_factory=dict)  # client settings, secrets included
 
 
 def split_config_flag(argv: Sequence[str], environ: Mapping[str, str]) -> tuple[Path | None, list[str]]:
@@ -129,6 +137,8 @@ def load_config_file(path: Path, root: Any) -> FileConfig:
         raise ConfigError(f"config {path}: invalid TOML: {exc}") from None
     where = f"config {path}"
     kafka = _kafka_table(document.pop(KAFKA_TABLE, {}), where)
+    registry = _registry_table(document.pop(REGISTRY_TABLE, {}), where)
+    input_values = _input_table(document.pop(INPUT_TABLE, {}), where)
     commands = dict(_leaf_commands(root))
     shared: dict[str, Any] = {}
     per_command: dict[tuple[str, ...], dict[str, Any]] = {}
@@ -145,14 +155,18 @@ def load_config_file(path: Path, root: Any) -> FileConfig:
     default_map: dict[str, Any] = {}
     for path_parts, params in commands.items():
         names = {p.name for p in params}
-        values = {k: v for k, v in shared.items() if k in names}
+        # [input] applies to the commands that map input (worker, replay), not to produce's or score's --schema-id.
+        values = {k: v for k, v in input_values.items() if k in names} if "input_format" in names else {}
+        for key, value in values.items():
+            _check_type(f"[{INPUT_TABLE}] {key}", value, next(p for p in params if p.name == key), where)
+        values.update({k: v for k, v in shared.items() if k in names})
         values.update(per_command.get(path_parts, {}))
         if values:
             node = default_map
             for part in path_parts[:-1]:
                 node = node.setdefault(part, {})
             node[path_parts[-1]] = values
-    return FileConfig(path=path, default_map=default_map, kafka=kafka)
+    return FileConfig(path=path, default_map=default_map, kafka=kafka, schema_registry=registry)
 
 
 def _name(key: str) -> str:
@@ -231,6 +245,39 @@ def _kafka_table(table: Any, where: str) -> dict[str, Any]:
         settings[key] = value
     check_kafka_settings(settings, where)
     return settings
+
+
+def _input_table(table: Any, where: str) -> dict[str, Any]:
+    """The [input] table as option values (lists joined with commas, as the flags take them)."""
+    if not isinstance(table, dict):
+        raise ConfigError(f"{where}: [{INPUT_TABLE}] must be a table of input mapping options")
+    values: dict[str, Any] = {}
+    for key, value in table.items():
+        name = _name(key)
+        if name not in INPUT_KEYS:
+            known = ", ".join(k.replace("_", "-") for k in INPUT_KEYS)
+            raise ConfigError(f"{where}: unknown key {key!r} in [{INPUT_TABLE}] (known: {known})")
+        if name in _INPUT_LISTS and isinstance(value, list):
+            if not all(isinstance(item, str) for item in value):
+                raise ConfigError(f"{where}: [{INPUT_TABLE}] {key} must be a list of strings, not {value!r}")
+            value = ",".join(value)
+        values[name] = value
+    return values
+
+
+def _registry_table(table: Any, where: str) -> dict[str, Any]:
+    """The [schema_registry] table: confluent-kafka SchemaRegistryClient settings (checked when the client is made)."""
+    if not isinstance(table, dict):
+        raise ConfigError(f"{where}: [{REGISTRY_TABLE}] must be a table of Schema Registry client settings")
+    for key, value in table.items():
+        if isinstance(value, dict):
+            raise ConfigError(f"{where}: [{REGISTRY_TABLE}] key {key!r} is a table: quote dotted names, "
+                              f"e.g. \"{key}.{next(iter(value), 'x')}\" = ...")
+        if key == "url":
+            raise ConfigError(f"{where}: [{REGISTRY_TABLE}] must not set url; use schema_registry_url (--schema-registry-url)")
+        if not isinstance(value, (str, int, float, bool)):
+            raise ConfigError(f"{where}: [{REGISTRY_TABLE}] {key} must be a string, number or boolean")
+    return dict(table)
 
 
 def check_kafka_settings(settings: Mapping[str, Any], where: str = "kafka settings") -> None:

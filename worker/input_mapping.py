@@ -31,16 +31,20 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import logging
 import math
 import re
+import time
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 import schemas
 from worker import paths
-from worker.records import Reason
-from worker.exceptions import ConfigError, RetriableError
+from worker.records import Reason, SourceRecord, Unscorable, checked_state, decode_source
+from worker.exceptions import ConfigError, FatalError, RetriableError
 from worker.registry import RegistryConfig, framed_schema_id, transport_errors
+
+log = logging.getLogger(__name__)
 
 FORMATS = ("decider", "json", "avro-registry", "text")
 SCHEMA_ID_HEADER = "decider-schema-id"
@@ -296,6 +300,54 @@ class InputMapper:
         if not self.mapping.metadata_fields:
             return None
         return {path: _metadata_text(paths.resolve(document, path)) for path in self.mapping.metadata_fields}
+
+
+REGISTRY_RETRY_S = 30.0
+"""How long one record is retried while the Schema Registry does not answer, before the worker exits (code 4)."""
+
+
+class SourceDecoder:
+    """The record path's decode step: a consumed ``SourceRecord`` becomes the state to score, or ``Unscorable``
+    (carrying the ids read so far) with the dead letter's reason. Built once per loop from ``--input-format``."""
+
+    def __init__(self, mapping: InputMapping, registry: RegistryConfig | None, max_state_chars: int, client: Any = None) -> None:
+        """``client``: a registry client to use instead of ``registry.client()`` (tests share a ``mock://`` one)."""
+        self.mapper = InputMapper(mapping, registry, client)
+        self._max_state_chars = max_state_chars
+        # decider's own StateEvent keeps its direct path: no mapping step, no per-record option checks.
+        self._direct = mapping.format == "decider"
+
+    def decode(self, source: SourceRecord) -> dict[str, Any]:
+        """The checked state in ``source``; ``Unscorable`` says why there is none. A Schema Registry that does not
+        answer is retried for ``REGISTRY_RETRY_S``, then ``FatalError`` (exit 4): the record is never dead-lettered
+        for it, and a restart reads it again from the committed offsets."""
+        if self._direct:
+            return decode_source(source, self._max_state_chars)
+        mapped = self._map(source)
+        if isinstance(mapped, MappingFailure):
+            raise Unscorable(mapped.reason, mapped.message, {"state_id": mapped.state_id, "schema_id": mapped.schema_id})
+        return checked_state(mapped, self._max_state_chars)
+
+    def propagated_headers(self, source: SourceRecord) -> list[tuple[str, bytes]]:
+        """The headers of ``source`` that ``--propagate-headers`` names, for its output record."""
+        return self.mapper.propagated_headers(source.headers) if source.headers else []
+
+    def _map(self, source: SourceRecord) -> dict[str, Any] | MappingFailure:
+        deadline, delay = time.monotonic() + REGISTRY_RETRY_S, 0.2
+        while True:
+            try:
+                return self.mapper.map(source.key, source.value, source.headers, source.timestamp_ms, source.topic)
+            except RegistryUnavailableError as exc:
+                if time.monotonic() + delay > deadline:
+                    raise FatalError(f"{exc}; still failing after {REGISTRY_RETRY_S:.0f} s. Start the registry or fix "
+                                     "--schema-registry-url; a restart scores the record then (it was not dead-lettered)",
+                                     EXIT_REGISTRY_UNREACHABLE) from None
+                log.warning("%s; retrying %s[%d]@%d in %.1f s", exc, source.topic, source.partition, source.offset, delay)
+                time.sleep(delay)
+                delay = min(delay * 2, 5.0)
+
+
+EXIT_REGISTRY_UNREACHABLE = 4  # as for an unreachable broker
 
 
 def epoch_ms(value: Any, path: str) -> int:

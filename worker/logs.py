@@ -63,6 +63,10 @@ def setup_logging(level: str = "info", fmt: str = "human") -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(getattr(logging, level.upper()))
+    # The Schema Registry client's HTTP library logs every request at info: a line per registration, and the URL
+    # as given (credentials in it included). decider logs what matters about the registry itself.
+    for name in ("httpx", "httpx2", "httpcore"):
+        logging.getLogger(name).setLevel(logging.WARNING)
 
 
 def log_event(kind: str, info: dict[str, Any]) -> None:

@@ -38,8 +38,9 @@ from worker.batcher import Cycle, Pending, monotonic
 from worker.config import WorkerConfig
 from worker.exceptions import AbortableError, BrokerOutageError, FatalError
 from worker.kafka_clients import require_topics, transactional_producer_config
-from worker.outputs import Outputs
-from worker.records import SchemaKey, SourceRecord, Unscorable, decode_source
+from worker.input_mapping import SourceDecoder
+from worker.outputs import Outputs, start_encoder
+from worker.records import SchemaKey, SourceRecord, Unscorable
 from worker.routing import Router
 from worker.schema_table import SchemaTable
 from worker.scorer import BatchJob, load_scorer
@@ -94,10 +95,12 @@ class Worker:
         """Connect, load the model, then process until stopped."""
         topics = self.config.topics
         require_topics(self.config.cluster, topics.all(), roles=topics)
+        encoder = start_encoder(self.config)  # before the model loads: a registry refusing decider's schemas stops it now
+        self._decoder = SourceDecoder(self.config.input, self.config.registry, self.config.max_state_chars)
         engine, self._scorer = load_scorer(self.config)
         self._scorer.on_event = self._emit
         metrics.watch_scorer(self._scorer.graph_stats, self._scorer.prepared)
-        self._outputs = Outputs(topics, self.config.worker_id, engine.model_id)
+        self._outputs = Outputs(topics, self.config.worker_id, engine.model_id, encoder, self._decoder.propagated_headers)
         self._emit("model_loaded", {"model_id": engine.model_id, "device": self.config.device})
         self._table = SchemaTable(self.config.cluster, topics.schemas)
         self._table.catch_up()
@@ -207,12 +210,13 @@ class Worker:
             return
         if message.error() is not None:
             return check_consumer_error(message.error(), self.config)
-        pending = Pending(SourceRecord(message.topic(), message.partition(), message.offset(), message.key(), message.value()))
+        pending = Pending(SourceRecord(message.topic(), message.partition(), message.offset(), message.key(), message.value(),
+                                       message.headers(), message.timestamp()[1]))
         self._cycle.track(pending, monotonic())
         try:
-            pending.state = decode_source(pending.source, self.config.max_state_chars)
+            pending.state = self._decoder.decode(pending.source)
         except Unscorable as exc:
-            pending.state = exc.state
+            pending.state = exc.state  # the ids read before it failed, for the dead letter
             return self._outputs.reject(pending, exc.reason, str(exc))
         self._router.route(pending, self._cycle, monotonic())
 

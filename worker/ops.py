@@ -42,6 +42,11 @@ def run_logged(run: Callable[[EventSink], None], config: WorkerConfig) -> None:
         serve(config.metrics_port, health, config.metrics_host)
     if config.kafka:
         logging.getLogger("decider").info("kafka client settings from the config file: %s", redact(config.kafka))
+    if config.registry is not None:
+        from worker.registry import redacted_registry_settings
+
+        logging.getLogger("decider").info("schema registry %s, client settings %s", config.registry.shown_url(),
+                                          redacted_registry_settings(config.registry.settings))
     sinks = [logs.log_event, metrics.on_event] + ([health.on_event] if health else [])
 
     def on_event(kind: str, info: dict) -> None:
@@ -52,5 +57,6 @@ def run_logged(run: Callable[[EventSink], None], config: WorkerConfig) -> None:
         run(on_event)
     except FatalError as exc:
         kind = "fenced" if isinstance(exc, FencedError) else "fatal"
-        logs.log_fatal(kind, redact_text(str(exc), config.kafka), exc.exit_code)
+        message = redact_text(str(exc), config.kafka)
+        logs.log_fatal(kind, config.registry.redact(message) if config.registry else message, exc.exit_code)
         raise

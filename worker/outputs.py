@@ -9,16 +9,27 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import schemas
 from worker.batcher import Cycle, Pending
-from worker.config import Topics
-from worker.records import OutgoingRecord, Reason, SchemaKey, dead_letter, probability_record
+from worker.config import Topics, WorkerConfig
+from worker.output_formats import DEAD_LETTER, PROBABILITIES, OutputEncoder
+from worker.records import Headers, OutgoingRecord, Reason, SchemaKey, SourceRecord, dead_letter, probability_record
 from worker.scorer import ScoredState
 
 SAMPLES = 3
 """Probability records kept per cycle for the ``committed`` event (the demo prints them)."""
+
+
+def start_encoder(config: WorkerConfig) -> OutputEncoder:
+    """The encoder of ``config``'s ``--output-format``, started: with a registry, decider's schemas are registered (or
+    looked up) now, so a registry that is down or refuses them stops the loop before any record (one line)."""
+    topics = config.topics
+    encoder = OutputEncoder(config.output_format, {PROBABILITIES: topics.probabilities, DEAD_LETTER: topics.dead_letter},
+                            config.registry)
+    encoder.start()
+    return encoder
 
 
 @dataclass
@@ -32,16 +43,23 @@ class CycleOutputs:
 
 
 class Outputs:
-    """Makes the worker's output records: its output topics, its id and the model's id go into each one."""
+    """Makes the worker's output records: its output topics, its id and the model's id go into each one, encoded
+    by ``encoder`` (``--output-format``; started already), with the input record's headers that ``headers_of``
+    picks (``--propagate-headers``)."""
 
-    def __init__(self, topics: Topics, worker_id: str, model_id: str) -> None:
+    def __init__(self, topics: Topics, worker_id: str, model_id: str, encoder: OutputEncoder | None = None,
+                 headers_of: Callable[[SourceRecord], Headers] | None = None) -> None:
         self._topics, self._worker_id, self._model_id = topics, worker_id, model_id
+        self._encode_probability = encoder.probability if encoder is not None else schemas.encode_probability
+        self._encode_dead_letter = encoder.dead_letter if encoder is not None else schemas.encode_dead_letter
+        self._headers_of = headers_of or (lambda source: [])
 
     def reject(self, pending: Pending, reason: Reason, message: str) -> None:
         """Decide ``pending``'s outcome: a dead letter for ``reason``."""
         pending.reason = reason
         pending.dead_letter = dead_letter(pending.source, reason, message, self._topics.dead_letter, self._worker_id,
-                                          state=pending.state)
+                                          state=pending.state, encode=self._encode_dead_letter,
+                                          headers=self._headers_of(pending.source) or None)
 
     def of_cycle(self, cycle: Cycle, results: dict[SchemaKey, list[ScoredState]]) -> CycleOutputs:
         """The records of ``cycle`` given its batches' scoring ``results``."""
@@ -64,4 +82,5 @@ class Outputs:
         out.scored[record["schema_id"]] += 1
         if len(out.samples) < SAMPLES:
             out.samples.append(record)
-        return OutgoingRecord(self._topics.probabilities, pending.source.key, schemas.encode_probability(record))
+        return OutgoingRecord(self._topics.probabilities, pending.source.key, self._encode_probability(record),
+                              self._headers_of(pending.source) or None)

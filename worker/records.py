@@ -13,7 +13,7 @@ import enum
 import math
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import schemas
 
@@ -46,6 +46,11 @@ class SourceRecord:
     offset: int
     key: bytes | None
     value: bytes | None
+    headers: list[tuple[str, bytes | None]] | None = None  # as the consumer returns them (None: no headers)
+    timestamp_ms: int | None = None  # the record's Kafka timestamp (None or <= 0: not available)
+
+
+Headers = list[tuple[str, bytes]]
 
 
 @dataclass(frozen=True)
@@ -55,6 +60,7 @@ class OutgoingRecord:
     topic: str
     key: bytes | None
     value: bytes
+    headers: Headers | None = None  # headers carried over from the input record (--propagate-headers)
 
 
 class Unscorable(Exception):
@@ -62,9 +68,9 @@ class Unscorable(Exception):
     ``state`` is the decoded StateEvent when the bytes decoded (its ids then go into the dead letter)."""
 
     def __init__(self, reason: Reason, message: str, state: dict[str, Any] | None = None) -> None:
+        """``state``: what was read of the record before it failed (``state_id``/``schema_id``), for the dead letter."""
         super().__init__(message)
-        self.reason = reason
-        self.state = state
+        self.reason, self.state = reason, state
 
 
 def decode_source(source: SourceRecord, max_state_chars: int) -> dict[str, Any]:
@@ -75,6 +81,11 @@ def decode_source(source: SourceRecord, max_state_chars: int) -> dict[str, Any]:
         state = schemas.decode_state(source.value)
     except ValueError as exc:
         raise Unscorable(Reason.UNDECODABLE, str(exc)) from None
+    return checked_state(state, max_state_chars)
+
+
+def checked_state(state: dict[str, Any], max_state_chars: int) -> dict[str, Any]:
+    """``state`` if it can be scored; ``Unscorable`` (carrying the state's ids) says why not."""
     problem = state_problem(state)
     if problem:
         raise Unscorable(Reason.INVALID_FIELDS, problem, state)
@@ -85,8 +96,10 @@ def decode_source(source: SourceRecord, max_state_chars: int) -> dict[str, Any]:
 
 
 def dead_letter(source: SourceRecord, reason: Reason, message: str, topic: str, worker_id: str,
-                state: dict[str, Any] | None = None) -> OutgoingRecord:
-    """The dead-letter record for ``source`` (with the ids of its decoded ``state``, if any), keyed by the original key."""
+                state: dict[str, Any] | None = None, encode: Callable[[dict[str, Any]], bytes] = schemas.encode_dead_letter,
+                headers: Headers | None = None) -> OutgoingRecord:
+    """The dead-letter record for ``source`` (with the ids of its decoded ``state``, if any), keyed by the original key,
+    its value made by ``encode`` (``--output-format``)."""
     state = state or {}
     record = {
         "reason": reason.value,
@@ -101,7 +114,7 @@ def dead_letter(source: SourceRecord, reason: Reason, message: str, topic: str, 
         "failed_at": int(time.time() * 1000),
         "worker_id": worker_id,
     }
-    return OutgoingRecord(topic=topic, key=source.key, value=schemas.encode_dead_letter(record))
+    return OutgoingRecord(topic=topic, key=source.key, value=encode(record), headers=headers)
 
 
 def schema_problem(document: Any) -> str | None:

@@ -12,9 +12,7 @@ from typing import Any, Mapping
 from urllib.parse import urlsplit
 
 from worker.exceptions import ConfigError
-from worker.config_file import REDACTED, is_secret, redact_text
-
-REGISTRY_TABLE = "schema_registry"
+from worker.config_file import REDACTED, REGISTRY_TABLE, is_secret, redact_text
 # Secrets the [kafka] rule (worker.config_file.is_secret) does not recognise by name: "user:password".
 _USER_INFO_KEYS = frozenset({"basic.auth.user.info"})
 
@@ -59,6 +57,9 @@ def registry_client(url: str, settings: Mapping[str, Any] | None = None) -> Any:
         return SchemaRegistryClient.new_client({"url": url, **settings})
     except (ValueError, TypeError) as exc:
         raise ConfigError(f"[{REGISTRY_TABLE}]: {redact_registry_text(str(exc), url, settings)}") from None
+    except OSError as exc:  # a certificate or key file named by the ssl.* settings cannot be read
+        files = ", ".join(f"{k} = {v}" for k, v in settings.items() if k.startswith("ssl.") and not is_registry_secret(k))
+        raise ConfigError(f"[{REGISTRY_TABLE}]: cannot read a file of {files or 'the ssl settings'}: {exc.strerror}") from None
 
 
 def framed_schema_id(value: bytes) -> int | None:

@@ -254,7 +254,8 @@ class Transactions:
     def _produce(self, record: OutgoingRecord) -> None:
         while True:
             try:
-                self._producer.produce(record.topic, key=record.key, value=record.value, on_delivery=self._on_delivery)
+                self._producer.produce(record.topic, key=record.key, value=record.value, headers=record.headers,
+                                       on_delivery=self._on_delivery)
                 return
             except BufferError:
                 # The local queue is full: let deliveries drain, then retry the same record.

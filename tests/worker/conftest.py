@@ -160,9 +160,16 @@ class Stream:
         return worker
 
     # ---- outputs ---------------------------------------------------------------------------------------------
-    def collect(self, expected: int, timeout_s: float = 60.0, settle_s: float = 1.0) -> tuple[list[dict], list[dict]]:
+    def collect(self, expected: int, timeout_s: float = 60.0, settle_s: float = 1.0,
+                registry_url: str | None = None) -> tuple[list[dict], list[dict]]:
         """Read both output topics from the beginning, read_committed, until ``expected`` records in total
-        (then ``settle_s`` more, so duplicates would show). Returns (probability records, dead letters)."""
+        (then ``settle_s`` more, so duplicates would show). Returns (probability records, dead letters), in any
+        output format (``registry_url`` for avro-registry output)."""
+        from worker.output_formats import OutputDecoder
+        from worker.registry import registry_client
+
+        client = registry_client(registry_url) if registry_url else None
+        decoders = {kind: OutputDecoder(kind, client) for kind in ("probabilities", "dead-letter")}
         consumer = reader_consumer(self.bootstrap)
         consumer.assign([TopicPartition(t, p, OFFSET_BEGINNING)
                          for t in (self.topics.probabilities, self.topics.dead_letter) for p in range(self.partitions)])
@@ -181,9 +188,9 @@ class Stream:
                         assert message.error().code() == KafkaError._PARTITION_EOF, message.error().str()
                     continue
                 if message.topic() == self.topics.probabilities:
-                    probabilities.append(commands.as_json("probabilities", message))
+                    probabilities.append(commands.as_json("probabilities", message, decoders["probabilities"]))
                 else:
-                    dead.append(commands.as_json("dead-letter", message))
+                    dead.append(commands.as_json("dead-letter", message, decoders["dead-letter"]))
         finally:
             consumer.close()
 
