@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 from transformers.models.qwen3_5.modeling_qwen3_5 import l2norm
 
-from engine.attention import AttentionOut, row_major
-from engine.torch_kernels import _chunk_gated_delta_rule, torch_rms_norm
+from engine.attention import AttentionOut
+from engine.torch_kernels import _chunk_gated_delta_rule, torch_gate_attention, torch_rms_norm
 
 ROW_BLOCK = 64
 """Rows per GEMM block: a fixed M, so every row goes through one kernel and one blocking whatever the batch."""
@@ -85,14 +85,7 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
 
 
 def gate_attention(a: AttentionOut, gate: torch.Tensor) -> torch.Tensor:
-    o = a.o
-    B, Hq, T, D = o.shape
-    if a.o_pre is not None:
-        o_pre = row_major(a.o_pre, a.R).reshape(B, Hq, T, D)
-        lse_pre = row_major(a.lse_pre[..., None], a.R).reshape(B, Hq, T)
-        w_pre = sigmoid(lse_pre - a.lse)[..., None]                                        # share of the prefix keys
-        o = (o + (o_pre - o) * w_pre).to(o.dtype)
-    return o.transpose(1, 2).reshape(B, T, -1) * sigmoid(gate.reshape(B, T, -1))         # [B, T, Hq * D]
+    return torch_gate_attention(a, gate, sigmoid=sigmoid)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -62,15 +62,16 @@ def torch_qk_norm_rope(q, k, q_weight, k_weight, cos, sin, eps):
     return apply_rotary_pos_emb(q, k, cos, sin)
 
 
-def torch_gate_attention(a: AttentionOut, gate: torch.Tensor) -> torch.Tensor:
+def torch_gate_attention(a: AttentionOut, gate: torch.Tensor, sigmoid=torch.sigmoid) -> torch.Tensor:
+    """sigmoid: the batch-invariant table passes its own (`engine.invariant_kernels.sigmoid`)."""
     o = a.o
     B, Hq, T, D = o.shape
     if a.o_pre is not None:
         o_pre = row_major(a.o_pre, a.R).reshape(B, Hq, T, D)
         lse_pre = row_major(a.lse_pre[..., None], a.R).reshape(B, Hq, T)
-        w_pre = torch.sigmoid(lse_pre - a.lse)[..., None]                                 # share of the prefix keys
+        w_pre = sigmoid(lse_pre - a.lse)[..., None]                                 # share of the prefix keys
         o = (o + (o_pre - o) * w_pre).to(o.dtype)
-    return o.transpose(1, 2).reshape(B, T, -1) * torch.sigmoid(gate.reshape(B, T, -1))   # [B, T, Hq * D]
+    return o.transpose(1, 2).reshape(B, T, -1) * sigmoid(gate.reshape(B, T, -1))   # [B, T, Hq * D]
 
 
 def torch_add_rms_norm(h: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float):
