@@ -16,7 +16,7 @@ from confluent_kafka import OFFSET_BEGINNING, OFFSET_END, KafkaError, KafkaExcep
 import schemas
 from worker.config import Cluster, Topics
 from worker.exceptions import BrokerUnavailableError, ConfigError
-from worker.kafka_clients import client_settings, plain_producer, reader_consumer, require_topics
+from worker.kafka_clients import as_cluster, plain_producer, reader_consumer, require_topics
 from worker.records import question_schema_record
 from worker.schema_table import SchemaTable
 from worker.user_files import load_schema_file, read_state_lines  # noqa: F401 (read_state_lines: cli's produce imports it here)
@@ -74,15 +74,15 @@ def produce_states(cluster: Cluster | str, topics: Topics, records: Iterable[dic
                 producer.poll(0.1)
             except KafkaException as exc:
                 if exc.args[0].code() == KafkaError.MSG_SIZE_TOO_LARGE:
-                    raise _too_large(record["state_id"], count + 1, len(payload)) from None
+                    raise _too_large(record["state_id"], count + 1, len(payload), cluster) from None
                 raise
         count += 1
     _deliver(producer, "states")
     return count
 
 
-def _too_large(state_id: str, number: int, size: int) -> ConfigError:
-    limit = client_settings().get("message.max.bytes", 1_000_000)  # librdkafka's default
+def _too_large(state_id: str, number: int, size: int, cluster: Cluster | str) -> ConfigError:
+    limit = as_cluster(cluster).settings.get("message.max.bytes", 1_000_000)  # librdkafka's default
     return ConfigError(
         f"state {state_id!r} (number {number}) is {size} bytes as a record, over the producer's limit of {limit} bytes "
         "(message.max.bytes); shorten it (workers dead-letter states over --max-state-chars, 32768 characters by "
