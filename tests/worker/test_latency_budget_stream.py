@@ -84,11 +84,11 @@ def test_records_are_visible_within_the_budget_at_a_modest_rate(stream, model_di
     p50, p90 = statistics.median(latencies), latencies[int(0.9 * (len(latencies) - 1))]
     assert p90 <= BUDGET_MS, (p50, p90, latencies[-5:], worker.log()[-3000:])
     # The budget is spent on gathering states, not given away: cycles wait well past a lone state's scoring.
-    assert p50 >= BUDGET_MS / 5, (p50, p90)
+    assert p50 >= BUDGET_MS / 8, (p50, p90)
 
     samples = _samples(port)
     batches = _value(samples, "decider_batch_states_sum") / _value(samples, "decider_batch_states_count")
-    assert batches >= 4, batches
+    assert batches >= 3, batches
     estimated = {dict(labels)["batch"]: v for (name, labels), v in samples.items() if name == "decider_estimated_engine_seconds"}
     assert estimated and all(0 < v < BUDGET_MS / 1000 for v in estimated.values()), estimated
     assert any(name == "decider_estimated_commit_seconds" for name, _ in samples)
