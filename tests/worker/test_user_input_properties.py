@@ -22,7 +22,7 @@ from worker.cli import app
 from worker.exceptions import ConfigError
 from worker.offline import score_file
 from worker.records import engine_questions, question_schema_record
-from worker.settings import load_config_file
+from worker.config_file import load_config_file
 from worker.user_files import load_schema_file, read_state_lines
 
 BOUNDED = settings(max_examples=100, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
