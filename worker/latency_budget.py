@@ -74,17 +74,19 @@ class BucketedEstimates:
         else:
             self.by_bucket[key] = RunningEstimate.first(seconds)
 
-    def seconds(self, n: int) -> float | None:
-        """The duration to plan with for ``n`` states, or None before any measurement."""
+    def seconds(self, n: int, expected: bool = False) -> float | None:
+        """The duration to plan with for ``n`` states (``expected``: the smoothed mean instead), or None before any
+        measurement."""
         key = bucket(n)
+        pick = (lambda e: e.mean) if expected else (lambda e: e.value)
         if key in self.by_bucket:
-            return self.by_bucket[key].value
+            return pick(self.by_bucket[key])
         larger = [b for b in self.by_bucket if b > key]
         if larger:
-            return self.by_bucket[min(larger)].value
+            return pick(self.by_bucket[min(larger)])
         if self.by_bucket:
             nearest = max(self.by_bucket)
-            return self.by_bucket[nearest].value * key / nearest
+            return pick(self.by_bucket[nearest]) * key / nearest
         return None
 
     def values(self) -> dict[int, float]:
@@ -150,9 +152,13 @@ class LatencyBudget:
                         self._gpu_free_at if gpu_busy else None)
 
     def submitted(self, now: float, n_states: int, gpu_busy: bool) -> None:
-        """A cycle of ``n_states`` was closed at ``now`` and submitted: expect the GPU busy until it is scored."""
+        """A cycle of ``n_states`` was closed at ``now`` and submitted: expect the GPU busy until it is scored.
+
+        Expected, not pessimistic: this only decides how long a cycle that misses the budget anyway keeps gathering,
+        and gathering past the moment the GPU frees would leave it idle. (The loop stops waiting as soon as the
+        cycle ahead is actually scored.)"""
         start = max(now, self._gpu_free_at or now) if gpu_busy else now
-        scoring = self.engine.seconds(n_states) if n_states else 0.0
+        scoring = self.engine.seconds(n_states, expected=True) if n_states else 0.0
         self._gpu_free_at = start + (scoring or 0.0)
 
     def committed(self, times: CycleTimes) -> bool:

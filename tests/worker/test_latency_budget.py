@@ -41,6 +41,7 @@ def test_an_unmeasured_bucket_borrows_pessimistically():
     assert estimates.seconds(64) == pytest.approx(0.040, rel=1e-3)  # the largest one scaled linearly
     assert estimates.seconds(1) == pytest.approx(0.004, rel=1e-3)
     assert BucketedEstimates().seconds(1) is None
+    assert estimates.seconds(64, expected=True) == pytest.approx(0.040)
 
 
 def test_before_any_estimate_the_cycle_closes_at_once():
@@ -114,6 +115,8 @@ def test_the_worker_state_learns_from_committed_cycles_and_counts_misses():
     assert budget.engine.by_bucket[4].mean == pytest.approx(0.02, rel=0.01)       # 0.02, then 0.04 - 0.02
     assert budget.commit.by_bucket[4].mean == pytest.approx(0.01 + (0.11 - 0.01) / 8)  # 0.01, then 0.15 - 0.04
     assert 0.0 < budget.close_by(1.0, 1.0, 4, gpu_busy=False) < 1.1
-    # a submitted cycle keeps the GPU busy for its estimated scoring time
+    # a submitted cycle keeps the GPU busy for its expected scoring time; this cycle's budget is lost anyway, so it
+    # gathers until then
     budget.submitted(2.0, 4, gpu_busy=False)
-    assert budget.close_by(2.0, 2.0, 4, gpu_busy=True) == pytest.approx(2.0 + budget.engine.seconds(4))
+    assert budget.close_by(2.0, 2.0, 4, gpu_busy=True) == pytest.approx(2.0 + budget.engine.by_bucket[4].mean)
+    assert budget.close_by(2.0, 2.0, 4, gpu_busy=False) == 2.0
