@@ -21,7 +21,7 @@ except ImportError:
 
 from worker.cli_options import (DEFAULTS, BootstrapOpt, DeadLetterTopicOpt, DeviceOpt, DtypeOpt, ModelOpt, ProbabilitiesTopicOpt,
                                 SchemasTopicOpt, StatesTopicOpt, cluster, kafka_settings, loop_config, loop_options)
-from worker.config import REPLAY_MAX_BATCH, Topics
+from worker.config import MAX_LATENCY_BUDGET_MS, REPLAY_MAX_BATCH, Topics
 from worker.exceptions import ConfigError, DeciderError, FatalError
 
 app = typer.Typer(
@@ -163,7 +163,7 @@ def worker(
     max_batch: int = typer.Option(DEFAULTS["max_batch"], "--max-batch", envvar="DECIDER_MAX_BATCH", help="A batch closes at this many states..."),
     max_wait_ms: int = typer.Option(DEFAULTS["max_wait_ms"], "--max-wait-ms", envvar="DECIDER_MAX_WAIT_MS", help="...or this long after its first state."),
     latency_budget_ms: Optional[int] = typer.Option(
-        None, "--latency-budget-ms", envvar="DECIDER_LATENCY_BUDGET_MS",
+        None, "--latency-budget-ms", envvar="DECIDER_LATENCY_BUDGET_MS", min=1, max=MAX_LATENCY_BUDGET_MS,
         help="Close each batch early enough that its records are visible to read_committed readers within this many ms "
              "of its first state's arrival (when this worker consumed it), planned from running estimates of scoring "
              "and commit time per batch size; --max-wait-ms still caps the wait. Default: no budget."),

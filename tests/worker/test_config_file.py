@@ -91,9 +91,9 @@ def test_the_latency_budget_is_a_worker_key_checked_like_its_flag(tmp_path):
     path = tmp_path / "decider.toml"
     path.write_text('bootstrap = "127.0.0.1:1"\n[worker]\nworker-id = "w"\nmodel = "/nope"\nlatency-budget-ms = 0\n')
     result = _decider("--config", str(path), "worker")
-    assert result.returncode == 2 and result.stderr.strip() == (
-        "error: --latency-budget-ms 0 is out of range: give 1 to 600000 ms, or leave it out to close batches by "
-        "--max-wait-ms alone"), result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, result.stderr
+    assert "--latency-budget-ms" in lines[0] and "greater than or equal to 1" in lines[0], result.stderr
     path.write_text('[worker]\nlatency-budget-ms = "50ms"\n')
     result = _decider("--config", str(path), "worker")
     assert result.returncode == 2 and "[worker] latency-budget-ms must be an integer" in result.stderr, result.stderr

@@ -120,3 +120,13 @@ def test_the_worker_state_learns_from_committed_cycles_and_counts_misses():
     budget.submitted(2.0, 4, gpu_busy=False)
     assert budget.close_by(2.0, 2.0, 4, gpu_busy=True) == pytest.approx(2.0 + budget.engine.by_bucket[4].mean)
     assert budget.close_by(2.0, 2.0, 4, gpu_busy=False) == 2.0
+
+
+def test_the_configuration_refuses_a_budget_out_of_range():
+    from worker.config import WorkerConfig
+    from worker.exceptions import ConfigError
+
+    assert WorkerConfig(bootstrap="k:9092", model_dir="m", worker_id="w", latency_budget_ms=25).latency_budget_ms == 25
+    for bad in (0, -1, 600_001):
+        with pytest.raises(ConfigError, match="--latency-budget-ms"):
+            WorkerConfig(bootstrap="k:9092", model_dir="m", worker_id="w", latency_budget_ms=bad)
