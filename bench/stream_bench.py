@@ -13,6 +13,9 @@ Phases, each on its own set of topics so they never mix:
    with --kill-one, worker 0 is SIGKILLed at 40% and restarted with the same --worker-id;
 3. latency, once per --max-wait-ms: states produced at --latency-load x the measured throughput; latency of a state =
    the moment its record becomes visible to a read_committed reader - its event time (set when it was produced);
+   then once per --latency-budget-ms B, the same with workers run with `--latency-budget-ms B --max-wait-ms B`:
+   how many states were visible later than B after their event time, and how many cycles the worker itself counted
+   as over the budget (it measures from when it consumed a cycle's first state, so it cannot see time in Kafka);
 4. with --replay: `decider replay` of the first latency phase's states topic (live, small deadline-cut batches) into
    new topics at full batches: its scoring rate, and whether every replayed record's probabilities equal the live
    record's bit for bit (what deterministic scoring promises).
@@ -92,8 +95,10 @@ def engine_only(args, model_dir: Path, document: dict, texts: list[str]) -> floa
 class Stream:
     """One phase's topics, schema and workers on the shared broker."""
 
-    def __init__(self, args, bootstrap: str, model_dir: Path, schema_file: Path, name: str, max_wait_ms: int, logs: Path):
+    def __init__(self, args, bootstrap: str, model_dir: Path, schema_file: Path, name: str, max_wait_ms: int, logs: Path,
+                 latency_budget_ms: int | None = None):
         self.args, self.bootstrap, self.model_dir, self.max_wait_ms, self.logs = args, bootstrap, model_dir, max_wait_ms, logs
+        self.latency_budget_ms = latency_budget_ms
         self.topics = Topics(states=f"{name}.states", schemas=f"{name}.schemas", probabilities=f"{name}.probabilities",
                              dead_letter=f"{name}.dead-letter")
         self.name = name
@@ -110,13 +115,14 @@ class Stream:
             device = "cuda:0"
             # the states are of one length: capture every batch size's graph when the schema is prepared
             gpu_flags = ["--warmup-state-tokens", str(self.args.state_tokens)]
+        budget_flags = [] if self.latency_budget_ms is None else ["--latency-budget-ms", str(self.latency_budget_ms)]
         t = self.topics
         cmd = [sys.executable, "-m", "worker", "worker", "-b", self.bootstrap, "--model", str(self.model_dir),
                "--device", device, "--worker-id", f"{self.name}-w{i}", "--group", f"{self.name}-group",
                "--max-batch", str(self.args.max_batch), "--max-wait-ms", str(self.max_wait_ms),
                "--states-topic", t.states, "--schemas-topic", t.schemas, "--probabilities-topic", t.probabilities,
                "--dead-letter-topic", t.dead_letter, "--log-level", "info",
-               "--metrics-port", str(self.metrics_ports.setdefault(i, free_port())), *gpu_flags]
+               "--metrics-port", str(self.metrics_ports.setdefault(i, free_port())), *gpu_flags, *budget_flags]
         log = open(self.logs / f"{self.name}-w{i}.log", "ab")
         self.workers[i] = subprocess.Popen(cmd, env=env, stdout=log, stderr=log, start_new_session=True)
 
@@ -130,6 +136,9 @@ class Stream:
                 values = {sample.name.rsplit("_", 1)[-1]: sample.value for sample in family.samples
                           if sample.name.endswith(("_sum", "_count")) and sample.labels.get("generation", "2") == "2"}
                 totals[family.name] = (values.get("sum", 0.0), values.get("count", 0.0))
+            elif family.name in COUNTERS:
+                totals[family.name] = (sum(s.value for s in family.samples if s.name.endswith("_total")
+                                           and s.labels.get("outcome", "committed") == "committed"), 1.0)
             elif family.name == "decider_engine_batches":
                 # graph captures so far: a capture inside a measured phase is a stall of ~0.1-0.5 s
                 totals["captures"] = next((s.value for s in family.samples if s.labels.get("path") == "captures"), 0.0)
@@ -155,6 +164,9 @@ STAGES = {"decider_batch_fill_wait_seconds": "fill_wait_ms", "decider_engine_sec
           "decider_gc_pause_seconds": "full_gc_ms"}
 
 
+COUNTERS = {"decider_latency_budget_misses": "budget_misses", "decider_transactions": "transactions"}
+
+
 def stage_means(before: dict, after: dict) -> dict[str, float]:
     """Mean of each worker stage between two scrapes (ms for times, states for batch sizes), and the graph captures
     between them."""
@@ -164,6 +176,8 @@ def stage_means(before: dict, after: dict) -> dict[str, float]:
         if c1 > c0:
             means[label] = round((s1 - s0) / (c1 - c0) * (1 if label == "batch_states" else 1000), 2)
     means["graph_captures"] = int(after.get("captures", 0) - before.get("captures", 0))
+    for name, label in COUNTERS.items():
+        means[label] = int(after.get(name, (0.0, 0.0))[0] - before.get(name, (0.0, 0.0))[0])
     gc0, gc1 = before.get("decider_gc_pause_seconds", (0.0, 0.0)), after.get("decider_gc_pause_seconds", (0.0, 0.0))
     means["full_gc_collections"] = int(gc1[1] - gc0[1])
     return means
@@ -253,9 +267,10 @@ def warm_up(args, stream: Stream, reader: Reader, texts: list[str]) -> list[str]
 
 
 @contextlib.contextmanager
-def running_stream(args, bootstrap, model_dir, schema_file, texts, logs, name: str, max_wait_ms: int):
+def running_stream(args, bootstrap, model_dir, schema_file, texts, logs, name: str, max_wait_ms: int,
+                   latency_budget_ms: int | None = None):
     """A phase's topics, its reader and its warmed-up workers -> (stream, reader, warm-up ids); stops them after."""
-    stream = Stream(args, bootstrap, model_dir, schema_file, name, max_wait_ms, logs)
+    stream = Stream(args, bootstrap, model_dir, schema_file, name, max_wait_ms, logs, latency_budget_ms)
     reader = Reader(bootstrap, stream.topics, args.partitions)
     reader.start()
     for i in range(args.workers):
@@ -295,8 +310,11 @@ def throughput_phase(args, bootstrap, model_dir, schema_file, texts, logs) -> di
                     **exactly_once(reader, warm_ids + ids))
 
 
-def latency_phase(args, bootstrap, model_dir, schema_file, texts, logs, max_wait_ms: int, rate: float) -> dict:
-    with running_stream(args, bootstrap, model_dir, schema_file, texts, logs, f"lat{max_wait_ms}", max_wait_ms) as (
+def latency_phase(args, bootstrap, model_dir, schema_file, texts, logs, max_wait_ms: int, rate: float,
+                  latency_budget_ms: int | None = None) -> dict:
+    """States at `rate`; with `latency_budget_ms`, workers run with that budget and --max-wait-ms as its cap."""
+    name = f"lat{max_wait_ms}" if latency_budget_ms is None else f"budget{latency_budget_ms}"
+    with running_stream(args, bootstrap, model_dir, schema_file, texts, logs, name, max_wait_ms, latency_budget_ms) as (
             stream, reader, warm_ids):
         # The first --latency-warmup-seconds at the offered rate are not measured: small batches of new sizes are
         # first seen there, and each new (batch, length) bucket captures a CUDA graph once (~0.1-0.5 s).
@@ -314,9 +332,12 @@ def latency_phase(args, bootstrap, model_dir, schema_file, texts, logs, max_wait
         # where the time goes: event -> record built (consume, batch fill, scoring), built -> visible (commit, reader)
         to_scored = [reader.scored_at[sid] - ev for _, sid, ev in measured]
         to_visible = [t - reader.scored_at[sid] for t, sid, _ in measured]
+        budget = {} if latency_budget_ms is None else dict(
+            latency_budget_ms=latency_budget_ms, over_budget=sum(t > latency_budget_ms for t in lat),
+            worker0_cycles_over_budget=stages.get("budget_misses"), worker0_cycles=stages.get("transactions"))
         return dict(phase="latency", workers=args.workers, max_wait_ms=max_wait_ms, offered_states_per_s=rate, states=n,
                     unmeasured_warmup_states=len(steady), p50_ms=statistics.median(lat),
-                    p99_ms=lat[int(0.99 * (len(lat) - 1))], max_ms=lat[-1],
+                    p99_ms=lat[int(0.99 * (len(lat) - 1))], max_ms=lat[-1], **budget,
                     over_target=sum(t > max_wait_ms + 30 for t in lat), p50_to_scored_ms=statistics.median(to_scored),
                     p50_scored_to_visible_ms=statistics.median(to_visible), worker0_stage_means=stages,
                     **exactly_once(reader, warm_ids + steady + ids))
@@ -390,6 +411,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--prefix-tokens", type=int, default=400)
     ap.add_argument("--max-batch", type=int, default=None)
     ap.add_argument("--max-wait-ms", default=None, help="comma-separated; the latency phase runs once per value")
+    ap.add_argument("--latency-budget-ms", default=None,
+                    help="comma-separated; after the --max-wait-ms phases, a latency phase per value with workers run "
+                         "with --latency-budget-ms B --max-wait-ms B (default: 25,50,100; none with --quick)")
     ap.add_argument("--latency-load", type=float, default=0.5, help="offered load as a fraction of the throughput")
     ap.add_argument("--latency-rate", type=float, default=None, help="offered states/s (instead of --latency-load)")
     ap.add_argument("--latency-seconds", type=float, default=None)
@@ -409,6 +433,8 @@ def main(argv=None) -> dict:
     args.states = args.states or (120 if args.quick else 20000)
     args.max_batch = args.max_batch or (16 if args.quick else 128)
     args.max_wait_ms = [int(x) for x in (args.max_wait_ms or ("20" if args.quick else "5,20,50")).split(",")]
+    budgets = args.latency_budget_ms if args.latency_budget_ms is not None else ("" if args.quick else "25,50,100")
+    args.latency_budget_ms = [int(x) for x in budgets.split(",") if x.strip()]
     args.latency_seconds = args.latency_seconds or (3 if args.quick else 15)
     args.latency_warmup_seconds = (args.latency_warmup_seconds if args.latency_warmup_seconds is not None
                                    else (1 if args.quick else 5))
@@ -450,6 +476,11 @@ def main(argv=None) -> dict:
                                 args.latency_rate or args.latency_load * tput["states_per_s"])
             runs.append(lat)
             print(json.dumps(lat), flush=True)
+        for budget in args.latency_budget_ms:
+            lat = latency_phase(args, broker.bootstrap, model_dir, schema_file, texts, logs, budget,
+                                args.latency_rate or args.latency_load * tput["states_per_s"], latency_budget_ms=budget)
+            runs.append(lat)
+            print(json.dumps(lat), flush=True)
         if args.replay:
             rep = replay_phase(args, broker.bootstrap, model_dir, f"lat{args.max_wait_ms[0]}", logs)
             rep["fraction_of_engine"] = rep["states_per_s"] / engine_rate
@@ -473,15 +504,18 @@ def markdown(result: dict) -> str:
     lines = [f"{env['gpu']}, {env['workers']} worker(s), {env['partitions']} partitions, max batch {env['max_batch']}, "
              f"{env['state_tokens']}-token states, {env['questions']} questions x {env['options']} options; "
              f"engine only: {result['engine_only_states_per_s']:,.1f} states/s", "",
-             "| phase | max wait ms | states/s | p50 ms | p99 ms | exactly once | dead letters |", "|---|---|---|---|---|---|---|"]
+             "| phase | max wait ms | budget ms | states/s | p50 ms | p99 ms | over budget | exactly once | dead letters |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in result["runs"]:
         if r["phase"] == "replay":
-            lines.append(f"| replay of {r['of']} | | {r['states_per_s']:,.1f} | | | bit-identical to live: "
+            lines.append(f"| replay of {r['of']} | | | {r['states_per_s']:,.1f} | | | | bit-identical to live: "
                          f"{r['bit_identical']}/{r['compared']} (max diff {r['max_abs_diff']:.3g}) | exit {r['exit_code']} |")
             continue
         rate = r.get("states_per_s", r.get("offered_states_per_s"))
+        over = f"{r['over_budget']}/{r['states']}" if "over_budget" in r else ""
         lines.append(f"| {r['phase']}{' (kill+restart)' if r.get('killed_and_restarted') else ''} | {r.get('max_wait_ms', '')} "
-                     f"| {rate:,.1f} | {r.get('p50_ms', float('nan')):.1f} | {r.get('p99_ms', float('nan')):.1f} "
+                     f"| {r.get('latency_budget_ms', '')} | {rate:,.1f} | {r.get('p50_ms', float('nan')):.1f} "
+                     f"| {r.get('p99_ms', float('nan')):.1f} | {over} "
                      f"| {'yes' if r['ok'] else 'NO: ' + json.dumps(r)} | {r['dead_letters']} |")
     return "\n".join(lines)
 

@@ -22,7 +22,7 @@ except ImportError:
 from worker.cli_options import (DEFAULTS, BootstrapOpt, DeadLetterTopicOpt, DeterministicOpt, DeviceOpt, DtypeOpt, ModelOpt, ProbabilitiesTopicOpt,
                                 SchemasTopicOpt, StatesTopicOpt, cluster, kafka_settings, loop_config, loop_options,
                                 registry_config, registry_settings)
-from worker.config import REPLAY_MAX_BATCH, Topics
+from worker.config import MAX_LATENCY_BUDGET_MS, REPLAY_MAX_BATCH, Topics
 from worker.exceptions import ConfigError, DeciderError, FatalError
 
 app = typer.Typer(
@@ -171,6 +171,11 @@ def worker(
     group: str = typer.Option(DEFAULTS["group"], "--group", envvar="DECIDER_GROUP", help="Consumer group shared by the workers."),
     max_batch: int = typer.Option(DEFAULTS["max_batch"], "--max-batch", envvar="DECIDER_MAX_BATCH", help="A batch closes at this many states..."),
     max_wait_ms: int = typer.Option(DEFAULTS["max_wait_ms"], "--max-wait-ms", envvar="DECIDER_MAX_WAIT_MS", help="...or this long after its first state."),
+    latency_budget_ms: Optional[int] = typer.Option(
+        None, "--latency-budget-ms", envvar="DECIDER_LATENCY_BUDGET_MS", min=1, max=MAX_LATENCY_BUDGET_MS,
+        help="Close each batch early enough that its records are visible to read_committed readers within this many ms "
+             "of its first state's arrival (when this worker consumed it), planned from running estimates of scoring "
+             "and commit time per batch size; --max-wait-ms still caps the wait. Default: no budget."),
     session_timeout_ms: int = typer.Option(DEFAULTS["session_timeout_ms"], "--session-timeout-ms", envvar="DECIDER_SESSION_TIMEOUT_MS", help="Consumer group session timeout."),
     probabilities_topic: str = ProbabilitiesTopicOpt,
 ) -> None:
@@ -179,7 +184,8 @@ def worker(
     Exit codes: 0 stopped cleanly, 1 fatal error, 2 bad configuration or model, 3 fenced by another worker with the same --worker-id, 4 broker unreachable or topic missing at start, 5 broker unreachable for longer than --broker-outage-s, or a Kafka call hung (restart it with the same --worker-id).
     """
     config = loop_config(ctx, loop_flags, probabilities_topic, worker_id=worker_id, group=group, max_batch=max_batch,
-                          max_wait_ms=max_wait_ms, session_timeout_ms=session_timeout_ms)
+                          max_wait_ms=max_wait_ms, latency_budget_ms=latency_budget_ms,
+                          session_timeout_ms=session_timeout_ms)
     from worker.loop import Worker
     from worker.ops import run_logged, stop_on_signals
 

@@ -17,6 +17,7 @@ DEFAULT_SCHEMAS_TOPIC = "decider.schemas"
 DEFAULT_PROBABILITIES_TOPIC = "decider.probabilities"
 DEFAULT_DEAD_LETTER_TOPIC = "decider.dead-letter"
 DEFAULT_GROUP = "decider"
+MAX_LATENCY_BUDGET_MS = 600_000  # ten minutes: far beyond any batch's scoring and commit
 REPLAY_MAX_BATCH = 64  # a replay is throughput-bound: fuller batches than a live worker's default
 
 
@@ -57,6 +58,7 @@ class WorkerConfig:
     topics: Topics = field(default_factory=Topics)
     max_batch: int = 32
     max_wait_ms: int | None = 50  # None: no deadline, cycles close only when a batch is full (replay)
+    latency_budget_ms: int | None = None  # None: cycles close by --max-batch and --max-wait-ms alone
     schema_wait_ms: int = 10_000
     max_state_chars: int = 32_768
     schema_memory_mb: float = 2048.0
@@ -84,6 +86,9 @@ class WorkerConfig:
         for name in ("max_wait_ms", "schema_wait_ms"):
             if (getattr(self, name) or 0) < 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 0")
+        if self.latency_budget_ms is not None and not 1 <= self.latency_budget_ms <= MAX_LATENCY_BUDGET_MS:
+            raise ConfigError(f"--latency-budget-ms {self.latency_budget_ms} is out of range: give 1 to "
+                              f"{MAX_LATENCY_BUDGET_MS} ms, or leave it out to close batches by --max-wait-ms alone")
         if self.max_state_chars < 1:
             raise ConfigError("--max-state-chars must be at least 1")
         if any(n < 1 for n in self.warmup_state_tokens):

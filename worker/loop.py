@@ -41,6 +41,7 @@ from worker.kafka_clients import require_topics, transactional_producer_config
 from worker.input_mapping import SourceDecoder
 from worker.outputs import Outputs, start_encoder
 from worker.records import SchemaKey, SourceRecord, Unscorable
+from worker.latency_budget import CycleTimes, LatencyBudget
 from worker.routing import Router
 from worker.schema_table import SchemaTable
 from worker.scorer import BatchJob, load_scorer
@@ -72,6 +73,8 @@ class InFlight:
     cycle: Cycle
     keys: list[SchemaKey]  # the cycle's batches, in the order of the scorer's results
     future: Future
+    closed_at: float  # when the loop decided to close the cycle
+    scored_at: float | None = None  # when its scores were ready (set on the scoring thread)
 
 
 class Worker:
@@ -89,6 +92,8 @@ class Worker:
         self._cycle = Cycle()
         self._carried = (0, 0)  # states (all, waiting) the open cycle took over, held back, from the one before it
         self._inflight: deque[InFlight] = deque()
+        self._budget = (LatencyBudget(config.latency_budget_ms / 1000, self._max_wait_s)
+                        if config.latency_budget_ms is not None else None)
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
     def run(self) -> None:
@@ -106,6 +111,7 @@ class Worker:
         self._table.catch_up()
         self._emit("schemas_loaded", {"schema_ids": self._table.ids()})
         self._router = Router(self.config, self._table, self._scorer, self._outputs, self._emit)
+        self._announce_budget()
         frozen = gc_pauses.freeze_loaded_objects()
         gc_pauses.watch_collections()
         log.info("%d objects of the loaded model and libraries exempted from garbage collection", frozen)
@@ -174,7 +180,8 @@ class Worker:
         if cycle.waiting and (len(cycle), len(cycle.waiting)) == self._carried:
             return False  # nothing but the states held back last time, all still waiting: nothing could commit now
         # No deadline closes the last, partial cycle of a finite input: its end does.
-        return cycle.due(now, self.config.max_batch, self._max_wait_s) or self._assignment.exhausted()
+        return (cycle.due(now, self.config.max_batch, self._max_wait_s) or self._budget_due(now)
+                or self._assignment.exhausted())
 
     def _poll_timeout(self) -> float:
         now = monotonic()
@@ -185,6 +192,8 @@ class Worker:
         # A cycle on the GPU is committed by the first step after it finishes: wait briefly, so that a quiet
         # stream (no message ends the wait early) does not add the wait to that cycle's latency.
         timeout = 0.005 if self._inflight else 0.1
+        if until_due is not None and self._budget is not None:
+            until_due = min(until_due, max(0.0, self._budget_close_by(monotonic()) - monotonic()))
         return min(timeout, until_due) if until_due is not None else timeout
 
     def _consume(self, timeout: float) -> None:
@@ -224,6 +233,7 @@ class Worker:
     def _close_cycle(self) -> None:
         """Bring the cycle up to date with the schema topic, then submit it, but for the states held back by a
         wait for a schema: those (per partition, the waiting state and every later one) open the next cycle."""
+        closed_at = monotonic()
         with _blocking_step("schema_catch_up"):      # a broker round trip per schema partition
             changes = self._catch_up_schemas()
         if changes is None:
@@ -234,7 +244,7 @@ class Worker:
         self._carried = (len(self._cycle), len(self._cycle.waiting))
         if not len(ready):
             return
-        self._submit_cycle(ready)
+        self._submit_cycle(ready, closed_at)
         # Keep at most one cycle on the GPU while the one before it commits.
         while len(self._inflight) > 1:
             self._commit_oldest()
@@ -249,14 +259,19 @@ class Worker:
         liveness.BROKER.succeeded()
         return changes
 
-    def _submit_cycle(self, cycle: Cycle) -> None:
+    def _submit_cycle(self, cycle: Cycle, closed_at: float | None = None) -> None:
+        closed_at = monotonic() if closed_at is None else closed_at
         if cycle.opened_at is not None:
             metrics.FILL_WAIT.observe(monotonic() - cycle.opened_at)
         keys = list(cycle.batches)
         jobs = [BatchJob(cycle.batches[key].handle, list(cycle.batches[key].rows)) for key in keys]
         for job in jobs:
             metrics.BATCH_SIZE.observe(len(job.rows))
-        self._inflight.append(InFlight(cycle, keys, self._scorer.submit(jobs)))
+        if self._budget is not None:
+            self._budget.submitted(closed_at, _scored_states(cycle), gpu_busy=self._gpu_busy())
+        inflight = InFlight(cycle, keys, self._scorer.submit(jobs), closed_at)
+        inflight.future.add_done_callback(lambda _: setattr(inflight, "scored_at", monotonic()))
+        self._inflight.append(inflight)
 
     def _commit_oldest(self) -> None:
         inflight = self._inflight[0]
@@ -283,12 +298,46 @@ class Worker:
         self._inflight.popleft()
         self._release_pins(cycle)
         self._assignment.on_committed(offsets)
+        self._budget_learn(inflight)
         metrics.count_committed(monotonic() - (cycle.opened_at or monotonic()), out.scored, _by_value(out.dead_letters))
         log.debug("committed %d scored, %s dead letters, offsets %s", sum(out.scored.values()),
                   _by_value(out.dead_letters), partition_names(cycle.offsets(), with_offsets=True))
         self._emit("committed", {"scored": sum(out.scored.values()), "dead_letters": _by_value(out.dead_letters),
                                  "samples": out.samples, "batches": {f"{k[0]} v{k[1]}": len(b.members) for k, b in cycle.batches.items()},
                                  "commit_ms": commit_ms, "offsets": [(tp.partition, tp.offset) for tp in cycle.offsets()]})
+
+    # ---- the latency budget ---------------------------------------------------------------------------------------
+    def _announce_budget(self) -> None:
+        if self._budget is None:
+            return
+        metrics.LATENCY_BUDGET_SECONDS.set(self._budget.budget_s)
+        log.info("latency budget %d ms: each cycle closes early enough that its first state's record is visible to "
+                 "read_committed readers within %d ms of the state's arrival (when this worker consumed it, not its "
+                 "event time), planned from running estimates of scoring and commit time per batch size; "
+                 "--max-wait-ms %s caps the wait for more states; until a cycle has been measured, cycles close as "
+                 "soon as they open", self.config.latency_budget_ms, self.config.latency_budget_ms,
+                 self.config.max_wait_ms)
+
+    def _gpu_busy(self) -> bool:
+        return bool(self._inflight) and not self._inflight[-1].future.done()
+
+    def _budget_close_by(self, now: float) -> float:
+        return self._budget.close_by(now, self._cycle.opened_at, _scored_states(self._cycle), self._gpu_busy())
+
+    def _budget_due(self, now: float) -> bool:
+        """Whether the latency budget closes the open cycle now."""
+        if self._budget is None or not len(self._cycle):
+            return False
+        return now >= self._budget_close_by(now)
+
+    def _budget_learn(self, inflight: InFlight) -> None:
+        if self._budget is None or inflight.cycle.opened_at is None:
+            return
+        now = monotonic()
+        missed = self._budget.committed(CycleTimes(
+            n_states=_scored_states(inflight.cycle), first_arrival=inflight.cycle.opened_at,
+            closed_at=inflight.closed_at, scored_at=inflight.scored_at or now, committed_at=now))
+        metrics.observe_budget(self._budget.engine.values(), self._budget.commit.values(), missed)
 
     # ---- failure paths ---------------------------------------------------------------------------------------
     def _check_outage(self) -> None:
@@ -320,6 +369,8 @@ class Worker:
             self._release_pins(cycle)
         self._cycle, self._inflight = Cycle(), deque()
         self._carried = (0, 0)
+        if self._budget is not None:
+            self._budget.forget_order()
         if dropped:
             log.info("%s: dropped %d uncommitted states (they will be read again)", why, dropped)
 
@@ -327,6 +378,11 @@ class Worker:
         """Let the scorer evict the schemas ``cycle`` held (after its commit or when it is dropped)."""
         for key in cycle.pins():
             self._scorer.release_pin(key)
+
+
+def _scored_states(cycle: Cycle) -> int:
+    """States of ``cycle`` in its batches (to be scored), as opposed to its dead letters and waiting states."""
+    return sum(len(batch.members) for batch in cycle.batches.values())
 
 
 def _by_value(reasons) -> dict[str, int]:

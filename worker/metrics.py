@@ -42,6 +42,27 @@ GC_PAUSE_SECONDS = Histogram(
 )
 ENGINE_PATHS = Gauge("decider_engine_batches", "Engine batches by path: CUDA graph captures and replays, eager runs",
                      ["path"])
+LATENCY_BUDGET_SECONDS = Gauge("decider_latency_budget_seconds", "--latency-budget-ms: a cycle's first state's record "
+                               "is to be visible this long after the state was consumed")
+ESTIMATED_ENGINE_SECONDS = Gauge(
+    "decider_estimated_engine_seconds", "The latency budget's running estimate (mean + 4 mean deviations) of the time "
+    "from closing a cycle to its scores, by batch bucket (scored states, rounded up to a power of two)", ["batch"])
+ESTIMATED_COMMIT_SECONDS = Gauge(
+    "decider_estimated_commit_seconds", "The latency budget's running estimate (mean + 4 mean deviations) of the time "
+    "from a cycle's scores to the end of its transaction, by batch bucket", ["batch"])
+LATENCY_BUDGET_MISSES = Counter(
+    "decider_latency_budget_misses_total", "Committed cycles whose first state's record became visible later than "
+    "--latency-budget-ms after the state was consumed (transaction end - first state consumed)")
+
+
+def observe_budget(engine: Mapping[int, float], commit: Mapping[int, float], missed: bool) -> None:
+    """A cycle committed under the latency budget: the estimates it updated, and whether it missed the budget."""
+    for batch, seconds in engine.items():
+        ESTIMATED_ENGINE_SECONDS.labels(str(batch)).set(seconds)
+    for batch, seconds in commit.items():
+        ESTIMATED_COMMIT_SECONDS.labels(str(batch)).set(seconds)
+    if missed:
+        LATENCY_BUDGET_MISSES.inc()
 
 
 def count_committed(cycle_seconds: float, scored: Mapping[str, int], dead_letters: Mapping[str, int]) -> None:

@@ -21,14 +21,18 @@ def test_stream_bench_quick_runs_end_to_end_exactly_once():
     """Embedded broker + a real worker process + load generator, on the CPU; every phase verifies exactly-once."""
     from bench.stream_bench import main as stream_main
 
-    result = stream_main(["--quick", "--states", "60", "--latency-seconds", "2", "--replay"])
+    result = stream_main(["--quick", "--states", "60", "--latency-seconds", "2", "--latency-budget-ms", "3000", "--replay"])
     phases = [r["phase"] for r in result["runs"]]
-    assert phases == ["throughput", "latency", "replay"]
-    tput, lat, replay = result["runs"]
-    for r in (tput, lat):
+    assert phases == ["throughput", "latency", "latency", "replay"]
+    tput, lat, budget, replay = result["runs"]
+    for r in (tput, lat, budget):
         assert r["ok"], r
     assert tput["states_per_s"] > 0 and result["engine_only_states_per_s"] > 0
     assert 0 < lat["p50_ms"] <= lat["p99_ms"]
+    # the budget phase ran its worker with the budget, and reports states and cycles over it
+    assert budget["latency_budget_ms"] == 3000 and budget["max_wait_ms"] == 3000, budget
+    assert 0 < budget["p50_ms"] <= budget["p99_ms"] and 0 <= budget["over_budget"] <= budget["states"]
+    assert budget["worker0_cycles"] > 0 and 0 <= budget["worker0_cycles_over_budget"] <= budget["worker0_cycles"]
     # the replay scored every state of the live latency phase, and each has a live record to compare with
     assert replay["exit_code"] == 0 and replay["states_per_s"] > 0, replay
     assert replay["states"] == replay["compared"] > 0, replay

@@ -177,6 +177,10 @@ def _worker_args(tmp_path: Path, *extra: str) -> list[str]:
     (("--log-level", "verbose"), ["--log-level must be debug, info, warning or error, not 'verbose'"]),
     (("--tokenizer-threads", "0"), ["--tokenizer-threads", "greater than or equal to 1"]),
     (("--max-batch", "many"), ["--max-batch", "see decider worker --help"]),
+    (("--latency-budget-ms", "0"), ["--latency-budget-ms", "greater than or equal to 1"]),
+    (("--latency-budget-ms", "600001"), ["--latency-budget-ms", "less than or equal to 600000"]),
+    (("--latency-budget-ms", "-5"), ["--latency-budget-ms", "greater than or equal to 1"]),
+    (("--latency-budget-ms", "fast"), ["--latency-budget-ms", "see decider worker --help"]),
 ])
 def test_worker_refuses_bad_options(decider, tmp_path, extra, says):
     assert_one_line_exit_2(decider(*_worker_args(tmp_path, *extra)), *says)

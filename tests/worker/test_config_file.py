@@ -87,6 +87,18 @@ def test_the_file_becomes_click_default_map_for_every_command_with_the_option(tm
     assert loaded.kafka == {"security.protocol": "SSL", "ssl.endpoint.identification.algorithm": "none"}
 
 
+def test_the_latency_budget_is_a_worker_key_checked_like_its_flag(tmp_path):
+    path = tmp_path / "decider.toml"
+    path.write_text('bootstrap = "127.0.0.1:1"\n[worker]\nworker-id = "w"\nmodel = "/nope"\nlatency-budget-ms = 0\n')
+    result = _decider("--config", str(path), "worker")
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, result.stderr
+    assert "--latency-budget-ms" in lines[0] and "greater than or equal to 1" in lines[0], result.stderr
+    path.write_text('[worker]\nlatency-budget-ms = "50ms"\n')
+    result = _decider("--config", str(path), "worker")
+    assert result.returncode == 2 and "[worker] latency-budget-ms must be an integer" in result.stderr, result.stderr
+
+
 def test_config_flag_is_taken_out_wherever_it_is():
     assert split_config_flag(["--config", "a.toml", "worker", "-b", "x"], {}) == (Path("a.toml"), ["worker", "-b", "x"])
     assert split_config_flag(["worker", "--config=b.toml"], {"DECIDER_CONFIG": "c.toml"}) == (Path("b.toml"), ["worker"])

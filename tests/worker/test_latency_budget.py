@@ -1,0 +1,132 @@
+"""The latency budget's decision alone (no clock, no broker, no model): when the open cycle closes, from synthetic
+timings fed to its running estimates."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from worker.latency_budget import BucketedEstimates, CycleTimes, LatencyBudget, RunningEstimate, bucket, close_by, visible_at
+
+BUDGET, MAX_WAIT = 0.100, 0.050
+
+
+def _estimates(seconds_by_bucket: dict[int, float], samples: int = 50) -> BucketedEstimates:
+    """Estimates that have seen ``samples`` identical durations per bucket: their deviation has all but vanished."""
+    estimates = BucketedEstimates()
+    for n, seconds in seconds_by_bucket.items():
+        for _ in range(samples):
+            estimates.add(n, seconds)
+    return estimates
+
+
+def test_buckets_are_powers_of_two_at_or_above_the_size():
+    assert [bucket(n) for n in (0, 1, 2, 3, 4, 5, 31, 32, 33, 128)] == [1, 1, 2, 4, 4, 8, 32, 32, 64, 128]
+
+
+def test_an_estimate_plans_with_its_deviation_and_settles_on_a_steady_duration():
+    estimate = RunningEstimate.first(0.010)
+    assert estimate.value == pytest.approx(0.010 + 4 * 0.005)
+    for _ in range(60):
+        estimate.add(0.010)
+    assert estimate.value == pytest.approx(0.010, rel=1e-3)
+    estimate.add(0.030)  # one slow batch: the plan becomes pessimistic at once, not after many
+    assert estimate.value > 0.010 + 0.25 * 0.020 * 4 * 0.9
+
+
+def test_an_unmeasured_bucket_borrows_pessimistically():
+    estimates = _estimates({4: 0.004, 16: 0.010})
+    assert estimates.seconds(8) == pytest.approx(0.010, rel=1e-3)  # no longer than the next larger measured bucket
+    assert estimates.seconds(64) == pytest.approx(0.040, rel=1e-3)  # the largest one scaled linearly
+    assert estimates.seconds(1) == pytest.approx(0.004, rel=1e-3)
+    assert BucketedEstimates().seconds(1) is None
+    assert estimates.seconds(64, expected=True) == pytest.approx(0.040)
+
+
+def test_before_any_estimate_the_cycle_closes_at_once():
+    assert close_by(5.0, 4.99, 3, BucketedEstimates(), BucketedEstimates(), BUDGET, MAX_WAIT) == 4.99
+    engine_only = _estimates({4: 0.01})
+    assert close_by(5.0, 4.99, 3, engine_only, BucketedEstimates(), BUDGET, MAX_WAIT) == 4.99
+
+
+def test_closes_earlier_when_the_estimates_grow():
+    commit = _estimates({4: 0.005})
+    closes = [close_by(0.0, 0.0, 4, _estimates({4: seconds}), commit, BUDGET, 1.0) for seconds in (0.01, 0.03, 0.06)]
+    assert closes[0] > closes[1] > closes[2]
+    assert closes[0] == pytest.approx(BUDGET - 0.01 - 0.005, rel=1e-3)
+    # and as the batch grows into a slower bucket
+    engine = _estimates({4: 0.01, 32: 0.05})
+    assert close_by(0.0, 0.0, 20, engine, commit, BUDGET, 1.0) < close_by(0.0, 0.0, 4, engine, commit, BUDGET, 1.0)
+
+
+def test_never_waits_past_max_wait():
+    fast = _estimates({n: 0.001 for n in (1, 2, 4, 8)})
+    for n in (1, 3, 8):
+        assert close_by(0.0, 0.0, n, fast, fast, budget_s=10.0, max_wait_s=MAX_WAIT) == MAX_WAIT
+
+
+def test_a_budget_that_cannot_be_met_closes_at_once():
+    slow = _estimates({4: 0.2})
+    assert close_by(1.0, 0.99, 4, slow, _estimates({4: 0.01}), BUDGET, MAX_WAIT) == 1.0
+
+
+def test_waits_for_a_busy_gpu_only_when_the_budget_is_lost_anyway():
+    engine, commit = _estimates({4: 0.02}), _estimates({4: 0.005})
+    # the GPU frees in time: the budget decides, not the GPU
+    assert close_by(0.0, 0.0, 4, engine, commit, BUDGET, 1.0, gpu_free_at=0.03) == pytest.approx(0.075, rel=1e-3)
+    # it frees too late to meet the budget: closing before it frees would not start the cycle sooner
+    assert close_by(0.0, 0.0, 4, engine, commit, BUDGET, 1.0, gpu_free_at=0.09) == pytest.approx(0.09)
+    assert close_by(0.0, 0.0, 4, engine, commit, BUDGET, MAX_WAIT, gpu_free_at=0.09) == MAX_WAIT
+
+
+def test_a_cycle_of_dead_letters_only_plans_with_the_commit_alone():
+    commit = _estimates({1: 0.005})
+    assert close_by(0.0, 0.0, 0, BucketedEstimates(), commit, BUDGET, 1.0) == pytest.approx(BUDGET - 0.005, rel=1e-3)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_never_exceeds_the_budget_when_the_estimates_are_accurate(seed):
+    """Random true timings, learned until steady; a cycle closed when ``close_by`` says is visible within the budget
+    whenever the budget can be met at all."""
+    rng = random.Random(seed)
+    true_engine = {b: rng.uniform(0.002, 0.04) * b ** 0.5 for b in (1, 2, 4, 8, 16, 32)}
+    true_commit = {b: rng.uniform(0.001, 0.01) for b in true_engine}
+    engine, commit = _estimates(true_engine), _estimates(true_commit)
+    for _ in range(200):
+        first, n = rng.uniform(0, 10), rng.randint(1, 32)
+        now = first + rng.uniform(0, 0.02)
+        gpu_free_at = now + rng.uniform(-0.05, 0.08)
+        budget, max_wait = rng.uniform(0.02, 0.3), rng.uniform(0.005, 0.4)
+        close = max(now, close_by(now, first, n, engine, commit, budget, max_wait, gpu_free_at))
+        assert close <= max(now, first + max_wait) + 1e-9
+        visible = visible_at(close, max(now, gpu_free_at), true_engine[bucket(n)], true_commit[bucket(n)])
+        if visible_at(now, max(now, gpu_free_at), true_engine[bucket(n)], true_commit[bucket(n)]) <= first + budget:
+            assert visible <= first + budget + 1e-6, (n, budget, max_wait)
+
+
+def test_the_worker_state_learns_from_committed_cycles_and_counts_misses():
+    budget = LatencyBudget(budget_s=0.1, max_wait_s=1.0)
+    assert budget.close_by(0.0, 0.0, 4, gpu_busy=False) == 0.0  # nothing learned yet
+    # two cycles back to back: the second one's scoring starts when the first one's ends, its commit after the first's
+    assert not budget.committed(CycleTimes(n_states=4, first_arrival=0.0, closed_at=0.0, scored_at=0.02, committed_at=0.03))
+    assert budget.committed(CycleTimes(n_states=4, first_arrival=0.0, closed_at=0.01, scored_at=0.04, committed_at=0.15))
+    assert budget.misses == 1
+    assert budget.engine.by_bucket[4].mean == pytest.approx(0.02, rel=0.01)       # 0.02, then 0.04 - 0.02
+    assert budget.commit.by_bucket[4].mean == pytest.approx(0.01 + (0.11 - 0.01) / 8)  # 0.01, then 0.15 - 0.04
+    assert 0.0 < budget.close_by(1.0, 1.0, 4, gpu_busy=False) < 1.1
+    # a submitted cycle keeps the GPU busy for its expected scoring time; this cycle's budget is lost anyway, so it
+    # gathers until then
+    budget.submitted(2.0, 4, gpu_busy=False)
+    assert budget.close_by(2.0, 2.0, 4, gpu_busy=True) == pytest.approx(2.0 + budget.engine.by_bucket[4].mean)
+    assert budget.close_by(2.0, 2.0, 4, gpu_busy=False) == 2.0
+
+
+def test_the_configuration_refuses_a_budget_out_of_range():
+    from worker.config import WorkerConfig
+    from worker.exceptions import ConfigError
+
+    assert WorkerConfig(bootstrap="k:9092", model_dir="m", worker_id="w", latency_budget_ms=25).latency_budget_ms == 25
+    for bad in (0, -1, 600_001):
+        with pytest.raises(ConfigError, match="--latency-budget-ms"):
+            WorkerConfig(bootstrap="k:9092", model_dir="m", worker_id="w", latency_budget_ms=bad)

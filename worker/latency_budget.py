@@ -1,0 +1,178 @@
+"""The latency budget (``--latency-budget-ms``): when to close the open cycle so that its first state's record is
+visible to read_committed readers within the budget of that state's *arrival* (the moment the worker consumed it;
+the event time is the producer's clock, and the time a state spent in Kafka before it was consumed is not the
+worker's to spend).
+
+A cycle closed at time ``t`` is scored when the GPU is free (the cycle in flight ahead of it finishes at ``g``),
+and its transaction commits after its scores are ready and after the cycle ahead of it committed:
+
+    visible(t) = max(max(t, g) + E(n), g + C(n)) + C(n)
+
+where ``E(n)`` is the time from closing a cycle of ``n`` scored states to its scores being ready (the schema
+catch-up, the tokenization still pending, the engine) and ``C(n)`` the time from its scores being ready to the
+end of its transaction (building the output records, the transaction itself, the loop noticing). Both are
+learned from the cycles the loop commits, per batch bucket (the power of two at or above ``n``), as running
+estimates that are deliberately pessimistic: the smoothed mean plus four smoothed mean deviations (RFC 6298's
+retransmission timer, which has the same job: a deadline that is rarely too early).
+
+Everything here is pure (no clock, no Kafka): the loop hands in the times it measured.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+MEAN_GAIN = 1 / 8       # RFC 6298's alpha
+DEVIATION_GAIN = 1 / 4  # RFC 6298's beta
+DEVIATIONS = 4          # RFC 6298's K
+
+
+def bucket(n: int) -> int:
+    """The batch bucket of ``n`` states: the power of two at or above it (1 for 0 or 1)."""
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+@dataclass
+class RunningEstimate:
+    """A smoothed mean and mean deviation of one duration; ``value`` is the pessimistic estimate."""
+
+    mean: float
+    deviation: float
+
+    @classmethod
+    def first(cls, seconds: float) -> "RunningEstimate":
+        """The estimate after its first sample: RFC 6298 starts the deviation at half the sample."""
+        return cls(mean=seconds, deviation=seconds / 2)
+
+    def add(self, seconds: float) -> None:
+        """Fold in one measured duration."""
+        self.deviation += DEVIATION_GAIN * (abs(seconds - self.mean) - self.deviation)
+        self.mean += MEAN_GAIN * (seconds - self.mean)
+
+    @property
+    def value(self) -> float:
+        """The duration to plan with: mean plus DEVIATIONS mean deviations."""
+        return self.mean + DEVIATIONS * self.deviation
+
+
+@dataclass
+class BucketedEstimates:
+    """Running estimates of one duration per batch bucket.
+
+    A bucket not measured yet borrows from its neighbours, pessimistically: from the nearest larger measured bucket
+    (a batch takes no longer than a bigger one), else from the nearest smaller one scaled by the size ratio (batched
+    work grows at most linearly with the batch). Nothing measured at all: ``None``."""
+
+    by_bucket: dict[int, RunningEstimate] = field(default_factory=dict)
+
+    def add(self, n: int, seconds: float) -> None:
+        """Fold in the duration measured for a cycle of ``n`` scored states."""
+        key = bucket(n)
+        if key in self.by_bucket:
+            self.by_bucket[key].add(seconds)
+        else:
+            self.by_bucket[key] = RunningEstimate.first(seconds)
+
+    def seconds(self, n: int, expected: bool = False) -> float | None:
+        """The duration to plan with for ``n`` states (``expected``: the smoothed mean instead), or None before any
+        measurement."""
+        key = bucket(n)
+        pick = (lambda e: e.mean) if expected else (lambda e: e.value)
+        if key in self.by_bucket:
+            return pick(self.by_bucket[key])
+        larger = [b for b in self.by_bucket if b > key]
+        if larger:
+            return pick(self.by_bucket[min(larger)])
+        if self.by_bucket:
+            nearest = max(self.by_bucket)
+            return pick(self.by_bucket[nearest]) * key / nearest
+        return None
+
+    def values(self) -> dict[int, float]:
+        """The estimate of every measured bucket (for the metrics)."""
+        return {b: e.value for b, e in sorted(self.by_bucket.items())}
+
+
+def close_by(now: float, first_arrival: float, n_states: int, engine: BucketedEstimates, commit: BucketedEstimates,
+             budget_s: float, max_wait_s: float, gpu_free_at: float | None = None) -> float:
+    """The latest (monotonic) time at which the open cycle may close so that its first state's record is visible by
+    ``first_arrival + budget_s``, capped at ``first_arrival + max_wait_s``.
+
+    ``n_states``: the cycle's scored states so far (0: dead letters only, nothing to score); ``gpu_free_at``: when the
+    cycle in flight is expected to finish scoring (None or past: the GPU is free now). Returns ``first_arrival`` (close
+    at once) before any estimate exists. When the budget cannot be met however soon the cycle closes, because the GPU
+    frees too late, returns that moment: the cycle could not start earlier, and states joining it until then wait no
+    longer than they would in the next cycle."""
+    cap = first_arrival + max_wait_s
+    scoring = engine.seconds(n_states) if n_states else 0.0
+    committing = commit.seconds(n_states)
+    if scoring is None or committing is None:
+        return first_arrival
+    deadline = first_arrival + budget_s
+    gpu = max(now, gpu_free_at if gpu_free_at is not None else now)
+    latest = deadline - scoring - committing
+    if visible_at(latest, gpu, scoring, committing) > deadline + 1e-9:
+        return min(cap, max(gpu, first_arrival))
+    return min(cap, latest)
+
+
+def visible_at(close: float, gpu_free_at: float, scoring_s: float, committing_s: float) -> float:
+    """When a cycle closed at ``close`` becomes visible, per the model above."""
+    scored = max(close, gpu_free_at) + scoring_s
+    return max(scored, gpu_free_at + committing_s) + committing_s
+
+
+@dataclass
+class CycleTimes:
+    """What the loop measured of one committed cycle (monotonic seconds)."""
+
+    n_states: int          # scored states in the cycle
+    first_arrival: float   # its first state consumed
+    closed_at: float       # the loop decided to close it
+    scored_at: float       # its scores were ready (all its batches)
+    committed_at: float    # its transaction ended: its records are visible
+
+
+class LatencyBudget:
+    """The budget's state in a running worker: the estimates, learned from every committed cycle, and the misses."""
+
+    def __init__(self, budget_s: float, max_wait_s: float) -> None:
+        self.budget_s, self.max_wait_s = budget_s, max_wait_s
+        self.engine = BucketedEstimates()
+        self.commit = BucketedEstimates()
+        self.misses = 0
+        self._last_scored_at = -math.inf
+        self._last_committed_at = -math.inf
+        self._gpu_free_at: float | None = None
+
+    def close_by(self, now: float, first_arrival: float, n_states: int, gpu_busy: bool) -> float:
+        """When the open cycle should close (see ``close_by``); ``gpu_busy``: a submitted cycle is not scored yet."""
+        return close_by(now, first_arrival, n_states, self.engine, self.commit, self.budget_s, self.max_wait_s,
+                        self._gpu_free_at if gpu_busy else None)
+
+    def submitted(self, now: float, n_states: int, gpu_busy: bool) -> None:
+        """A cycle of ``n_states`` was closed at ``now`` and submitted: expect the GPU busy until it is scored.
+
+        Expected, not pessimistic: this only decides how long a cycle that misses the budget anyway keeps gathering,
+        and gathering past the moment the GPU frees would leave it idle. (The loop stops waiting as soon as the
+        cycle ahead is actually scored.)"""
+        start = max(now, self._gpu_free_at or now) if gpu_busy else now
+        scoring = self.engine.seconds(n_states, expected=True) if n_states else 0.0
+        self._gpu_free_at = start + (scoring or 0.0)
+
+    def committed(self, times: CycleTimes) -> bool:
+        """Learn from a committed cycle; True if its first state's record became visible later than the budget."""
+        started_scoring = max(times.closed_at, self._last_scored_at)  # the GPU scores cycles one after the other
+        started_commit = max(times.scored_at, self._last_committed_at)  # and the loop commits them in order
+        if times.n_states:
+            self.engine.add(times.n_states, max(0.0, times.scored_at - started_scoring))
+        self.commit.add(times.n_states, max(0.0, times.committed_at - started_commit))
+        self._last_scored_at, self._last_committed_at = times.scored_at, times.committed_at
+        missed = times.committed_at - times.first_arrival > self.budget_s
+        self.misses += missed
+        return missed
+
+    def forget_order(self) -> None:
+        """Uncommitted cycles were dropped (abort, rebalance): the next cycle follows none in flight."""
+        self._gpu_free_at = None
