@@ -4,9 +4,9 @@ snapshot, create and update become states of the row after the change, and the d
 from __future__ import annotations
 
 from tests.worker.conftest import REPO
-from worker.records import Reason
 from worker.input_mapping import InputMapper, InputMapping, MappingFailure
-from worker.records import load_schema_file, state_problem
+from worker.records import Reason, state_problem
+from worker.user_files import load_schema_file
 
 EXAMPLES = REPO / "worker" / "examples"
 # The mappings the README's commands give on the command line.
