@@ -70,6 +70,8 @@ def test_records_are_visible_within_the_budget_at_a_modest_rate(stream, model_di
         warm = [(f"w-{i}", t) for i, t in enumerate(state_texts(8, seed=1))]
         stream.produce_states(warm, "tickets")
         assert len(_visible_times(reader, stream.topics.probabilities, len(warm), 90)) == len(warm), worker.log()
+        # the warm-up's cycles run before any estimate exists, and the first touches the model (slow on a CPU)
+        warm_samples = _samples(port)
 
         n = RATE * SECONDS
         produced = {}
@@ -93,8 +95,10 @@ def test_records_are_visible_within_the_budget_at_a_modest_rate(stream, model_di
     assert estimated and all(0 < v < BUDGET_MS / 1000 for v in estimated.values()), estimated
     assert any(name == "decider_estimated_commit_seconds" for name, _ in samples)
     assert _value(samples, "decider_latency_budget_seconds") == BUDGET_MS / 1000
-    cycles = _value(samples, "decider_transactions_total", outcome="committed")
-    misses = _value(samples, "decider_latency_budget_misses_total")
-    assert misses <= 0.1 * cycles + 1, (misses, cycles)  # the first cycles close at once, so they cannot miss
+    cycles, misses = (_value(samples, "decider_transactions_total", outcome="committed")
+                      - _value(warm_samples, "decider_transactions_total", outcome="committed"),
+                      _value(samples, "decider_latency_budget_misses_total")
+                      - _value(warm_samples, "decider_latency_budget_misses_total"))
+    assert misses <= 0.1 * cycles + 1, (misses, cycles)   # the measured cycles, planned from estimates
     assert worker.stop() == 0, worker.log()
     assert worker.log().count("latency budget 2000 ms") == 1
