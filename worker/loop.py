@@ -193,7 +193,7 @@ class Worker:
         # stream (no message ends the wait early) does not add the wait to that cycle's latency.
         timeout = 0.005 if self._inflight else 0.1
         if until_due is not None and self._budget is not None:
-            until_due = min(until_due, max(0.0, self._budget_close_by(monotonic()) - monotonic()))
+            until_due = min(until_due, max(0.0, self._budget_close_by(now) - now))
         return min(timeout, until_due) if until_due is not None else timeout
 
     def _consume(self, timeout: float) -> None:
