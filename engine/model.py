@@ -112,7 +112,8 @@ class SuffixContext:
         self.prefix, self.R, self.P, self.T, self.lengths = prefix, R, prefix.P, T, lengths
         lengths = torch.tensor(prefix.lengths, device=device)
         self.positions = (lengths.repeat(R)[:, None] + torch.arange(T, device=device)[None, :]).contiguous()   # [B, T]
-        # Prefixes of one length (always, packed) need no mask: the fused, merged path. Else explicit scores.
+        # Prefixes of one length (always, packed) need no mask: the fused, merged path; so do unequal ones where the
+        # table's attention takes key lengths (`Kernels.ragged_prefixes`). Else explicit scores.
         self.uniform_prefix = len(set(prefix.lengths)) == 1
         self.key_lengths = lengths.to(torch.int32)                                                        # [P]
         if not self.uniform_prefix:
