@@ -11,7 +11,14 @@ Methods (one row per method x batch x state length):
   cached_graphs_deterministic   the same with Engine.load(..., deterministic=True): batch-invariant kernels (GPU only)
   cached_eager_deterministic    cached_eager with deterministic=True (not in the default list; the CPU's cost)
 
-Writes a markdown table to stdout and bench/results/<date>-<gpu>.json ({"env": ..., "runs": [...]}).
+With --schemas N[,N...] (many schemas live): N schemas of the same shape (prefixes of --prefix-tokens +-32 tokens,
+distinct questions), each batch's states spread evenly over them, on the deterministic engine (the CUDA default):
+  mixed          SchemaEngine.score_mixed: one batch, every row reading its own schema's prefix from the bank
+  per_schema     one score_lists call per schema (each schema's share of the batch as its own smaller batch)
+with the graphs held and the prefix bank's memory after each N.
+
+Writes a markdown table to stdout and bench/results/<date>-<gpu>.json ({"env": ..., "runs": [...]}; with --schemas,
+<date>-<gpu>-schemas.json).
 """
 from __future__ import annotations
 
@@ -74,9 +81,10 @@ def build_engine(args) -> tuple[Engine, str]:
     return Engine(model, tok, model_id="qwen3.5-0.8b-shaped-random"), f"Qwen3.5-0.8B-shaped random weights; {tok_name}"
 
 
-def questions(tok, n: int, n_options: int, target_prefix_tokens: int) -> list[dict]:
-    """n questions of n_options options, padded with words so the packed prefix is about target_prefix_tokens."""
-    rnd = random.Random(1)
+def questions(tok, n: int, n_options: int, target_prefix_tokens: int, seed: int = 1) -> list[dict]:
+    """n questions of n_options options, padded with words so the packed prefix is about target_prefix_tokens (another
+    seed: another schema of the same shape)."""
+    rnd = random.Random(seed)
     qs = [{"question": f"Does the event show {rnd.choice(WORDS)} trouble with the {rnd.choice(WORDS)}?",
            "options": [f"{rnd.choice(WORDS)} {rnd.choice(WORDS)}" for _ in range(n_options)]} for _ in range(n)]
     from engine.prompt import parse_questions, schema_prefix_ids
@@ -132,6 +140,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--options", type=int, default=4)
     ap.add_argument("--prefix-tokens", type=int, default=400)
     ap.add_argument("--iters", type=int, default=None)
+    ap.add_argument("--schemas", default=None,
+                    help="comma-separated schema counts: time batches spread over that many live schemas instead")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = ap.parse_args(argv)
     cuda = torch.cuda.is_available() and not args.quick
@@ -145,6 +155,11 @@ def main(argv=None) -> dict:
     eng, model_desc = build_engine(args)
     dev = eng.dev
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    if args.schemas:
+        return many_schemas(args, eng, model_desc, [int(x) for x in args.schemas.split(",")],
+                            [int(x) for x in (args.batches or ("4" if args.quick else "128")).split(",")],
+                            [int(x) for x in (args.state_tokens or ("32" if args.quick else "128")).split(",")],
+                            iters, sync)
     qs = questions(eng.tok, args.questions, args.options, args.prefix_tokens if not args.quick else 60)
     se_eager, se_graph, full = SchemaEngine(eng, use_graphs=False), SchemaEngine(eng, use_graphs=True), FullPromptScorer(eng)
     h_eager, h_graph = se_eager.prepare(qs), se_graph.prepare(qs)
@@ -212,12 +227,58 @@ def main(argv=None) -> dict:
     return result
 
 
-def _save(args, env, runs, **extra) -> Path | None:
+def many_schemas(args, eng, model_desc: str, counts: list[int], batches: list[int], lengths: list[int], iters: int,
+                 sync) -> dict:
+    """States/s with N live schemas, states spread evenly over them: one mixed batch against one call per schema."""
+    det_eng = Engine(eng.model, eng.tok, model_id=eng.model_id, deterministic=eng.dev.type == "cuda")
+    se = SchemaEngine(det_eng, prefix_slots=max(counts))
+    prefix = args.prefix_tokens if not args.quick else 60
+    pool = [se.prepare(questions(eng.tok, args.questions, args.options, prefix + 16 * (i % 5) - 32, seed=i))
+            for i in range(max(counts))]
+    env = dict(gpu=torch.cuda.get_device_name(eng.dev) if eng.dev.type == "cuda" else platform.processor() or "cpu",
+               torch=torch.__version__, fla=_fla_version(), kernels=se.fwd.kernels.name, model=model_desc,
+               dtype=args.dtype, questions=args.questions, options=args.options,
+               prefix_tokens=sorted({h.prefix_tokens for h in pool}), date=datetime.date.today().isoformat())
+    print(json.dumps(env), flush=True)
+    runs = []
+    for N in counts:
+        live = pool[:N]
+        for L in lengths:
+            for B in batches:
+                texts = states(eng.tok, B, L, seed=B * 1000 + L)
+                requests = [(live[i % N], se.tokenize(live[i % N], t)) for i, t in enumerate(texts)]
+                by_schema = {}
+                for h, row in requests:
+                    by_schema.setdefault(h.id, (h, []))[1].append(row)
+                calls = {"mixed": lambda: se.score_mixed(requests),
+                         "per_schema": lambda: [se.score_lists(h, rows) for h, rows in by_schema.values()]}
+                for method, fn in calls.items():
+                    p50 = statistics.median(timed(fn, iters, sync))
+                    memory = se.memory()
+                    r = dict(method=method, schemas=N, batch=B, state_tokens=L, states_per_s=B / p50, p50_ms=p50 * 1e3,
+                             graphs=se.graph_stats()["graphs"], bank_mb=memory["bank_bytes"] / 2**20,
+                             slot_mb=memory["slot_bytes"] / 2**20,
+                             gpu_mem_gb=(torch.cuda.memory_allocated(eng.dev) / 1e9 if eng.dev.type == "cuda" else None))
+                    runs.append(r)
+                    print(json.dumps(r), flush=True)
+                    _save(args, env, runs, suffix="-schemas")
+    one = {(r["method"], r["batch"], r["state_tokens"]): r["states_per_s"] for r in runs if r["schemas"] == counts[0]}
+    lines = ["| method | schemas | batch | state tokens | states/s | vs " f"{counts[0]} schema(s) | p50 ms | graphs | "
+             "bank MiB |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in runs:
+        base = one.get((r["method"], r["batch"], r["state_tokens"]))
+        lines.append(f"| {r['method']} | {r['schemas']} | {r['batch']} | {r['state_tokens']} | {r['states_per_s']:,.1f} | "
+                     f"{r['states_per_s'] / base:.2f} | {r['p50_ms']:.2f} | {r['graphs']} | {r['bank_mb']:.0f} |")
+    print("\n".join(lines))
+    return dict(env=env, runs=runs)
+
+
+def _save(args, env, runs, suffix: str = "", **extra) -> Path | None:
     if args.quick:
         return None
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{env['date']}-{env['gpu'].replace(' ', '-').lower()}.json"
+    path = out / f"{env['date']}-{env['gpu'].replace(' ', '-').lower()}{suffix}.json"
     path.write_text(json.dumps(dict(env=env, runs=runs, **extra), indent=1))
     return path
 

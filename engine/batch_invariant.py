@@ -83,23 +83,26 @@ def _precision(dtype: torch.dtype) -> str:
 
 
 @triton.jit(do_not_specialize=["M", "N_CTX", "H", "G"])
-def _attention_kernel(Q, K, V, O, LSE, LENS, M, N_CTX, H, G, sq_z, sq_h, sq_m, sk_z, sk_h, sk_n, sv_z, sv_h, sv_n,
-                      so_z, so_h, so_m, sl_z, sl_h, scale, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                      CAUSAL: tl.constexpr, HAS_LENS: tl.constexpr, PRECISION: tl.constexpr):
+def _attention_kernel(Q, K, V, O, LSE, LENS, KV_IDX, M, N_CTX, H, G, sq_z, sq_h, sq_m, sk_z, sk_h, sk_n, sv_z, sv_h,
+                      sv_n, so_z, so_h, so_m, sl_z, sl_h, scale, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                      CAUSAL: tl.constexpr, HAS_LENS: tl.constexpr, HAS_IDX: tl.constexpr, PRECISION: tl.constexpr):
     # one program: BM query rows of one (batch, query head); keys of kv head h // G, BN at a time from the first
     start_m = tl.program_id(0) * BM
     zh = tl.program_id(1)
     z = zh // H
     h = zh % H
     kvh = h // G
-    if HAS_LENS:                     # keys past this batch entry's length are padding
-        N_CTX = tl.load(LENS + z)
+    zk = z                           # the K/V entry (and key length) this batch entry reads
+    if HAS_IDX:
+        zk = tl.load(KV_IDX + z)
+    if HAS_LENS:                     # keys past this entry's length are padding
+        N_CTX = tl.load(LENS + zk)
     rm = start_m + tl.arange(0, BM)
     rd = tl.arange(0, D)
     q = tl.load(Q + z.to(tl.int64) * sq_z + h * sq_h + rm[:, None].to(tl.int64) * sq_m + rd[None, :],
                 mask=rm[:, None] < M, other=0.0)
-    k_base = K + z.to(tl.int64) * sk_z + kvh * sk_h
-    v_base = V + z.to(tl.int64) * sv_z + kvh * sv_h
+    k_base = K + zk.to(tl.int64) * sk_z + kvh * sk_h
+    v_base = V + zk.to(tl.int64) * sv_z + kvh * sv_h
     m_i = tl.full((BM,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BM,), dtype=tl.float32)
     acc = tl.zeros((BM, D), dtype=tl.float32)
@@ -135,11 +138,13 @@ bench/results/2026-11-30-nvidia-h200-invariance-probe.json."""
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
-              key_lengths: torch.Tensor | None = None, block_m: int | None = None, block_n: int | None = None,
-              warps: int | None = None, stages: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [Z, H, M, D], k, v [Z, Hkv, N, D] (query head h reads kv head h // (H / Hkv)) -> (out [Z, H, M, D],
-    lse [Z, H, M] float32). causal: query i sees keys 0..i (M == N). key_lengths: [Z] int32, the keys of entry z
-    past key_lengths[z] are ignored (prefixes of unequal lengths, right-padded)."""
+              key_lengths: torch.Tensor | None = None, kv_index: torch.Tensor | None = None,
+              block_m: int | None = None, block_n: int | None = None, warps: int | None = None,
+              stages: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [Z, H, M, D], k, v [Zk, Hkv, N, D] (query head h reads kv head h // (H / Hkv)) -> (out [Z, H, M, D],
+    lse [Z, H, M] float32). causal: query i sees keys 0..i (M == N). kv_index: [Z] int64, the K/V entry query entry z
+    reads (default z). key_lengths: [Zk] int32, the keys of K/V entry j past key_lengths[j] are ignored (prefixes of
+    unequal lengths, right-padded); an entry of length 0 gives NaN rows."""
     cfg = ATTENTION_CONFIG
     block_m, block_n, warps, stages = (block_m or cfg[0], block_n or cfg[1], warps or cfg[2], stages or cfg[3])
     Z, H, M, D = q.shape
@@ -150,11 +155,20 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, s
     lse = torch.empty(Z, H, M, dtype=torch.float32, device=q.device)
     grid = (triton.cdiv(M, block_m), Z * H)
     lens = key_lengths if key_lengths is not None else lse          # any pointer: not read without HAS_LENS
-    _attention_kernel[grid](q, k, v, out, lse, lens, M, N_CTX, H, H // Hkv, *q.stride()[:3], *k.stride()[:3],
+    index = kv_index if kv_index is not None else lse               # nor this one without HAS_IDX
+    _attention_kernel[grid](q, k, v, out, lse, lens, index, M, N_CTX, H, H // Hkv, *q.stride()[:3], *k.stride()[:3],
                             *v.stride()[:3], *out.stride()[:3], *lse.stride()[:2], scale, D=D, BM=block_m,
-                            BN=block_n, CAUSAL=causal, HAS_LENS=key_lengths is not None, PRECISION=_precision(q.dtype), num_warps=warps,
+                            BN=block_n, CAUSAL=causal, HAS_LENS=key_lengths is not None,
+                            HAS_IDX=kv_index is not None, PRECISION=_precision(q.dtype), num_warps=warps,
                             num_stages=stages)
     return out, lse
+
+
+def indexed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, key_lengths: torch.Tensor,
+                      kv_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Non-causal attention of query entry z against K/V entry kv_index[z] (a bank of prefixes, each of its own
+    length): `Kernels.indexed_attention`."""
+    return attention(q, k, v, False, scale, key_lengths, kv_index)
 
 
 def cublas_is_invariant(weight: torch.Tensor, row_counts: list[int], probe_rows: int = 16, seed: int = 0) -> bool:

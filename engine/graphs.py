@@ -65,7 +65,7 @@ class GraphManager:
 
     enabled=False (CPU, or graphs switched off) runs every step eagerly at the batch's own shape.
     The pool belongs to this manager alone: PyTorch frees a private pool once no graph holds it, and a later capture
-    into a freed pool's handle trips an allocator assertion, so each manager (and each refill after `drop` emptied
+    into a freed pool's handle trips an allocator assertion, so each manager (and each refill after `clear` emptied
     it) takes a fresh handle.
     """
 
@@ -111,12 +111,14 @@ class GraphManager:
         self.stats["replays"] += 1
         return step.replay(*inputs)[:out_rows]
 
-    def drop(self, key_head) -> None:
-        """Forget the graphs whose key starts with `key_head` (a schema's, when it is released)."""
-        for key in [k for k in self._steps if k[0] == key_head]:
-            del self._steps[key]
-        if not self._steps:
-            self._pool = None
+    def __len__(self) -> int:
+        """Graphs held."""
+        return len(self._steps)
+
+    def clear(self) -> None:
+        """Forget every graph (the buffers they read were reallocated); later steps capture again."""
+        self._steps.clear()
+        self._pool = None
 
     def _capture(self, example: tuple[torch.Tensor, ...], fn: Callable, keep: object) -> CapturedStep:
         if self._pool is None:

@@ -5,8 +5,8 @@ fused Triton kernels of `engine.triton_kernels`). Elsewhere: `engine.torch_kerne
 exactly what transformers' modules compute (what CPU tests run). Deterministic (batch-invariant) scoring on the CPU:
 `engine.invariant_kernels`.
 
-Deterministic on CUDA: the same table with the attention of `engine.batch_invariant` (torch's flash op splits the keys
-by batch size) and the GEMMs of cuBLAS where a check at load shows them batch-invariant for this model's shapes, else
+Deterministic on CUDA: the same table with the suffix attention of `engine.batch_invariant` too (torch's flash op
+splits the keys by batch size) and the GEMMs of cuBLAS where a check at load shows them batch-invariant for this model's shapes, else
 `engine.batch_invariant.matmul`. Every other CUDA kernel here computes a row from that row alone in a fixed order
 (checked by `bench/invariance_probe.py` and the GPU tests).
 """
@@ -47,9 +47,12 @@ class Kernels:
     gate_attention(engine.attention.AttentionOut, gate [B, T, Hq, D]) -> [B, T, Hq * D]: the merge of a prefix/suffix
         split attention (if any), then transformers' sigmoid output gate;
     linear(x [..., K], weight [N, K]) -> [..., N]: every projection (bias-free), the label read-out included;
-    attention(q [Z, H, M, D], k, v [Z, Hkv, N, D], causal, scale, key_lengths [Z] | None) -> (out [Z, H, M, D],
-        lse [Z, H, M] float32); key_lengths (keys of entry z past it are padding) only where `ragged_prefixes`;
-    attend_by_request: the suffix pass runs attention one request at a time on its own length (eager only: a graph
+    attention(q [Z, H, M, D], k, v [Z, Hkv, N, D], causal, scale) -> (out [Z, H, M, D], lse [Z, H, M] float32): the
+        suffix half of a suffix pass's attention (causal) and, by row, its prefix half;
+    indexed_attention(q [Z, Hkv, M, D], k, v [S, Hkv, N, D], scale, key_lengths [S] int32, kv_index [Z] int64) ->
+        (out, lse) as `attention`, non-causal, entry z reading K/V entry kv_index[z] up to its length: the prefix half
+        read straight from the prefix bank (`engine.prefix_bank`); None: the prefix keys are gathered per row;
+    attend_by_request: the suffix pass runs attention one row at a time on its own lengths (eager only: a graph
         cannot capture per-batch lengths), for tables whose attention kernel depends on the batch's padded length."""
     name: str
     delta_rule: Callable
@@ -61,8 +64,8 @@ class Kernels:
     qk_norm_rope: Callable
     gate_attention: Callable
     linear: Callable = F.linear
-    attention: Callable = lambda q, k, v, causal, scale, key_lengths=None: sdpa_with_lse(q, k, v, causal, scale)
-    ragged_prefixes: bool = False
+    attention: Callable = sdpa_with_lse
+    indexed_attention: Callable | None = None
     attend_by_request: bool = False
 
 
@@ -72,9 +75,6 @@ def select_kernels(device_type: str, deterministic: bool = False, gemm_weights: 
     `batch_invariant_kernels` (`gemm_weights` are the weights whose cuBLAS GEMMs it checks), on the CPU
     `engine.invariant_kernels`."""
     if device_type == "cuda":
-        if deterministic:
-            log.warning("deterministic=True on CUDA: there are no batch-invariant GPU kernels yet, so a state's "
-                        "probabilities can still change with its batch's composition")
         try:
             table = fla_kernels()
         except ImportError:
@@ -103,9 +103,12 @@ def invariant_kernels() -> Kernels:
 
 def fla_kernels() -> Kernels:
     """`engine.fla_kernels` (CUDA only): ImportError where fla or triton is not installed."""
+    from engine import batch_invariant as bi
     from engine import fla_kernels as f      # imports fla and triton, which CPU machines may lack
+    # the prefix half by the Triton kernel that reads the prefix bank by index (torch's flash op takes no index; on
+    # the H200 the Triton kernel also ran a shared prefix faster than flash did: engine.batch_invariant)
     return Kernels("fla", f.delta_rule, f.conv_qkv, f.row_norm, f.gated_rms_norm, f.swiglu, f.add_rms_norm,
-                   f.qk_norm_rope, f.gate_attention, f.linear)
+                   f.qk_norm_rope, f.gate_attention, f.linear, indexed_attention=bi.indexed_attention)
 
 
 def batch_invariant_kernels(table: Kernels, gemm_weights: Sequence[torch.Tensor]) -> Kernels:
@@ -122,4 +125,5 @@ def batch_invariant_kernels(table: Kernels, gemm_weights: Sequence[torch.Tensor]
              sorted(linear.triton) or "none", time.perf_counter() - started)
     floors = ", ".join(f"{n}x{k}>={f}" for (n, k), f in sorted(linear.floors.items()))
     return replace(table, name=f"{table.name}+batch-invariant(cuBLAS {floors}; Triton {sorted(linear.triton)})",
-                   linear=linear, attention=bi.attention, ragged_prefixes=True)
+                   linear=linear, attention=lambda q, k, v, causal, scale: bi.attention(q, k, v, causal, scale),
+                   indexed_attention=bi.indexed_attention)

@@ -23,50 +23,18 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from engine.attention import AttentionOut, prefix_major, row_major
+from engine.attention import AttentionOut
 from engine.kernels import select_kernels
 
 
 @dataclass
 class PrefixState:
-    """Read-only layer states of P prefixes (right-padded to the longest, `tpmax` tokens)."""
+    """The layer states a prefix pass leaves (one prefix: batch 1), what `engine.prefix_bank.PrefixBank.add` stores."""
     lengths: list[int]
-    k: dict[int, torch.Tensor] = field(default_factory=dict)      # layer -> [P, Hkv, tpmax, D]
-    v: dict[int, torch.Tensor] = field(default_factory=dict)      # layer -> [P, Hkv, tpmax, D]
-    conv: dict[int, torch.Tensor] = field(default_factory=dict)   # layer -> [P, C, K-1]: the last K-1 inputs
-    rec: dict[int, torch.Tensor] = field(default_factory=dict)    # layer -> [P, Hv, Dk, Dv]
-    key_bias: torch.Tensor | None = None                          # [P, tpmax]: 0 on a prefix's tokens, -inf past its end
-
-    @property
-    def P(self) -> int:
-        return len(self.lengths)
-
-    @property
-    def tpmax(self) -> int:
-        return max(self.lengths)
-
-    @property
-    def nbytes(self) -> int:
-        tensors = [*self.k.values(), *self.v.values(), *self.conv.values(), *self.rec.values(), self.key_bias]
-        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
-
-    @staticmethod
-    def stack(parts: list["PrefixState"]) -> "PrefixState":
-        """One state for several single prefixes: K/V right-padded to the longest; the key bias hides the padding."""
-        lengths = [p.lengths[0] for p in parts]
-        tpmax = max(lengths)
-        pad = lambda t: F.pad(t, (0, 0, 0, tpmax - t.shape[2]))
-        out = PrefixState(lengths=lengths)
-        for name in ("k", "v"):
-            getattr(out, name).update({i: torch.cat([pad(getattr(p, name)[i]) for p in parts]) for i in parts[0].k})
-        for name in ("conv", "rec"):
-            getattr(out, name).update({i: torch.cat([getattr(p, name)[i] for p in parts]) for i in getattr(parts[0], name)})
-        dev = next(iter(parts[0].rec.values())).device if parts[0].rec else "cpu"
-        bias = torch.zeros(len(parts), tpmax, device=dev)
-        for j, n in enumerate(lengths):
-            bias[j, n:] = float("-inf")
-        out.key_bias = bias
-        return out
+    k: dict[int, torch.Tensor] = field(default_factory=dict)      # layer -> [1, Hkv, length, D]
+    v: dict[int, torch.Tensor] = field(default_factory=dict)      # layer -> [1, Hkv, length, D]
+    conv: dict[int, torch.Tensor] = field(default_factory=dict)   # layer -> [1, C, K-1]: the last K-1 inputs
+    rec: dict[int, torch.Tensor] = field(default_factory=dict)    # layer -> [1, Hv, Dk, Dv]
 
 
 class CausalContext:
@@ -102,98 +70,80 @@ class _PrefixRecorder(CausalContext):
 
 
 class SuffixContext:
-    """Context of a suffix pass over R * P rows continuing `prefix`; build it once per (R, T) shape (graphs keep it)."""
+    """Context of a suffix pass: row b continues the prefix in bank slot `slots[b]`, at positions after it.
+
+    slots: [B] int64 on the device (a graph's input buffer: captured work never depends on which prefixes a batch
+    reads). key_span: how many of the bank's token columns the gathered-keys attention reads (the bank's capacity
+    under a graph; the longest prefix in the batch when eager). lengths, host_slots: each row's suffix length and
+    slot on the host; given, attention runs one row at a time on its own lengths (`Kernels.attend_by_request`), so
+    that no kernel sees the batch's padded length or row count (eager only).
+    """
 
     records = False
 
-    def __init__(self, prefix: PrefixState, R: int, T: int, device, lengths: list[int] | None = None):
-        """lengths: each request's suffix length (<= T); given, attention runs one request at a time on its own length
-        (`Kernels.attend_by_request`), so that no kernel sees the batch's padded length or row count."""
-        self.prefix, self.R, self.P, self.T, self.lengths = prefix, R, prefix.P, T, lengths
-        lengths = torch.tensor(prefix.lengths, device=device)
-        self.positions = (lengths.repeat(R)[:, None] + torch.arange(T, device=device)[None, :]).contiguous()   # [B, T]
-        # Prefixes of one length (always, packed) need no mask: the fused, merged path; so do unequal ones where the
-        # table's attention takes key lengths (`Kernels.ragged_prefixes`). Else explicit scores.
-        self.uniform_prefix = len(set(prefix.lengths)) == 1
-        self.key_lengths = lengths.to(torch.int32)                                                        # [P]
-        if not self.uniform_prefix:
-            causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()
-            self.self_bias = torch.zeros(T, T, device=device).masked_fill(~causal, float("-inf"))            # [T, T]
-
-    def _rows(self, t: torch.Tensor) -> torch.Tensor:
-        # [P, ...] -> [R * P, ...] in row order r * P + p
-        return t.expand(self.R, *t.shape[1:]) if self.P == 1 else t.repeat(self.R, *([1] * (t.dim() - 1)))
+    def __init__(self, bank, slots: torch.Tensor, T: int, key_span: int, lengths: list[int] | None = None,
+                 host_slots: list[int] | None = None):
+        self.bank, self.slots, self.T, self.key_span = bank, slots, T, key_span
+        self.lengths, self.host_slots = lengths, host_slots
+        prefix_lengths = bank.lengths.index_select(0, slots)                                    # [B] int32
+        self.positions = prefix_lengths[:, None].long() + torch.arange(T, device=slots.device)[None, :]   # [B, T]
 
     def conv_prev(self, i):
-        return self._rows(self.prefix.conv[i])                                             # [R*P, C, K-1]
+        return self.bank.conv[i].index_select(0, self.slots)                                   # [B, C, K-1]
 
     def rec_prev(self, i):
-        # fla's recurrence reads the initial state as a dense [B, Hv, Dk, Dv] block; `_rows` may be a stride-0 view
-        return self._rows(self.prefix.rec[i]).contiguous()                                 # [R*P, Hv, Dk, Dv]
+        return self.bank.rec[i].index_select(0, self.slots)                                    # [B, Hv, Dk, Dv]
 
     def attend(self, i, q, k, v, scale, kernels):
-        """q: [B, Hq, T, D]; k, v: [B, Hkv, T, D] (this suffix). Softmax over [own prefix keys | causal suffix keys]."""
+        """q: [B, Hq, T, D]; k, v: [B, Hkv, T, D] (this suffix). Softmax over [own prefix keys | causal suffix keys],
+        as two halves merged by their log-sum-exps (`AttentionOut` with P = B: row b's prefix half is entry b)."""
         if self.lengths is not None:
-            return self._attend_by_request(i, q, k, v, scale, kernels.attention)
-        if self.uniform_prefix:
-            return self._attend_merged(i, q, k, v, scale, self.R, kernels.attention, None)
-        if kernels.ragged_prefixes:
-            return self._attend_merged(i, q, k, v, scale, self.R, kernels.attention, self.key_lengths)
-        return self._attend_masked(i, q, k, v, scale, self.R)
+            return self._attend_by_row(i, q, k, v, scale, kernels.attention)
+        if kernels.indexed_attention is None:
+            return self._attend_gathered(i, q, k, v, scale)
+        B, Hq, T, D = q.shape
+        Hkv = k.shape[1]
+        # a row's G query heads per kv head read the same prefix keys: one [G*T, D] query block per (row, kv head)
+        o_pre, lse_pre = kernels.indexed_attention(q.reshape(B, Hkv, Hq // Hkv * T, D), self.bank.k[i],
+                                                   self.bank.v[i], scale, self.bank.lengths, self.slots)
+        o_self, lse_self = kernels.attention(q, k, v, True, scale)                         # head h reads kv head h // G
+        return AttentionOut(o_self, lse_self, o_pre, lse_pre, 1, B)
 
-    def _attend_merged(self, i, q, k, v, scale, R, attention, key_lengths):
-        """Two fused attention calls, merged later by their log-sum-exps: the prefix part runs every row's queries
-        against the one shared prefix K/V (no copies; prefixes of unequal lengths masked by `key_lengths`), the
-        suffix part is plain causal attention."""
+    def _attend_gathered(self, i, q, k, v, scale):
+        """Each row's prefix keys gathered from the bank, padding masked; explicit scores over both halves."""
         B, Hq, T, D = q.shape
         Hkv = k.shape[1]
         G = Hq // Hkv
-        qp = prefix_major(q.reshape(B, Hkv, G * T, D), R, self.P)                         # [P, Hkv, R*G*T, D]
-        o_pre, lse_pre = attention(qp, self.prefix.k[i], self.prefix.v[i], False, scale, key_lengths)
-        o_self, lse_self = attention(q, k, v, True, scale)                               # head h reads kv head h // G
-        return AttentionOut(o_self, lse_self, o_pre, lse_pre, R, self.P)
-
-    def _attend_masked(self, i, q, k, v, scale, R):
-        """Prefixes of unequal lengths (independent mode): explicit scores, padded prefix keys masked out."""
-        B, Hq, T, D = q.shape
-        Hkv = k.shape[1]
-        G = Hq // Hkv
-        kp, vp = self.prefix.k[i], self.prefix.v[i]                                       # [P, Hkv, Tp, D]
-        Tp = kp.shape[2]
+        span = self.key_span
+        kp = self.bank.k[i][:, :, :span].index_select(0, self.slots)                      # [B, Hkv, span, D]
+        vp = self.bank.v[i][:, :, :span].index_select(0, self.slots)
+        past_end = torch.arange(span, device=q.device)[None, :] >= self.bank.lengths.index_select(0, self.slots)[:, None]
         qs = q.reshape(B, Hkv, G * T, D)
-        s_pre = (prefix_major(qs, R, self.P) @ kp.transpose(-1, -2)).float() * scale
-        s_pre = row_major(s_pre + self.prefix.key_bias[:, None, None, :], R)              # [B, Hkv, G*T, Tp]
+        s_pre = (qs @ kp.transpose(-1, -2)).float() * scale                                 # [B, Hkv, G*T, span]
+        s_pre = s_pre.masked_fill(past_end[:, None, None, :], float("-inf"))
         s_self = (qs @ k.transpose(-1, -2)).float() * scale                                # [B, Hkv, G*T, T]
-        s_self = (s_self.view(B, Hkv, G, T, T) + self.self_bias[:T, :T]).view(B, Hkv, G * T, T)
+        future = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
+        s_self = s_self.view(B, Hkv, G, T, T).masked_fill(future, float("-inf")).view(B, Hkv, G * T, T)
         a = torch.softmax(torch.cat([s_pre, s_self], -1), -1).to(q.dtype)
-        a_pre, a_self = a.split([Tp, T], -1)
-        o_pre = row_major(prefix_major(a_pre, R, self.P) @ vp, R)                         # [B, Hkv, G*T, D]
-        return AttentionOut((o_pre + a_self @ v).reshape(B, Hq, T, D))
+        a_pre, a_self = a.split([span, T], -1)
+        return AttentionOut((a_pre @ vp + a_self @ v).reshape(B, Hq, T, D))
 
-    def _attend_by_request(self, i, q, k, v, scale, attention):
-        """Each request's P rows alone on their own L tokens (what the request computes when it is scored alone),
+    def _attend_by_row(self, i, q, k, v, scale, attention):
+        """Each row alone on its own suffix length and its own prefix's length (what it computes when scored alone),
         written into zeroed batch-shaped outputs; padded positions get o = 0 and log-sum-exps 0."""
         B, Hq, T, D = q.shape
-        Hkv, P, R = k.shape[1], self.P, self.R
+        Hkv = k.shape[1]
         G = Hq // Hkv
-        o = q.new_zeros(B, Hq, T, D)
-        if not self.uniform_prefix:
-            for r, L in enumerate(self.lengths):
-                rows = slice(r * P, (r + 1) * P)
-                o[rows, :, :L] = self._attend_masked(i, q[rows, :, :L], k[rows, :, :L], v[rows, :, :L], scale, 1).o
-            return AttentionOut(o)
-        lse = torch.zeros(B, Hq, T, device=q.device)
-        o_pre = q.new_zeros(P, Hkv, R * G * T, D)                                          # prefix-major, as merged
-        lse_pre = torch.zeros(P, Hkv, R * G * T, device=q.device)
-        o_pre_r = o_pre.view(P, Hkv, R, G, T, D)
-        lse_pre_r = lse_pre.view(P, Hkv, R, G, T)
-        for r, L in enumerate(self.lengths):
-            rows = slice(r * P, (r + 1) * P)
-            a = self._attend_merged(i, q[rows, :, :L], k[rows, :, :L], v[rows, :, :L], scale, 1, attention, None)
-            o[rows, :, :L], lse[rows, :, :L] = a.o, a.lse
-            o_pre_r[:, :, r, :, :L] = a.o_pre.view(P, Hkv, G, L, D)
-            lse_pre_r[:, :, r, :, :L] = a.lse_pre.view(P, Hkv, G, L)
-        return AttentionOut(o, lse, o_pre, lse_pre, R, P)
+        o, lse = q.new_zeros(B, Hq, T, D), torch.zeros(B, Hq, T, device=q.device)
+        o_pre, lse_pre = q.new_zeros(B, Hkv, G, T, D), torch.zeros(B, Hkv, G, T, device=q.device)
+        for b, (L, slot) in enumerate(zip(self.lengths, self.host_slots)):
+            n = self.bank.host_lengths[slot]
+            kp, vp = self.bank.k[i][slot:slot + 1, :, :n], self.bank.v[i][slot:slot + 1, :, :n]
+            pre = attention(q[b:b + 1, :, :L].reshape(1, Hkv, G * L, D), kp, vp, False, scale)
+            o_pre[b, :, :, :L], lse_pre[b, :, :, :L] = pre[0].view(Hkv, G, L, D), pre[1].view(Hkv, G, L)
+            o[b:b + 1, :, :L], lse[b:b + 1, :, :L] = attention(q[b:b + 1, :, :L], k[b:b + 1, :, :L],
+                                                               v[b:b + 1, :, :L], True, scale)
+        return AttentionOut(o, lse, o_pre.view(B, Hkv, G * T, D), lse_pre.view(B, Hkv, G * T), 1, B)
 
 
 class HybridForward:

@@ -2,12 +2,15 @@
 
 In production the questions are fixed and only the state changes.  With the schema-first layout
 (`engine.prompt`) the question blocks are a prefix that does not depend on the state, so their layer states - K/V of
-the full-attention layers, conv + recurrent state of the Gated DeltaNet layers - are computed once (`prepare`).  A
-request runs only "Context: <state>" plus one answer slot per question; on CUDA as a graph per (schema, batch bucket,
-length bucket).  The prefix state is read-only during a request, so one copy serves every batch and every graph.
+the full-attention layers, conv + recurrent state of the Gated DeltaNet layers - are computed once (`prepare`) into a
+slot of the prefix bank (`engine.prefix_bank`).  A request runs only "Context: <state>" plus one answer slot per
+question, each row reading its own prefix from the bank by index: one batch serves any mix of schemas
+(`score_mixed`), and on CUDA a step is a graph per (batch bucket, length bucket, answers per row): how many schemas
+are live changes neither the graphs nor their count.  Prefix states are read-only during a request.
 
     se = SchemaEngine(engine); h = se.prepare([{"question": ..., "options": [...]}, ...])
     probs = se.score(h, ["state 1", "state 2", ...])          # list of [n_questions, MAX_OPTIONS] tensors
+    se.score_mixed([(h, se.tokenize(h, "state 1")), (h2, se.tokenize(h2, "state 2"))])   # plain lists
 """
 from __future__ import annotations
 
@@ -20,7 +23,8 @@ import torch
 
 from engine.errors import InputError
 from engine.graphs import GraphManager, StepShape, batch_buckets
-from engine.model import PrefixState, SuffixContext
+from engine.model import SuffixContext
+from engine.prefix_bank import PrefixBank
 from engine.prompt import (DEFAULT_MAX_CTX_TOKENS, MAX_OPTIONS, ChatTemplate, Question, parse_questions,
                            resolve_temperatures, schema_prefix_ids, schema_suffix_ids)
 from engine.readout import fill_ids, option_mask, read_slots
@@ -35,17 +39,18 @@ class TokenizedState(NamedTuple):
 
 @dataclass(eq=False)
 class PreparedSchema:
-    """A handle from `SchemaEngine.prepare`: the questions and their read-only prefix state."""
+    """A handle from `SchemaEngine.prepare`: the questions and the prefix bank slots of their prefix states."""
     id: int
     questions: tuple[Question, ...]
     independent: bool
-    prefix: PrefixState
-    option_mask: torch.Tensor          # [n_questions, MAX_OPTIONS] on the device
+    prefix_slots: tuple[int, ...]      # one per prefix: 1 packed, n_questions independent
+    prefix_lengths: tuple[int, ...]
+    nbytes: int                        # device memory its bank slots take (graphs excluded: shared by all schemas)
 
     @property
     def P(self) -> int:
         """Prefixes: 1 packed, n_questions independent.  A request is P rows."""
-        return self.prefix.P
+        return len(self.prefix_slots)
 
     @property
     def n_questions(self) -> int:
@@ -61,34 +66,44 @@ class PreparedSchema:
 
     @property
     def prefix_tokens(self) -> int:
-        return sum(self.prefix.lengths)
+        return sum(self.prefix_lengths)
 
-    @property
-    def nbytes(self) -> int:
-        """Device memory held by the prefix state (graphs excluded)."""
-        return self.prefix.nbytes
+
+class _Row(NamedTuple):
+    """One row of a step: a suffix continuing one prefix, and the answers read from it."""
+    prefix_slot: int
+    ids: list[int]
+    answers: list[int]                 # positions in `ids` whose next-token distribution answers a question
+    inv_temps: list[float]             # per answer
+    n_options: list[int]               # per answer
 
 
 class SchemaEngine:
-    """Prepares question schemas and scores states against them.  Holds any number of prepared schemas.
+    """Prepares question schemas and scores states against them.  Holds any number of prepared schemas, in one prefix
+    bank, and scores any mix of them in one batch.
 
-    Thread use: `tokenize` is CPU-only and safe from any thread; `prepare`, `score_rows` and `warmup` use the device
-    and must be called from one thread at a time (the worker's GPU lock).
+    Thread use: `tokenize` is CPU-only and safe from any thread; `prepare`, `release`, the `score*` methods and
+    `warmup` use the device and must be called from one thread at a time (the worker's GPU lock).
     """
 
     def __init__(self, engine, use_graphs: bool = True, chat: ChatTemplate | None = None,
-                 max_ctx_tokens: int = DEFAULT_MAX_CTX_TOKENS):
-        """chat: wrap prompts in a chat template (`engine.prompt.QWEN_CHAT` for Qwen3.5 instruct models)."""
+                 max_ctx_tokens: int = DEFAULT_MAX_CTX_TOKENS, prefix_slots: int = 8):
+        """chat: wrap prompts in a chat template (`engine.prompt.QWEN_CHAT` for Qwen3.5 instruct models);
+        prefix_slots: the prefix bank's first size (a packed schema takes one slot, an independent one a slot per
+        question); it doubles when full, which drops the graphs captured so far (they are recaptured as batches
+        come), so a deployment that knows its schema count can size it once."""
         self.e, self.fwd, self.chat, self.max_ctx_tokens = engine, engine.forward, chat, max_ctx_tokens
-        # a table that attends request by request needs each batch's lengths, which a captured graph cannot take
+        # a table that attends row by row needs each batch's lengths, which a captured graph cannot take
         by_request = self.fwd.kernels.attend_by_request
         self.graphs = GraphManager(enabled=use_graphs and engine.use_graphs and not by_request)
+        self.bank = PrefixBank(engine.dev, prefix_slots)
+        self._graphs_generation = self.bank.generation
         self._ids = itertools.count()
 
     # ---- schemas ---------------------------------------------------------------------------------------------------
     @torch.no_grad()
     def prepare(self, questions: Sequence[dict], independent: bool = False) -> PreparedSchema:
-        """Run the prefix(es) of these questions once and return a handle for `score`.
+        """Run the prefix(es) of these questions once into the prefix bank and return a handle for `score`.
 
         questions: [{"question": str, "options": [str, ...], "temperature"?: float, "id"?: str}] in answer order.
         independent=False: one prefix holds every question (a request costs state + n slots).
@@ -99,13 +114,20 @@ class SchemaEngine:
         qs = tuple(parse_questions(questions))
         groups = [[q] for q in qs] if independent else [list(qs)]
         parts = [self.fwd.prefix(schema_prefix_ids(self.e.tok, g, chat=self.chat)) for g in groups]
-        h = PreparedSchema(id=next(self._ids), questions=qs, independent=bool(independent),
-                           prefix=PrefixState.stack(parts), option_mask=option_mask([len(q.options) for q in qs]).to(self.e.dev))
-        return h
+        slots = tuple(self.bank.add(p) for p in parts)
+        return PreparedSchema(id=next(self._ids), questions=qs, independent=bool(independent), prefix_slots=slots,
+                              prefix_lengths=tuple(p.lengths[0] for p in parts),
+                              nbytes=len(slots) * self.bank.slot_nbytes)
 
     def release(self, h: PreparedSchema) -> None:
-        """Forget a schema's graphs; its prefix memory goes with the last reference to `h`."""
-        self.graphs.drop(h.id)
+        """Give the schema's bank slots back (their memory is reused by the next schema prepared; graphs stay)."""
+        self.bank.free(h.prefix_slots)
+
+    def memory(self) -> dict[str, int]:
+        """Device memory of prepared schemas: the prefix bank's `bank_bytes`, its `slots` and `live_slots`, and
+        `slot_bytes` (one prefix)."""
+        return {"bank_bytes": self.bank.nbytes, "slots": self.bank.capacity, "live_slots": self.bank.live_slots,
+                "slot_bytes": self.bank.slot_nbytes}
 
     def batch_buckets(self, max_batch: int) -> list[int]:
         """The batch sizes graphs are captured for when batches hold up to `max_batch` states (what to warm up)."""
@@ -113,21 +135,26 @@ class SchemaEngine:
 
     @torch.no_grad()
     def warmup(self, h: PreparedSchema, batch_sizes=(1, 8, 32), state_tokens=(64, 128, 256)) -> float:
-        """Capture the graphs for these batch sizes and state lengths ahead of traffic (no-op without graphs).
-        Returns the seconds spent."""
+        """Capture the graphs batches of this schema run at, for these batch sizes (in states) and state lengths,
+        ahead of traffic; graphs are shared by every schema, so a later schema of the same shape captures nothing.
+        No-op without graphs. Returns the seconds spent."""
         t = time.perf_counter()
         empty = self.tokenize(h, "")
-        shapes = self.graphs.warmup_order(batch_sizes, [n + len(empty.ids) for n in state_tokens])
+        rows = [n * h.P for n in batch_sizes]
+        shapes = self.graphs.warmup_order([min(r, self.graphs.max_batch) for r in rows],
+                                          [n + len(empty.ids) for n in state_tokens])
         for shape in shapes:
-            row = TokenizedState([self.e.tok.pad_token_id] * shape.T, empty.slots)
-            self._score_chunk(h, [row] * shape.R, torch.ones(h.n_questions))
+            row = self._rows_of(h, TokenizedState([self.e.tok.pad_token_id] * shape.T, empty.slots),
+                                [1.0] * h.n_questions)[0]
+            self._score_step([row] * shape.R)
         if shapes:
             torch.cuda.synchronize()
         return time.perf_counter() - t
 
     def graph_stats(self) -> dict[str, int]:
-        """How batches ran so far: CUDA graph `captures` and `replays` (0 without graphs), and `eager` steps."""
-        return dict(self.graphs.stats)
+        """How batches ran so far: CUDA graph `captures` and `replays` (0 without graphs), `eager` steps, and the
+        `graphs` held now."""
+        return {**self.graphs.stats, "graphs": len(self.graphs)}
 
     # ---- requests --------------------------------------------------------------------------------------------------
     def tokenize(self, h: PreparedSchema, context: str, max_ctx_tokens: int | None = None) -> TokenizedState:
@@ -150,57 +177,91 @@ class SchemaEngine:
 
     def score_lists(self, h: PreparedSchema, rows: Sequence[TokenizedState], temperature=None) -> list[list[list[float]]]:
         """`score_rows` as plain Python: per state, per question, the probabilities of that question's options."""
-        # one tolist() of the batch: per-row tensors cost ~35 us each to convert (2-core CPU machine), on the thread
-        # that drives the GPU
-        table = self._score_table(h, rows, temperature).tolist()
-        return [[p[:n] for p, n in zip(probs, h.n_options)] for probs in table]
+        inv_temps = self._inv_temps(h, temperature)
+        return self._lists([h] * len(rows), self._score_requests([(h, r, inv_temps) for r in rows]))
+
+    def score_mixed(self, requests: Sequence[tuple[PreparedSchema, TokenizedState]]) -> list[list[list[float]]]:
+        """States of any mix of prepared schemas in one batch ((schema, tokenized state) pairs, each schema's own
+        temperatures) -> per state, per question of its schema, the probabilities of that question's options."""
+        temps = {}
+        for h, _ in requests:
+            if h.id not in temps:
+                temps[h.id] = self._inv_temps(h, None)
+        return self._lists([h for h, _ in requests],
+                           self._score_requests([(h, r, temps[h.id]) for h, r in requests]))
 
     def score_rows(self, h: PreparedSchema, rows: Sequence[TokenizedState], temperature=None) -> list[torch.Tensor]:
         """rows: from `tokenize`.  -> one [n_questions, MAX_OPTIONS] float32 CPU tensor per row."""
-        return list(self._score_table(h, rows, temperature).unbind(0))
+        inv_temps = self._inv_temps(h, temperature)
+        table = self._score_requests([(h, r, inv_temps) for r in rows])
+        return list(table.view(len(rows), h.n_questions, MAX_OPTIONS).unbind(0))
+
+    @staticmethod
+    def _inv_temps(h: PreparedSchema, temperature) -> list[float]:
+        return [1.0 / t for t in resolve_temperatures(h.questions, temperature)]
+
+    @staticmethod
+    def _lists(schemas: Sequence[PreparedSchema], table: torch.Tensor) -> list[list[list[float]]]:
+        # one tolist() of the batch: per-row tensors cost ~35 us each to convert (2-core CPU machine), on the thread
+        # that drives the GPU
+        answers = iter(table.tolist())
+        return [[next(answers)[:n] for n in h.n_options] for h in schemas]
 
     @torch.no_grad()
-    def _score_table(self, h: PreparedSchema, rows: Sequence[TokenizedState], temperature=None) -> torch.Tensor:
-        """-> [n_rows, n_questions, MAX_OPTIONS] float32 on the CPU."""
-        if not rows:
+    def _score_requests(self, requests: Sequence[tuple[PreparedSchema, TokenizedState, list[float]]]) -> torch.Tensor:
+        """-> [total questions, MAX_OPTIONS] float32 on the CPU, request by request, in question order."""
+        if not requests:
             raise InputError("states: empty batch")
-        inv_temp = 1.0 / torch.tensor(resolve_temperatures(h.questions, temperature))              # [n_questions]
+        rows = [row for h, state, inv_temps in requests for row in self._rows_of(h, state, inv_temps)]
         chunk = self.graphs.max_batch
-        out = []
-        for start in range(0, len(rows), chunk):
-            out.append(self._score_chunk(h, rows[start:start + chunk], inv_temp))
-        return torch.cat(out).view(len(rows), h.n_questions, MAX_OPTIONS)
+        return torch.cat([self._score_step(rows[start:start + chunk]) for start in range(0, len(rows), chunk)])
 
-    def _score_chunk(self, h: PreparedSchema, rows: Sequence[TokenizedState], inv_temp: torch.Tensor) -> torch.Tensor:
-        """-> [len(rows) * n_questions, MAX_OPTIONS] float32 on the CPU."""
+    @staticmethod
+    def _rows_of(h: PreparedSchema, state: TokenizedState, inv_temps: list[float]) -> list[_Row]:
+        """A request's rows: its one row (packed) or one per question (independent), in question order."""
+        if not h.independent:
+            return [_Row(h.prefix_slots[0], state.ids, state.slots, inv_temps, h.n_options)]
+        return [_Row(slot, state.ids, state.slots[:1], [t], [n])
+                for slot, t, n in zip(h.prefix_slots, inv_temps, h.n_options)]
+
+    def _score_step(self, rows: Sequence[_Row]) -> torch.Tensor:
+        """One step over up to `graphs.max_batch` rows -> [their answers, MAX_OPTIONS] float32 on the CPU."""
+        if self.bank.generation != self._graphs_generation:      # graphs read the bank's old buffers
+            self.graphs.clear()
+            self._graphs_generation = self.bank.generation
         n = len(rows)
         shape = self.graphs.shape(n, max(len(r.ids) for r in rows))
         R, T = shape.R, shape.T
-        dev, pin = self.e.dev, self.e.dev.type == "cuda"
-        ids = fill_ids([r.ids for r in rows for _ in range(h.P)], R * h.P, T, self.e.tok.pad_token_id, pin=pin)
-        flat = torch.zeros(R * h.n_questions, dtype=torch.long)
-        flat[:n * h.n_questions] = torch.tensor(self._slot_indices(h, rows, T))
-        temps = inv_temp.repeat(R)[:, None]                                                  # [R * nq, 1]
-        inputs = tuple(x.to(dev, non_blocking=True) for x in (ids, flat.pin_memory() if pin else flat, temps))
-        lengths = [len(r.ids) for r in rows] if self.fwd.kernels.attend_by_request else None
-        probs = self.graphs.run((h.id,), shape, inputs, lambda s: self._step_fn(h, s, lengths),
-                                out_rows=n * h.n_questions)
+        per_row = 1 << (max(len(r.answers) for r in rows) - 1).bit_length()       # answers a row may hold, a power of 2
+        A = R * per_row
+        answers = [(i, p, t, k) for i, r in enumerate(rows) for p, t, k in zip(r.answers, r.inv_temps, r.n_options)]
+        flat = torch.zeros(A, dtype=torch.long)
+        inv_temp = torch.ones(A, 1)
+        n_options = torch.full((A,), MAX_OPTIONS)
+        flat[:len(answers)] = torch.tensor([i * T + p for i, p, _, _ in answers])
+        inv_temp[:len(answers), 0] = torch.tensor([t for _, _, t, _ in answers])
+        n_options[:len(answers)] = torch.tensor([k for *_, k in answers])
+        # padding rows continue a live prefix (a free slot's length is 0, whose attention has no keys at all)
+        slots = torch.tensor([r.prefix_slot for r in rows] + [rows[0].prefix_slot] * (R - n))
+        pin = self.e.dev.type == "cuda"
+        ids = fill_ids([r.ids for r in rows], R, T, self.e.tok.pad_token_id, pin=pin)
+        host = [ids, slots, flat, inv_temp, option_mask(n_options)]
+        if pin:
+            host = [t if t.is_pinned() else t.pin_memory() for t in host]
+        inputs = tuple(t.to(self.e.dev, non_blocking=True) for t in host)
+        by_row = self.fwd.kernels.attend_by_request
+        lengths = [len(r.ids) for r in rows] if by_row else None
+        host_slots = [r.prefix_slot for r in rows] if by_row else None
+        key_span = (self.bank.capacity_tokens if shape.graphed
+                    else max(self.bank.host_lengths[r.prefix_slot] for r in rows))
+        probs = self.graphs.run((per_row,), shape, inputs,
+                                lambda s: self._step_fn(s, key_span, lengths, host_slots), out_rows=len(answers))
         return probs.float().cpu()
 
-    @staticmethod
-    def _slot_indices(h: PreparedSchema, rows: Sequence[TokenizedState], T: int) -> list[int]:
-        """Flat [row * T + position] of every answer slot, in (request, question) order."""
-        if h.P == 1:     # packed: the request's n slots sit in its one row
-            return [r * T + s for r, row in enumerate(rows) for s in row.slots]
-        return [(r * h.P + p) * T + row.slots[0] for r, row in enumerate(rows) for p in range(h.P)]
-
-    def _step(self, h: PreparedSchema, ctx: SuffixContext, ids, flat, inv_temp) -> torch.Tensor:
-        hidden = self.fwd.layers(ids, ctx.positions, ctx)                                     # [R*P, T, H]
-        mask = h.option_mask.repeat(ctx.R, 1)                                                 # [R*nq, MAX_OPTIONS]
-        return read_slots(hidden, flat, self.fwd.final_norm, self.e.W, inv_temp, mask, self.fwd.kernels.linear)
-
-    def _step_fn(self, h: PreparedSchema, shape: StepShape, lengths: list[int] | None = None):
-        """-> (fn(ids, flat, inv_temp) -> probabilities, the context it closes over) for one step at `shape`;
-        lengths: the requests' suffix lengths, for a kernel table that attends request by request."""
-        ctx = SuffixContext(h.prefix, shape.R, shape.T, self.e.dev, lengths)
-        return (lambda ids, flat, inv_temp: self._step(h, ctx, ids, flat, inv_temp)), ctx
+    def _step_fn(self, shape: StepShape, key_span: int, lengths: list[int] | None, host_slots: list[int] | None):
+        """-> (fn(ids, slots, flat, inv_temp, mask) -> probabilities, nothing to keep) for one step at `shape`."""
+        def step(ids, slots, flat, inv_temp, mask):
+            ctx = SuffixContext(self.bank, slots, shape.T, key_span, lengths, host_slots)
+            hidden = self.fwd.layers(ids, ctx.positions, ctx)                                 # [R, T, H]
+            return read_slots(hidden, flat, self.fwd.final_norm, self.e.W, inv_temp, mask, self.fwd.kernels.linear)
+        return step, None

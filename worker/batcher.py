@@ -1,9 +1,9 @@
 """Micro-batching: states gathered per schema into the open *cycle*, which becomes one transaction.
 
-A batch closes at ``max_batch`` states or ``max_wait`` after its first state, whichever comes first.
-Kafka offsets are a per-partition watermark, so output must be committed in input order: when the
-first batch of a cycle closes, every other open batch (states of other schemas, interleaved in the
-same partitions) is scored with it and the whole cycle commits as one transaction. A state that names a
+A cycle closes at ``max_batch`` states (of all its schemas together: the engine scores them as one GPU batch, each
+row reading its own schema's prefix) or ``max_wait`` after its first state, whichever comes first.
+Kafka offsets are a per-partition watermark, so output must be committed in input order: every open batch (states of
+other schemas, interleaved in the same partitions) is scored together and the whole cycle commits as one transaction. A state that names a
 schema not seen yet waits (up to ``--schema-wait-ms``) and holds back only its own partition: when the cycle
 closes, that state and every later one of its partition are carried into the next cycle (``carry_held``), the
 offset committed for the partition stops just before it, and every other partition commits as usual.
@@ -96,8 +96,9 @@ class Cycle:
         self.waiting.append(pending)
 
     def full(self, max_batch: int) -> bool:
-        """Whether a batch reached ``max_batch`` states (not counting states carried over, which stay held back)."""
-        return any(len(b.members) - b.carried >= max_batch for b in self.batches.values())
+        """Whether the batches hold ``max_batch`` states together (every schema's states score as one GPU batch; states
+        carried over, which stay held back, do not count)."""
+        return sum(len(b.members) - b.carried for b in self.batches.values()) >= max_batch
 
     def due(self, now: float, max_batch: int, max_wait_s: float) -> bool:
         """Whether the cycle should close now: a batch is full, or a batch (or a lone dead letter) has waited max_wait."""

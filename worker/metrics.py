@@ -42,6 +42,8 @@ GC_PAUSE_SECONDS = Histogram(
 )
 ENGINE_PATHS = Gauge("decider_engine_batches", "Engine batches by path: CUDA graph captures and replays, eager runs",
                      ["path"])
+ENGINE_GRAPHS = Gauge("decider_engine_graphs", "CUDA graphs held: one per step shape, shared by every schema "
+                      "(the count does not grow with the schemas)")
 LATENCY_BUDGET_SECONDS = Gauge("decider_latency_budget_seconds", "--latency-budget-ms: a cycle's first state's record "
                                "is to be visible this long after the state was consumed")
 ESTIMATED_ENGINE_SECONDS = Gauge(
@@ -100,6 +102,7 @@ def watch_scorer(engine_stats: Callable[[], dict[str, int]], prepared: Callable[
     """Read the engine's counters and the prepared-schema figures at every scrape (no bookkeeping in the loop)."""
     for path in ("captures", "replays", "eager"):
         ENGINE_PATHS.labels(path).set_function(lambda path=path: engine_stats().get(path, 0))
+    ENGINE_GRAPHS.set_function(lambda: engine_stats().get("graphs", 0))
     PREPARED_SCHEMAS.set_function(lambda: prepared()[0])
     PREPARED_BYTES.set_function(lambda: prepared()[1])
 

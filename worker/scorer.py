@@ -3,7 +3,7 @@
 The device is used from one thread only (``decider-gpu``, a single-thread executor, which is the GPU lock):
 schema preparation and scoring are queued there. Tokenization is CPU work and runs on a small pool, so the
 next batch is tokenized while the current one is on the GPU. Nothing here reaches inside tensors: the
-engine's ``score_lists`` hands back plain Python floats.
+engine's ``score_mixed`` hands back plain Python floats.
 """
 
 from __future__ import annotations
@@ -202,54 +202,55 @@ class Scorer:
         return self._tokenizers.submit(lambda: self._se.tokenize(handle_future.result(), text))
 
     def submit(self, jobs: Sequence[BatchJob]) -> Future:
-        """Score every batch on the GPU thread: a future of, per job, one ``ScoredState`` per state."""
+        """Score a cycle's batches on the GPU thread, every schema's states in one mixed batch (the engine reads each
+        row's prefix by index): a future of, per job, one ``ScoredState`` per state."""
         if not jobs:  # a cycle of dead letters only: nothing to wait for behind the GPU's queue
             done: Future = Future()
             done.set_result([])
             return done
-        return self._gpu.submit(lambda: [self._run_job(job) for job in jobs])
+        return self._gpu.submit(self._run_jobs, list(jobs))
 
-    def _run_job(self, job: BatchJob) -> list[ScoredState]:
-        try:
-            handle = job.handle.result()  # prepared earlier on this same thread: already done
-        except Exception as error:
-            message = f"the engine rejected the schema: {error}"
-            return [ScoredState(reason=Reason.SCHEMA_UNPREPARABLE, error=message) for _ in job.rows]
-        outcomes: list[ScoredState | None] = [None] * len(job.rows)
-        ready: list[int] = []
-        rows: list[Any] = []
-        for index, row_future in enumerate(job.rows):
+    def _run_jobs(self, jobs: list[BatchJob]) -> list[list[ScoredState]]:
+        outcomes: list[list[ScoredState | None]] = [[None] * len(job.rows) for job in jobs]
+        ready: list[tuple[int, int, Any, Any]] = []  # (job, state, prepared schema, tokenized row)
+        for j, job in enumerate(jobs):
             try:
-                rows.append(row_future.result())
-                ready.append(index)
+                handle = job.handle.result()  # prepared earlier on this same thread: already done
             except Exception as error:
-                outcomes[index] = ScoredState(reason=Reason.SCORING_ERROR, error=f"tokenization failed: {error!r}")
+                message = f"the engine rejected the schema: {error}"
+                outcomes[j] = [ScoredState(reason=Reason.SCHEMA_UNPREPARABLE, error=message) for _ in job.rows]
+                continue
+            for i, row_future in enumerate(job.rows):
+                try:
+                    ready.append((j, i, handle, row_future.result()))
+                except Exception as error:
+                    outcomes[j][i] = ScoredState(reason=Reason.SCORING_ERROR, error=f"tokenization failed: {error!r}")
         if ready:
             started = time.perf_counter()
-            results = self._score(handle, rows)
+            results = self._score([(handle, row) for _, _, handle, row in ready])
             metrics.ENGINE_SECONDS.observe(time.perf_counter() - started)
-            for index, row, scored in zip(ready, rows, results):
+            for (j, i, _, row), scored in zip(ready, results):
                 scored.truncated = bool(getattr(row, "truncated", False))
-                outcomes[index] = scored
+                outcomes[j][i] = scored
         return outcomes  # type: ignore[return-value]
 
-    def _score(self, handle: Any, rows: list[Any]) -> list[ScoredState]:
+    def _score(self, requests: list[tuple[Any, Any]]) -> list[ScoredState]:
         try:
-            return self._checked(handle, self._se.score_lists(handle, rows))
+            return self._checked(requests, self._se.score_mixed(requests))
         except Exception as batch_error:  # isolate the state that fails: score each one alone
-            log.warning("batch of %d failed (%r); scoring its states one by one", len(rows), batch_error)
+            log.warning("batch of %d failed (%r); scoring its states one by one", len(requests), batch_error)
         outcomes = []
-        for row in rows:
+        for request in requests:
             try:
-                outcomes.extend(self._checked(handle, self._se.score_lists(handle, [row])))
+                outcomes.extend(self._checked([request], self._se.score_mixed([request])))
             except Exception as error:
                 outcomes.append(ScoredState(reason=Reason.SCORING_ERROR, error=f"{type(error).__name__}: {error}"))
         return outcomes
 
     @staticmethod
-    def _checked(handle: Any, results: list[list[list[float]]]) -> list[ScoredState]:
+    def _checked(requests: list[tuple[Any, Any]], results: list[list[list[float]]]) -> list[ScoredState]:
         outcomes = []
-        for probabilities in results:
+        for (handle, _), probabilities in zip(requests, results):
             problem = probabilities_problem(probabilities, list(handle.n_options))
             if problem:
                 outcomes.append(ScoredState(reason=Reason.SCORING_ERROR, error=f"unusable engine output: {problem}"))

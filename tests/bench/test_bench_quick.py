@@ -17,6 +17,14 @@ def test_quick_run_measures_every_cpu_method(capsys):
     assert "| method | batch |" in capsys.readouterr().out
 
 
+def test_quick_many_schemas_run_times_mixed_and_per_schema_batches(capsys):
+    result = main(["--quick", "--iters", "1", "--schemas", "1,3"])
+    runs = result["runs"]
+    assert {(r["method"], r["schemas"]) for r in runs} == {(m, n) for m in ("mixed", "per_schema") for n in (1, 3)}
+    assert all(r["states_per_s"] > 0 and r["bank_mb"] > 0 for r in runs)
+    assert "| mixed | 3 |" in capsys.readouterr().out
+
+
 def test_stream_bench_quick_runs_end_to_end_exactly_once():
     """Embedded broker + a real worker process + load generator, on the CPU; every phase verifies exactly-once."""
     from bench.stream_bench import main as stream_main

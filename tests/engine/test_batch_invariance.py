@@ -104,32 +104,37 @@ def test_activations_do_not_depend_on_an_elements_offset(name):
 
 
 def test_attention_by_request_is_the_requests_own(det_se):
-    """The CPU flash attention blocks its work by the padded length; by request, a request's attention is what it
-    computes alone, and equals the batched attention up to rounding."""
+    """The CPU flash attention blocks its work by the padded length; row by row, a row's attention is what it
+    computes alone, and equals the batched (gathered-keys) attention up to rounding. Rows read prefixes of unequal
+    lengths (two schemas)."""
     from engine.model import SuffixContext
 
-    h = det_se.prepare(make_questions([2, 3]))
-    prefix, fwd = h.prefix, det_se.fwd
+    h1, h2 = det_se.prepare(make_questions([2, 3])), det_se.prepare(make_questions([4]))
+    fwd, bank = det_se.fwd, det_se.bank
     layer = next(i for i, l in enumerate(fwd.core.layers) if l.block_type == "full_attention")
     attn = fwd.core.layers[layer].self_attn
     Hq, Hkv, D = fwd.cfg.num_attention_heads, fwd.cfg.num_key_value_heads, attn.head_dim
     g = torch.Generator().manual_seed(3)
 
-    def attend(q, k, v, lengths):
+    def attend(q, k, v, slots, lengths):
         R, T = q.shape[0], q.shape[2]
-        a = SuffixContext(prefix, R, T, "cpu", lengths).attend(layer, q, k, v, attn.scaling, fwd.kernels)
-        return a, fwd.kernels.gate_attention(a, torch.zeros(R, T, Hq, D))
+        span = max(bank.host_lengths[s] for s in slots)
+        ctx = SuffixContext(bank, torch.tensor(slots), T, span, lengths, slots if lengths else None)
+        a = ctx.attend(layer, q, k, v, attn.scaling, fwd.kernels)
+        return fwd.kernels.gate_attention(a, torch.zeros(R, T, Hq, D))
 
-    L, T, R = 19, 50, 5
+    T, R = 50, 5
     q, k, v = (torch.randn(R, H, T, D, generator=g) for H in (Hq, Hkv, Hkv))
-    lengths = [L, 50, 7, 33, 50]
-    _, batched = attend(q, k, v, lengths)
-    for r in range(R):
-        _, alone = attend(q[r:r + 1, :, :lengths[r]], k[r:r + 1, :, :lengths[r]], v[r:r + 1, :, :lengths[r]],
-                          [lengths[r]])
-        assert torch.equal(batched[r:r + 1, :lengths[r]], alone)
-    _, plain = attend(q, k, v, None)
-    torch.testing.assert_close(batched[0, :L], plain[0, :L], rtol=1e-5, atol=1e-6)
+    lengths = [19, 50, 7, 33, 50]
+    slots = [h1.prefix_slots[0], h2.prefix_slots[0], h1.prefix_slots[0], h2.prefix_slots[0], h2.prefix_slots[0]]
+    assert h1.prefix_lengths != h2.prefix_lengths
+    batched = attend(q, k, v, slots, lengths)
+    for r, L in enumerate(lengths):
+        alone = attend(q[r:r + 1, :, :L], k[r:r + 1, :, :L], v[r:r + 1, :, :L], slots[r:r + 1], [L])
+        assert torch.equal(batched[r:r + 1, :L], alone)
+    plain = attend(q, k, v, slots, None)
+    for r, L in enumerate(lengths):
+        torch.testing.assert_close(batched[r, :L], plain[r, :L], rtol=1e-5, atol=1e-6)
 
 
 def test_norms_conv_and_delta_rule_are_invariant_as_they_are():

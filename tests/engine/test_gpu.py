@@ -103,3 +103,19 @@ def test_float32_cuda_path_matches_the_oracle(exact_eng):
     want = torch.stack(score_full(exact_eng, qs, states))
     print(f"float32 CUDA |engine - oracle| = {(got - want).abs().max().item():.2e}")
     assert (got - want).abs().max().item() < 5e-3
+
+
+def test_bank_growth_recaptures_graphs_on_the_new_buffers(det_eng):
+    """Graphs read the prefix bank in place: when it grows (new buffers) they are dropped and captured again, and the
+    scores stay bit-identical (deterministic table)."""
+    se = SchemaEngine(det_eng, use_graphs=True, prefix_slots=1)
+    first = se.prepare(make_questions([2, 3]))
+    states = make_states(6, seed=12)
+    before = se.score_lists(first, [se.tokenize(first, s) for s in states])
+    assert se.graph_stats()["graphs"] == 1
+    second = se.prepare(make_questions([4, 4]), independent=True)           # 2 more slots: the bank grows
+    assert se.graph_stats()["graphs"] == 1 and se.bank.capacity >= 3
+    again = se.score_lists(first, [se.tokenize(first, s) for s in states])
+    assert again == before and se.graph_stats()["graphs"] == 1 and se.graph_stats()["captures"] == 2
+    mixed = se.score_mixed([(h, se.tokenize(h, s)) for s in states for h in (first, second)])
+    assert mixed[0::2] == before

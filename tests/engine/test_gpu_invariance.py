@@ -121,3 +121,23 @@ def test_each_kernel_family_on_its_own():
           attention["suffix/flash"]["max_abs"])
     delta, _ = probe.delta_rule_invariance(rng)
     assert delta["all_equal"], delta
+
+
+def test_many_schemas_in_one_batch_score_as_alone_and_share_graphs(engines, model_and_tok, texts):
+    """States of 12 schemas (prefixes of 300 to 520 tokens) in one batch, each row reading its prefix from the bank by
+    index: bit-identical to each state scored alone, and the same graphs as one schema's batches of those shapes."""
+    tok = model_and_tok[1]
+    se = SchemaEngine(engines[True])
+    schemas = [se.prepare(questions(tok, 10, 4, 300 + 20 * i, seed=i)) for i in range(12)]
+    assert len(set(h.prefix_tokens for h in schemas)) > 1
+    sample = texts[::3]                                                   # 70 states, 64 to 256 tokens
+    requests = [(schemas[i % len(schemas)], se.tokenize(schemas[i % len(schemas)], t)) for i, t in enumerate(sample)]
+    alone = [se.score_lists(h, [row])[0] for h, row in requests]
+    before = se.graph_stats()
+    mixed = se.score_mixed(requests)
+    assert mixed == alone
+    one = SchemaEngine(engines[True])
+    h = one.prepare(questions(tok, 10, 4, 400))
+    one.score_lists(h, [one.tokenize(h, t) for t in sample])
+    assert se.graph_stats()["graphs"] - before["graphs"] == one.graph_stats()["graphs"] == 1
+    print("bank:", se.memory())

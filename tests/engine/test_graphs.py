@@ -42,8 +42,8 @@ def test_schema_engine_reports_its_graph_stats(eng):
 
     se = SchemaEngine(eng)
     h = se.prepare(make_questions([2, 3]))
-    assert se.graph_stats() == {"captures": 0, "replays": 0, "eager": 0}
+    assert se.graph_stats() == {"captures": 0, "replays": 0, "eager": 0, "graphs": 0}
     se.score(h, make_states(3))
     se.score(h, make_states(2, seed=1))
-    assert se.graph_stats() == {"captures": 0, "replays": 0, "eager": 2}
+    assert se.graph_stats() == {"captures": 0, "replays": 0, "eager": 2, "graphs": 0}
     assert se.warmup(h, batch_sizes=(1, 8), state_tokens=(32,)) >= 0 and se.graph_stats()["eager"] == 2

@@ -192,3 +192,29 @@ def test_gate_attention_merges_prefix_and_suffix_halves_like_the_torch_path(dtyp
         got, want = gate_attention(a, gate), torch_gate_attention(a, gate)
         assert got.shape == (B, T, Hq * D)
         torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the key loop's bound is a loaded length, which Triton's "
+                    "interpreter cannot iterate to")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_indexed_attention_reads_each_rows_prefix_from_the_bank(dtype):
+    """The prefix half for rows of many schemas: query entry z attends to bank entry kv_index[z], only up to its own
+    length, and its result does not depend on the other rows."""
+    from engine.batch_invariant import indexed_attention
+
+    g = torch.Generator().manual_seed(7)
+    S, Hkv, N, D, B, GT = 5, 2, 300, 64, 9, 3 * 41
+    bank_k, bank_v = ((torch.randn(S, Hkv, N, D, generator=g)).to(DEV, dtype) for _ in range(2))
+    lengths = torch.tensor([300, 17, 129, 64, 1], dtype=torch.int32, device=DEV)
+    index = torch.tensor([1, 0, 4, 2, 2, 3, 0, 1, 4], device=DEV)
+    q = torch.randn(B, Hkv, GT, D, generator=g).to(DEV, dtype)
+    out, lse = indexed_attention(q, bank_k, bank_v, 0.125, lengths, index)
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    for z in range(B):
+        s, n = index[z].item(), lengths[index[z]].item()
+        scores = (q[z].float() @ bank_k[s, :, :n].float().transpose(-1, -2)) * 0.125
+        want = torch.softmax(scores, -1) @ bank_v[s, :, :n].float()
+        torch.testing.assert_close(out[z].float(), want, atol=tol, rtol=tol)
+        torch.testing.assert_close(lse[z], torch.logsumexp(scores, -1), atol=1e-4, rtol=1e-4)
+        alone = indexed_attention(q[z:z + 1], bank_k, bank_v, 0.125, lengths, index[z:z + 1])
+        assert torch.equal(alone[0], out[z:z + 1]) and torch.equal(alone[1], lse[z:z + 1])

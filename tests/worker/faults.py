@@ -26,17 +26,17 @@ class MarkedRow(TokenizedState):
 
 
 def failing_on(marker: str) -> type[SchemaEngine]:
-    """A ``SchemaEngine`` class whose ``score_lists`` fails for any batch holding a state that contains ``marker``."""
+    """A ``SchemaEngine`` class whose ``score_mixed`` fails for any batch holding a state that contains ``marker``."""
 
     class FaultySchemaEngine(SchemaEngine):
         def tokenize(self, h, context, max_ctx_tokens=None):
             row = super().tokenize(h, context, max_ctx_tokens)
             return MarkedRow(*row) if marker in context else row
 
-        def score_lists(self, h, rows, temperature=None):
-            if any(isinstance(row, MarkedRow) for row in rows):
+        def score_mixed(self, requests):
+            if any(isinstance(row, MarkedRow) for _, row in requests):
                 raise InjectedFault(f"injected scoring fault (a state contains {marker!r})")
-            return super().score_lists(h, rows, temperature)
+            return super().score_mixed(requests)
 
     return FaultySchemaEngine
 

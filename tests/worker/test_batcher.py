@@ -47,7 +47,7 @@ def test_states_batch_per_schema_version_in_arrival_order():
     assert sorted(cycle.pins()) == [("s", 1), ("s", 1), ("t", 1)]
 
 
-def test_a_cycle_is_due_when_a_batch_is_full_or_its_first_state_waited_max_wait():
+def test_a_cycle_is_due_when_its_batch_is_full_or_its_first_state_waited_max_wait():
     cycle = Cycle()
     assert not cycle.due(100.0, max_batch=2, max_wait_s=0.05) and cycle.seconds_until_due(100.0, 0.05) is None
     _batch(cycle, _pending(0, 0), _schema(), 10.0)
@@ -56,6 +56,16 @@ def test_a_cycle_is_due_when_a_batch_is_full_or_its_first_state_waited_max_wait(
     assert cycle.due(10.05, max_batch=2, max_wait_s=0.05)
     _batch(cycle, _pending(0, 1), _schema(), 10.01)
     assert cycle.full(2) and cycle.due(10.01, max_batch=2, max_wait_s=0.05)
+
+
+def test_states_of_every_schema_fill_the_batch_together():
+    """The engine scores a cycle's schemas as one GPU batch, so max_batch counts the states of all of them."""
+    cycle = Cycle()
+    _batch(cycle, _pending(0, 0), _schema(), 10.0)
+    _batch(cycle, _pending(0, 1), _schema("t"), 10.0)
+    assert not cycle.full(3)
+    _batch(cycle, _pending(1, 0), _schema("u"), 10.0)
+    assert cycle.full(3) and cycle.due(10.0, max_batch=3, max_wait_s=0.05)
 
 
 def test_a_lone_dead_letter_is_due_after_max_wait_from_the_cycles_opening():
