@@ -86,12 +86,20 @@ def questions(tok, n: int, n_options: int, target_prefix_tokens: int, seed: int 
     seed: another schema of the same shape)."""
     rnd = random.Random(seed)
     qs = [{"question": f"Does the event show {rnd.choice(WORDS)} trouble with the {rnd.choice(WORDS)}?",
-           "options": [f"{rnd.choice(WORDS)} {rnd.choice(WORDS)}" for _ in range(n_options)]} for _ in range(n)]
+           "options": _options(rnd, n_options)} for _ in range(n)]
     from engine.prompt import parse_questions, schema_prefix_ids
     while len(schema_prefix_ids(tok, parse_questions(qs))) < target_prefix_tokens:
         q = rnd.choice(qs)
         q["question"] = q["question"][:-1] + f" or {rnd.choice(WORDS)}?"
     return qs
+
+
+def _options(rnd: random.Random, n: int) -> list[str]:
+    """n distinct two-word options (drawn again on a repeat, which the default seed never meets)."""
+    options = [f"{rnd.choice(WORDS)} {rnd.choice(WORDS)}" for _ in range(n)]
+    while len(set(options)) < n:
+        options = [f"{rnd.choice(WORDS)} {rnd.choice(WORDS)}" for _ in range(n)]
+    return options
 
 
 def states(tok, n: int, tokens: int, seed: int) -> list[str]:
