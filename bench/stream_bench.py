@@ -134,6 +134,7 @@ class Stream:
         self.workers[i] = subprocess.Popen(cmd, env=env, stdout=log, stderr=log, start_new_session=True)
 
     def log_path(self, i: int) -> Path:
+        """Worker i's log (a restarted worker appends to it)."""
         return self.logs / f"{self.name}-w{i}.log"
 
     def worker_events(self) -> list[list[dict]]:
