@@ -473,6 +473,11 @@ def main(argv=None) -> dict:
     args.latency_warmup_seconds = (args.latency_warmup_seconds if args.latency_warmup_seconds is not None
                                    else (1 if args.quick else 5))
     args.partitions = args.partitions or max(4, 2 * args.workers)
+    if args.partitions < args.workers:
+        print(f"stream_bench: --partitions {args.partitions} is fewer than --workers {args.workers}: a worker without "
+              "partitions idles and every phase waits for all of them to hold some; give at least one per worker",
+              file=sys.stderr)
+        raise SystemExit(2)
     args.engine_seconds = args.engine_seconds or (2 if args.quick else 5)
     if args.quick:
         args.state_tokens, args.questions, args.prefix_tokens = 24, 3, 60
