@@ -5,7 +5,9 @@
 #   steps: tests profile engine lengths (64/256-token states) schemas (many live schemas) stream scaleout (2 workers,
 #   one killed)
 #   (default: tests engine stream)
-#   BATCHES and METHODS (engine), SCHEMAS (schemas: counts), PROFILE_BATCHES, STATES and STREAM_ARGS (stream, e.g. "--replay --max-wait-ms 5"), TEST_PATHS (tests),
+#   BATCHES and METHODS (engine), SCHEMAS (schemas: counts), PROFILE_BATCHES, STATES and STREAM_ARGS (stream, e.g.
+#   "--replay --max-wait-ms 5"), TEST_PATHS (tests), SCALEOUT_ARGS (scaleout; default --kill-one, empty for a steady
+#   2-worker run),
 #   T_<STEP> (seconds for a step) override the defaults.
 set -u
 . bench/gpu_setup.sh || exit 1
@@ -27,9 +29,9 @@ for step in $steps; do
     lengths) timeout "${T_LENGTHS:-240}" python3 bench/engine_bench.py --state-tokens 64,256 --batches 1,32 \
                --methods full_fast,cached_graphs --iters 6 --out "$OUT/lengths" 2>&1 | tee "$OUT/engine_lengths.txt" | tail -12 ;;
     stream)  timeout "${T_STREAM:-300}" python3 bench/stream_bench.py --states "${STATES:-10000}" --out "$OUT" ${STREAM_ARGS:-} 2>&1 \
-               | tee "$OUT/stream_bench.txt" | tail -15 ;;
-    scaleout) timeout "${T_SCALEOUT:-270}" python3 bench/stream_bench.py --workers 2 --kill-one --max-wait-ms 20 \
-               --states "${STATES:-20000}" --out "$OUT" 2>&1 | tee "$OUT/scaleout_2.txt" | tail -12 ;;
+               | tee "$OUT/stream_bench.txt" | tail -20 ;;
+    scaleout) timeout "${T_SCALEOUT:-270}" python3 bench/stream_bench.py --workers 2 ${SCALEOUT_ARGS---kill-one} \
+               --max-wait-ms 20 --states "${STATES:-20000}" --out "$OUT" 2>&1 | tee "$OUT/scaleout_2.txt" | tail -16 ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
 done

@@ -5,20 +5,26 @@
     python bench/stream_bench.py --workers 2 --kill-one   # SIGKILL worker 0 mid-stream, restart it, verify exactly-once
     python bench/stream_bench.py --quick              # CPU, tiny model, small (tests/bench runs it)
 
-Phases, each on its own set of topics so they never mix:
+Phases, each on its own set of topics so they never mix; each starts its workers, waits until every one holds
+partitions (from their `--log-format json` logs), then scores a warm-up before anything is measured:
 1. engine only: the same model and shape scored in-process by `SchemaEngine.score_rows` at --max-batch (the ceiling
    the stream should approach);
 2. throughput: N states produced as fast as the producer goes; sustained states/s = the rate at which scored
    records become visible to a read_committed reader, between 10% and 90% of them (start-up and tail excluded);
-   with --kill-one, worker 0 is SIGKILLed at 40% and restarted with the same --worker-id;
+   with --kill-one, worker 0 is SIGKILLed at 40% and restarted with the same --worker-id. Inside that window, the
+   all-workers window starts once every worker has committed since its last assignment (from the workers' logs,
+   `bench.stream_windows`): the aggregate rate there, each worker's own committed records per second there, and the
+   time between the first and the last worker getting partitions;
 3. latency, once per --max-wait-ms: states produced at --latency-load x the measured throughput; latency of a state =
    the moment its record becomes visible to a read_committed reader - its event time (set when it was produced);
    then once per --latency-budget-ms B, the same with workers run with `--latency-budget-ms B --max-wait-ms B`:
    how many states were visible later than B after their event time, and how many cycles the worker itself counted
    as over the budget (it measures from when it consumed a cycle's first state, so it cannot see time in Kafka);
 4. with --replay: `decider replay` of the first latency phase's states topic (live, small deadline-cut batches) into
-   new topics at full batches: its scoring rate, and whether every replayed record's probabilities equal the live
-   record's bit for bit (what deterministic scoring promises).
+   new topics at full batches: its scoring rate as it reports it (from `replay_started`, so schema preparation and
+   graph capture count), its steady rate from its first commit to its last and the seconds before that first commit
+   (from its own log), and whether every replayed record's probabilities equal the live record's bit for bit (what
+   deterministic scoring promises).
 Every phase ends with the exactly-once check: each input state id appears exactly once across the probabilities
 and dead-letter topics, and nothing else does.
 """
@@ -46,6 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import schemas  # noqa: E402
 from bench.engine_bench import QWEN35_08B, questions, states  # noqa: E402
+from bench.stream_windows import all_workers_window, held_partitions, log_events, read_log_events, replay_timing  # noqa: E402
 from worker.commands import put_schema  # noqa: E402
 from worker.config import Topics  # noqa: E402
 from worker.embedded_broker import EmbeddedBroker, free_port  # noqa: E402
@@ -121,10 +128,29 @@ class Stream:
                "--device", device, "--worker-id", f"{self.name}-w{i}", "--group", f"{self.name}-group",
                "--max-batch", str(self.args.max_batch), "--max-wait-ms", str(self.max_wait_ms),
                "--states-topic", t.states, "--schemas-topic", t.schemas, "--probabilities-topic", t.probabilities,
-               "--dead-letter-topic", t.dead_letter, "--log-level", "info",
+               "--dead-letter-topic", t.dead_letter, "--log-level", "info", "--log-format", "json",
                "--metrics-port", str(self.metrics_ports.setdefault(i, free_port())), *gpu_flags, *budget_flags]
-        log = open(self.logs / f"{self.name}-w{i}.log", "ab")
+        log = open(self.log_path(i), "ab")
         self.workers[i] = subprocess.Popen(cmd, env=env, stdout=log, stderr=log, start_new_session=True)
+
+    def log_path(self, i: int) -> Path:
+        """Worker i's log (a restarted worker appends to it)."""
+        return self.logs / f"{self.name}-w{i}.log"
+
+    def worker_events(self) -> list[list[dict]]:
+        """Each worker's logged events so far (``bench.stream_windows.log_events``)."""
+        return [read_log_events(self.log_path(i)) for i in sorted(self.workers)]
+
+    def wait_for_group(self, timeout_s: float) -> None:
+        """Wait until every worker holds partitions, so that a phase's load meets the whole group (a worker that
+        joins later triggers a rebalance inside the phase)."""
+        deadline = time.time() + timeout_s
+        while not all(held_partitions(events) for events in self.worker_events()):
+            exited = [i for i, p in self.workers.items() if p.poll() is not None]
+            if exited or time.time() > deadline:
+                why = f"worker(s) {exited} exited" if exited else f"not every worker held partitions within {timeout_s} s"
+                raise SystemExit(f"{why}; see {self.logs}")
+            time.sleep(0.2)
 
     def worker_stage_totals(self, i: int) -> dict[str, tuple[float, float]]:
         """Worker i's Prometheus histograms of its stages: name -> (sum of seconds or states, count)."""
@@ -276,6 +302,7 @@ def running_stream(args, bootstrap, model_dir, schema_file, texts, logs, name: s
     for i in range(args.workers):
         stream.start_worker(i)
     try:
+        stream.wait_for_group(args.start_timeout)
         yield stream, reader, warm_up(args, stream, reader, texts)
     finally:
         reader.halt.set()
@@ -303,9 +330,11 @@ def throughput_phase(args, bootstrap, model_dir, schema_file, texts, logs) -> di
         times = sorted(t for t, sid, _ in reader.visible[start_seen:])
         lo, hi = times[int(0.1 * (len(times) - 1))], times[int(0.9 * (len(times) - 1))]
         rate = (0.8 * (len(times) - 1)) / (hi - lo) if hi > lo else float("nan")
+        # the part of the 10%-90% window in which every worker was in steady state, from the workers' own logs
+        window = all_workers_window(stream.worker_events(), times, lo, hi)
         # a killed worker 0 restarts with fresh metrics: its stage means are not comparable then
         stages = {} if args.kill_one else stage_means(before, stream.worker_stage_totals(0))
-        return dict(phase="throughput", workers=args.workers, states=args.states, states_per_s=rate,
+        return dict(phase="throughput", workers=args.workers, states=args.states, states_per_s=rate, **window,
                     killed_and_restarted=bool(args.kill_one), worker0_stage_means=stages,
                     **exactly_once(reader, warm_ids + ids))
 
@@ -383,8 +412,10 @@ def replay_phase(args, bootstrap, model_dir, live_name: str, logs) -> dict:
     cmd = [sys.executable, "-m", "worker", "replay", "-b", bootstrap, "--model", str(model_dir), "--device", device,
            "--name", f"bench-{live_name}", "--states-topic", live.states, "--schemas-topic", live.schemas,
            "--output-topic", out.probabilities, "--dead-letter-topic", out.dead_letter,
-           "--max-batch", str(args.max_batch), *gpu_flags]
+           "--max-batch", str(args.max_batch), "--log-format", "json", *gpu_flags]
+    launched = time.time()
     done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=args.states / 5 + 300)
+    process_s = time.time() - launched
     (logs / f"replay-{live_name}.log").write_bytes(done.stdout)
     # the last line is the replay's summary: "replay NAME: complete; N states scored, ... (R states/s) -> topic"
     summary = next((line for line in reversed(done.stdout.decode(errors="replace").splitlines())
@@ -393,8 +424,11 @@ def replay_phase(args, bootstrap, model_dir, live_name: str, logs) -> dict:
     scored = int(summary.split("; ", 1)[1].split(" states scored")[0]) if "states scored" in summary else 0
     live_records = read_records(bootstrap, live.probabilities, args.partitions, scored)
     replayed = read_records(bootstrap, out.probabilities, args.partitions, scored)
+    # states_per_s is the replay's own figure (from replay_started: schema preparation and graph capture included);
+    # steady_states_per_s counts from its first commit to its last
+    timing = replay_timing(log_events(done.stdout.decode(errors="replace")))
     return dict(phase="replay", of=live_name, exit_code=done.returncode, summary=summary, states_per_s=rate,
-                states=scored, **compare_probabilities(live_records, replayed))
+                **timing, process_s=process_s, states=scored, **compare_probabilities(live_records, replayed))
 
 
 def main(argv=None) -> dict:
@@ -439,6 +473,11 @@ def main(argv=None) -> dict:
     args.latency_warmup_seconds = (args.latency_warmup_seconds if args.latency_warmup_seconds is not None
                                    else (1 if args.quick else 5))
     args.partitions = args.partitions or max(4, 2 * args.workers)
+    if args.partitions < args.workers:
+        print(f"stream_bench: --partitions {args.partitions} is fewer than --workers {args.workers}: a worker without "
+              "partitions idles and every phase waits for all of them to hold some; give at least one per worker",
+              file=sys.stderr)
+        raise SystemExit(2)
     args.engine_seconds = args.engine_seconds or (2 if args.quick else 5)
     if args.quick:
         args.state_tokens, args.questions, args.prefix_tokens = 24, 3, 60
@@ -469,21 +508,27 @@ def main(argv=None) -> dict:
     with EmbeddedBroker(port=free_port(), log=open(logs / "broker.log", "ab")) as broker:
         tput = throughput_phase(args, broker.bootstrap, model_dir, schema_file, texts, logs)
         tput["fraction_of_engine"] = tput["states_per_s"] / engine_rate
+        if tput["all_workers_states_per_s"] is not None:
+            tput["all_workers_fraction_of_engine"] = tput["all_workers_states_per_s"] / engine_rate
+        # the latency phases' load is a fraction of what the whole group sustains
+        sustained = tput["all_workers_states_per_s"] or tput["states_per_s"]
         runs.append(tput)
         print(json.dumps(tput), flush=True)
         for mw in args.max_wait_ms:
             lat = latency_phase(args, broker.bootstrap, model_dir, schema_file, texts, logs, mw,
-                                args.latency_rate or args.latency_load * tput["states_per_s"])
+                                args.latency_rate or args.latency_load * sustained)
             runs.append(lat)
             print(json.dumps(lat), flush=True)
         for budget in args.latency_budget_ms:
             lat = latency_phase(args, broker.bootstrap, model_dir, schema_file, texts, logs, budget,
-                                args.latency_rate or args.latency_load * tput["states_per_s"], latency_budget_ms=budget)
+                                args.latency_rate or args.latency_load * sustained, latency_budget_ms=budget)
             runs.append(lat)
             print(json.dumps(lat), flush=True)
         if args.replay:
             rep = replay_phase(args, broker.bootstrap, model_dir, f"lat{args.max_wait_ms[0]}", logs)
             rep["fraction_of_engine"] = rep["states_per_s"] / engine_rate
+            if rep["steady_states_per_s"] is not None:
+                rep["steady_fraction_of_engine"] = rep["steady_states_per_s"] / engine_rate
             runs.append(rep)
             print(json.dumps(rep), flush=True)
     result = dict(env=env, engine_only_states_per_s=engine_rate, runs=runs, logs=str(logs))
@@ -504,20 +549,38 @@ def markdown(result: dict) -> str:
     lines = [f"{env['gpu']}, {env['workers']} worker(s), {env['partitions']} partitions, max batch {env['max_batch']}, "
              f"{env['state_tokens']}-token states, {env['questions']} questions x {env['options']} options; "
              f"engine only: {result['engine_only_states_per_s']:,.1f} states/s", "",
-             "| phase | max wait ms | budget ms | states/s | p50 ms | p99 ms | over budget | exactly once | dead letters |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| phase | max wait ms | budget ms | states/s | steady states/s | p50 ms | p99 ms | over budget | exactly once "
+             "| dead letters |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    notes = []
     for r in result["runs"]:
         if r["phase"] == "replay":
-            lines.append(f"| replay of {r['of']} | | | {r['states_per_s']:,.1f} | | | | bit-identical to live: "
-                         f"{r['bit_identical']}/{r['compared']} (max diff {r['max_abs_diff']:.3g}) | exit {r['exit_code']} |")
+            lines.append(f"| replay of {r['of']} | | | {r['states_per_s']:,.1f} | {_num(r['steady_states_per_s'])} | | | "
+                         f"| bit-identical to live: {r['bit_identical']}/{r['compared']} (max diff "
+                         f"{r['max_abs_diff']:.3g}) | exit {r['exit_code']} |")
+            notes.append(f"replay: {_num(r['startup_s'], 2)} s from replay_started to its first commit, then "
+                         f"{_num(r['steady_states_per_s'])} states/s over {_num(r['first_to_last_commit_s'], 2)} s "
+                         f"to its last; the process ran {r['process_s']:.1f} s")
             continue
+        if r["phase"] == "throughput":
+            per_worker = ", ".join(_num(x) for x in r["per_worker_states_per_s"] or [])
+            notes.append(f"throughput: all {r['workers']} worker(s) steady over {_num(r['all_workers_window_s'], 2)} s "
+                         f"of the 10-90% window ({_num(r['all_workers_window_cut_s'], 2)} s cut before it; "
+                         f"{r['rebalances_in_window']} rebalance events in it); per worker: [{per_worker}] states/s; "
+                         f"partitions reached the last worker {_num(r['assignment_spread_s'], 2)} s after the first")
         rate = r.get("states_per_s", r.get("offered_states_per_s"))
         over = f"{r['over_budget']}/{r['states']}" if "over_budget" in r else ""
         lines.append(f"| {r['phase']}{' (kill+restart)' if r.get('killed_and_restarted') else ''} | {r.get('max_wait_ms', '')} "
-                     f"| {r.get('latency_budget_ms', '')} | {rate:,.1f} | {r.get('p50_ms', float('nan')):.1f} "
+                     f"| {r.get('latency_budget_ms', '')} | {rate:,.1f} | {_num(r.get('all_workers_states_per_s'))} "
+                     f"| {r.get('p50_ms', float('nan')):.1f} "
                      f"| {r.get('p99_ms', float('nan')):.1f} | {over} "
                      f"| {'yes' if r['ok'] else 'NO: ' + json.dumps(r)} | {r['dead_letters']} |")
-    return "\n".join(lines)
+    return "\n".join(lines + [""] + notes)
+
+
+def _num(value: float | None, digits: int = 1) -> str:
+    """A figure for the table; empty when not measured."""
+    return "" if value is None else f"{value:,.{digits}f}"
 
 
 if __name__ == "__main__":

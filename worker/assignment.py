@@ -11,8 +11,9 @@ import logging
 import time
 from typing import Any, Callable, Protocol
 
-from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, TopicPartition
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, TopicPartition
 
+from worker import liveness
 from worker.config import WorkerConfig
 from worker.exceptions import FatalError, FencedError
 from worker.kafka_clients import worker_consumer_config
@@ -131,6 +132,21 @@ def check_consumer_error(error: KafkaError, config: WorkerConfig) -> None:
         raise FatalError(f"fatal consumer error: {error.str()}")
     if error.code() != KafkaError._PARTITION_EOF:
         log.warning("consumer: %s", error.str())
+
+
+def seek_committed(assignment: Assignment, consumer: Consumer, outage_s: float) -> None:
+    """Move ``consumer`` back to ``assignment``'s committed positions, retried while the broker does not answer
+    (``BrokerOutageError`` after ``outage_s``)."""
+    while True:
+        try:
+            for tp in assignment.rewind_positions(consumer):
+                consumer.seek(tp)
+            return
+        except KafkaException as exc:
+            liveness.BROKER.failed(f"reading the committed offsets: {exc.args[0].str()}")
+            liveness.BROKER.check_outage(outage_s)
+            log.warning("could not rewind to the committed offsets yet (%s); retrying", exc.args[0].str())
+            time.sleep(0.5)
 
 
 def partition_names(partitions: list[TopicPartition], with_offsets: bool = False) -> str:

@@ -15,13 +15,22 @@ learned from the cycles the loop commits, per batch bucket (the power of two at 
 estimates that are deliberately pessimistic: the smoothed mean plus four smoothed mean deviations (RFC 6298's
 retransmission timer, which has the same job: a deadline that is rarely too early).
 
-Everything here is pure (no clock, no Kafka): the loop hands in the times it measured.
+The estimates and the plan are pure (no clock, no Kafka): the loop hands in the times it measured. ``CycleBudget`` is
+the loop's side of it: it takes the loop's cycles, keeps the budget's state and reports to the metrics, and does
+nothing when no budget is set.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
+from typing import Callable
+
+from worker import metrics
+from worker.batcher import Cycle
+
+log = logging.getLogger(__name__)
 
 MEAN_GAIN = 1 / 8       # RFC 6298's alpha
 DEVIATION_GAIN = 1 / 4  # RFC 6298's beta
@@ -176,3 +185,62 @@ class LatencyBudget:
     def forget_order(self) -> None:
         """Uncommitted cycles were dropped (abort, rebalance): the next cycle follows none in flight."""
         self._gpu_free_at = None
+
+
+def scored_states(cycle: Cycle) -> int:
+    """States of ``cycle`` in its batches (to be scored), as opposed to its dead letters and waiting states."""
+    return sum(len(batch.members) for batch in cycle.batches.values())
+
+
+class CycleBudget:
+    """The latency budget as the loop uses it, on its cycles; with ``budget_ms`` None (no --latency-budget-ms) it
+    never closes a cycle and learns nothing.
+
+    ``gpu_busy`` says whether a submitted cycle is still being scored (the loop's cycles in flight)."""
+
+    def __init__(self, budget_ms: int | None, max_wait_s: float, gpu_busy: Callable[[], bool]) -> None:
+        self.budget_ms = budget_ms
+        self.state = LatencyBudget(budget_ms / 1000, max_wait_s) if budget_ms is not None else None
+        self._gpu_busy = gpu_busy
+
+    def announce(self, max_wait_ms: int | None) -> None:
+        """Export the budget as a metric and say in the log how it closes cycles (once, at start)."""
+        if self.state is None:
+            return
+        metrics.LATENCY_BUDGET_SECONDS.set(self.state.budget_s)
+        log.info("latency budget %d ms: each cycle closes early enough that its first state's record is visible to "
+                 "read_committed readers within %d ms of the state's arrival (when this worker consumed it, not its "
+                 "event time), planned from running estimates of scoring and commit time per batch size; "
+                 "--max-wait-ms %s caps the wait for more states; until a cycle has been measured, cycles close as "
+                 "soon as they open", self.budget_ms, self.budget_ms, max_wait_ms)
+
+    def close_by(self, now: float, cycle: Cycle) -> float | None:
+        """When the budget closes the open ``cycle`` (monotonic seconds); None without a budget or an opened cycle."""
+        if self.state is None or cycle.opened_at is None:
+            return None
+        return self.state.close_by(now, cycle.opened_at, scored_states(cycle), self._gpu_busy())
+
+    def due(self, now: float, cycle: Cycle) -> bool:
+        """Whether the budget closes the open ``cycle`` now."""
+        if self.state is None or not len(cycle):
+            return False
+        return now >= self.state.close_by(now, cycle.opened_at, scored_states(cycle), self._gpu_busy())
+
+    def submitted(self, closed_at: float, cycle: Cycle) -> None:
+        """``cycle``, closed at ``closed_at``, goes to the GPU (call before it counts as in flight)."""
+        if self.state is not None:
+            self.state.submitted(closed_at, scored_states(cycle), gpu_busy=self._gpu_busy())
+
+    def committed(self, cycle: Cycle, closed_at: float, scored_at: float | None, now: float) -> None:
+        """``cycle`` committed at ``now``: learn its times, update the estimates' metrics, count a miss."""
+        if self.state is None or cycle.opened_at is None:
+            return
+        missed = self.state.committed(CycleTimes(
+            n_states=scored_states(cycle), first_arrival=cycle.opened_at, closed_at=closed_at,
+            scored_at=scored_at or now, committed_at=now))
+        metrics.observe_budget(self.state.engine.values(), self.state.commit.values(), missed)
+
+    def forget_order(self) -> None:
+        """Uncommitted cycles were dropped: the next cycle follows none in flight."""
+        if self.state is not None:
+            self.state.forget_order()

@@ -15,6 +15,8 @@ import threading
 import time
 from typing import Iterator
 
+from worker.exceptions import BrokerOutageError
+
 STUCK_AFTER_S = 5.0
 """A commit (or one call inside it) running this long is stuck: commits normally take milliseconds."""
 
@@ -46,6 +48,15 @@ class BrokerLiveness:
         """Seconds since the broker stopped answering (0 while it answers)."""
         with self._lock:
             return 0.0 if self._down_since is None else time.monotonic() - self._down_since
+
+    def check_outage(self, limit_s: float) -> None:
+        """Raise ``BrokerOutageError`` once the broker has not answered for longer than ``limit_s``
+        (--broker-outage-s): the loop gives up riding the outage out."""
+        outage_s = self.outage_s()
+        if outage_s > limit_s:
+            raise BrokerOutageError(f"the broker has not answered for {outage_s:.0f} s (--broker-outage-s {limit_s:g}); "
+                                    "restart the worker (same --worker-id) once it is back: it resumes from the committed "
+                                    "offsets")
 
     @contextlib.contextmanager
     def call(self, step: str) -> Iterator[None]:

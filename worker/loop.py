@@ -33,15 +33,15 @@ from dataclasses import dataclass
 from confluent_kafka import KafkaException
 
 from worker import gc_pauses, liveness, metrics
-from worker.assignment import Assignment, EventSink, GroupAssignment, check_consumer_error, partition_names
+from worker.assignment import Assignment, EventSink, GroupAssignment, check_consumer_error, partition_names, seek_committed
 from worker.batcher import Cycle, Pending, monotonic
 from worker.config import WorkerConfig
-from worker.exceptions import AbortableError, BrokerOutageError, FatalError
+from worker.exceptions import AbortableError, FatalError
 from worker.kafka_clients import require_topics, transactional_producer_config
 from worker.input_mapping import SourceDecoder
 from worker.outputs import Outputs, start_encoder
 from worker.records import SchemaKey, SourceRecord, Unscorable
-from worker.latency_budget import CycleTimes, LatencyBudget
+from worker.latency_budget import CycleBudget
 from worker.routing import Router
 from worker.schema_table import SchemaTable
 from worker.scorer import BatchJob, load_scorer
@@ -92,8 +92,7 @@ class Worker:
         self._cycle = Cycle()
         self._carried = (0, 0)  # states (all, waiting) the open cycle took over, held back, from the one before it
         self._inflight: deque[InFlight] = deque()
-        self._budget = (LatencyBudget(config.latency_budget_ms / 1000, self._max_wait_s)
-                        if config.latency_budget_ms is not None else None)
+        self._budget = CycleBudget(config.latency_budget_ms, self._max_wait_s, self._gpu_busy)
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
     def run(self) -> None:
@@ -111,7 +110,7 @@ class Worker:
         self._table.catch_up()
         self._emit("schemas_loaded", {"schema_ids": self._table.ids()})
         self._router = Router(self.config, self._table, self._scorer, self._outputs, self._emit)
-        self._announce_budget()
+        self._budget.announce(self.config.max_wait_ms)
         frozen = gc_pauses.freeze_loaded_objects()
         gc_pauses.watch_collections()
         log.info("%d objects of the loaded model and libraries exempted from garbage collection", frozen)
@@ -159,7 +158,7 @@ class Worker:
 
     # ---- the loop --------------------------------------------------------------------------------------------
     def _step(self) -> None:
-        self._check_outage()
+        liveness.BROKER.check_outage(self.config.broker_outage_s)
         self._consume(self._poll_timeout())
         self._router.apply(self._table.poll(), self._cycle)
         now = monotonic()
@@ -180,7 +179,7 @@ class Worker:
         if cycle.waiting and (len(cycle), len(cycle.waiting)) == self._carried:
             return False  # nothing but the states held back last time, all still waiting: nothing could commit now
         # No deadline closes the last, partial cycle of a finite input: its end does.
-        return (cycle.due(now, self.config.max_batch, self._max_wait_s) or self._budget_due(now)
+        return (cycle.due(now, self.config.max_batch, self._max_wait_s) or self._budget.due(now, cycle)
                 or self._assignment.exhausted())
 
     def _poll_timeout(self) -> float:
@@ -192,8 +191,9 @@ class Worker:
         # A cycle on the GPU is committed by the first step after it finishes: wait briefly, so that a quiet
         # stream (no message ends the wait early) does not add the wait to that cycle's latency.
         timeout = 0.005 if self._inflight else 0.1
-        if until_due is not None and self._budget is not None:
-            until_due = min(until_due, max(0.0, self._budget_close_by(now) - now))
+        if until_due is not None:
+            close_by = self._budget.close_by(now, self._cycle)
+            until_due = until_due if close_by is None else min(until_due, max(0.0, close_by - now))
         return min(timeout, until_due) if until_due is not None else timeout
 
     def _consume(self, timeout: float) -> None:
@@ -267,8 +267,7 @@ class Worker:
         jobs = [BatchJob(cycle.batches[key].handle, list(cycle.batches[key].rows)) for key in keys]
         for job in jobs:
             metrics.BATCH_SIZE.observe(len(job.rows))
-        if self._budget is not None:
-            self._budget.submitted(closed_at, _scored_states(cycle), gpu_busy=self._gpu_busy())
+        self._budget.submitted(closed_at, cycle)
         inflight = InFlight(cycle, keys, self._scorer.submit(jobs), closed_at)
         inflight.future.add_done_callback(lambda _: setattr(inflight, "scored_at", monotonic()))
         self._inflight.append(inflight)
@@ -298,70 +297,24 @@ class Worker:
         self._inflight.popleft()
         self._release_pins(cycle)
         self._assignment.on_committed(offsets)
-        self._budget_learn(inflight)
-        metrics.count_committed(monotonic() - (cycle.opened_at or monotonic()), out.scored, _by_value(out.dead_letters))
+        self._budget.committed(cycle, inflight.closed_at, inflight.scored_at, monotonic())
+        metrics.count_committed(monotonic() - (cycle.opened_at or monotonic()), out.scored, out.dead_letters_by_code())
         log.debug("committed %d scored, %s dead letters, offsets %s", sum(out.scored.values()),
-                  _by_value(out.dead_letters), partition_names(cycle.offsets(), with_offsets=True))
-        self._emit("committed", {"scored": sum(out.scored.values()), "dead_letters": _by_value(out.dead_letters),
+                  out.dead_letters_by_code(), partition_names(cycle.offsets(), with_offsets=True))
+        self._emit("committed", {"scored": sum(out.scored.values()), "dead_letters": out.dead_letters_by_code(),
                                  "samples": out.samples, "batches": {f"{k[0]} v{k[1]}": len(b.members) for k, b in cycle.batches.items()},
                                  "commit_ms": commit_ms, "offsets": [(tp.partition, tp.offset) for tp in cycle.offsets()]})
 
-    # ---- the latency budget ---------------------------------------------------------------------------------------
-    def _announce_budget(self) -> None:
-        if self._budget is None:
-            return
-        metrics.LATENCY_BUDGET_SECONDS.set(self._budget.budget_s)
-        log.info("latency budget %d ms: each cycle closes early enough that its first state's record is visible to "
-                 "read_committed readers within %d ms of the state's arrival (when this worker consumed it, not its "
-                 "event time), planned from running estimates of scoring and commit time per batch size; "
-                 "--max-wait-ms %s caps the wait for more states; until a cycle has been measured, cycles close as "
-                 "soon as they open", self.config.latency_budget_ms, self.config.latency_budget_ms,
-                 self.config.max_wait_ms)
-
     def _gpu_busy(self) -> bool:
+        """Whether the last submitted cycle is still being scored."""
         return bool(self._inflight) and not self._inflight[-1].future.done()
 
-    def _budget_close_by(self, now: float) -> float:
-        return self._budget.close_by(now, self._cycle.opened_at, _scored_states(self._cycle), self._gpu_busy())
-
-    def _budget_due(self, now: float) -> bool:
-        """Whether the latency budget closes the open cycle now."""
-        if self._budget is None or not len(self._cycle):
-            return False
-        return now >= self._budget_close_by(now)
-
-    def _budget_learn(self, inflight: InFlight) -> None:
-        if self._budget is None or inflight.cycle.opened_at is None:
-            return
-        now = monotonic()
-        missed = self._budget.committed(CycleTimes(
-            n_states=_scored_states(inflight.cycle), first_arrival=inflight.cycle.opened_at,
-            closed_at=inflight.closed_at, scored_at=inflight.scored_at or now, committed_at=now))
-        metrics.observe_budget(self._budget.engine.values(), self._budget.commit.values(), missed)
-
     # ---- failure paths ---------------------------------------------------------------------------------------
-    def _check_outage(self) -> None:
-        outage_s = liveness.BROKER.outage_s()
-        if outage_s > self.config.broker_outage_s:
-            raise BrokerOutageError(f"the broker has not answered for {outage_s:.0f} s (--broker-outage-s "
-                                    f"{self.config.broker_outage_s:g}); restart the worker (same --worker-id) once it is "
-                                    "back: it resumes from the committed offsets")
-
     def _rewind(self) -> None:
         """After an abort: forget all uncommitted work and read again from the committed offsets, retried while the
         broker does not answer (without a rewind the next cycle would skip the aborted records)."""
         self._drop_uncommitted("transaction aborted")
-        while True:
-            try:
-                positions = self._assignment.rewind_positions(self._consumer)
-                for tp in positions:
-                    self._consumer.seek(tp)
-                return
-            except KafkaException as exc:
-                liveness.BROKER.failed(f"reading the committed offsets: {exc.args[0].str()}")
-                self._check_outage()
-                log.warning("could not rewind to the committed offsets yet (%s); retrying", exc.args[0].str())
-                time.sleep(0.5)
+        seek_committed(self._assignment, self._consumer, self.config.broker_outage_s)
 
     def _drop_uncommitted(self, why: str) -> None:
         dropped = len(self._cycle) + sum(len(f.cycle) for f in self._inflight)
@@ -369,8 +322,7 @@ class Worker:
             self._release_pins(cycle)
         self._cycle, self._inflight = Cycle(), deque()
         self._carried = (0, 0)
-        if self._budget is not None:
-            self._budget.forget_order()
+        self._budget.forget_order()
         if dropped:
             log.info("%s: dropped %d uncommitted states (they will be read again)", why, dropped)
 
@@ -378,13 +330,3 @@ class Worker:
         """Let the scorer evict the schemas ``cycle`` held (after its commit or when it is dropped)."""
         for key in cycle.pins():
             self._scorer.release_pin(key)
-
-
-def _scored_states(cycle: Cycle) -> int:
-    """States of ``cycle`` in its batches (to be scored), as opposed to its dead letters and waiting states."""
-    return sum(len(batch.members) for batch in cycle.batches.values())
-
-
-def _by_value(reasons) -> dict[str, int]:
-    """Counts by ``Reason`` as the events and logs show them: by reason code."""
-    return {reason.value: count for reason, count in reasons.items()}

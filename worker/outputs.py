@@ -41,6 +41,10 @@ class CycleOutputs:
     dead_letters: Counter[Reason] = field(default_factory=Counter)
     samples: list[dict[str, Any]] = field(default_factory=list)
 
+    def dead_letters_by_code(self) -> dict[str, int]:
+        """The dead letters by reason code, as events, logs and metrics show them."""
+        return {reason.value: count for reason, count in self.dead_letters.items()}
+
 
 class Outputs:
     """Makes the worker's output records: its output topics, its id and the model's id go into each one, encoded

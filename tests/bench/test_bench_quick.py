@@ -36,6 +36,10 @@ def test_stream_bench_quick_runs_end_to_end_exactly_once():
     for r in (tput, lat, budget):
         assert r["ok"], r
     assert tput["states_per_s"] > 0 and result["engine_only_states_per_s"] > 0
+    # one worker: it held partitions before the warm-up, so the all-workers window is the whole 10-90% window
+    assert tput["assignment_spread_s"] == 0 and tput["all_workers_window_cut_s"] == 0, tput
+    assert tput["all_workers_states_per_s"] > 0 and len(tput["per_worker_states_per_s"]) == 1, tput
+    assert tput["rebalances_in_window"] == 0, tput
     assert 0 < lat["p50_ms"] <= lat["p99_ms"]
     # the budget phase ran its worker with the budget, and reports states and cycles over it
     assert budget["latency_budget_ms"] == 3000 and budget["max_wait_ms"] == 3000, budget
@@ -44,3 +48,6 @@ def test_stream_bench_quick_runs_end_to_end_exactly_once():
     # the replay scored every state of the live latency phase, and each has a live record to compare with
     assert replay["exit_code"] == 0 and replay["states_per_s"] > 0, replay
     assert replay["states"] == replay["compared"] > 0, replay
+    # its steady rate (first commit to last) and the startup before its first commit, from its own log
+    assert replay["steady_states_per_s"] > 0 and replay["startup_s"] > 0 and replay["commits"] > 1, replay
+    assert replay["process_s"] > replay["startup_s"] + replay["first_to_last_commit_s"], replay

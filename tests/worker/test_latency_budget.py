@@ -4,10 +4,15 @@ timings fed to its running estimates."""
 from __future__ import annotations
 
 import random
+from concurrent.futures import Future
 
 import pytest
+from prometheus_client import REGISTRY
 
-from worker.latency_budget import BucketedEstimates, CycleTimes, LatencyBudget, RunningEstimate, bucket, close_by, visible_at
+from worker.batcher import Cycle, Pending
+from worker.latency_budget import (BucketedEstimates, CycleBudget, CycleTimes, LatencyBudget, RunningEstimate, bucket,
+                                   close_by, visible_at)
+from worker.records import SourceRecord
 
 BUDGET, MAX_WAIT = 0.100, 0.050
 
@@ -130,3 +135,47 @@ def test_the_configuration_refuses_a_budget_out_of_range():
     for bad in (0, -1, 600_001):
         with pytest.raises(ConfigError, match="--latency-budget-ms"):
             WorkerConfig(bootstrap="k:9092", model_dir="m", worker_id="w", latency_budget_ms=bad)
+
+
+def _misses() -> float:
+    return REGISTRY.get_sample_value("decider_latency_budget_misses_total") or 0.0
+
+
+def _cycle_of(n_scored: int, opened_at: float) -> Cycle:
+    """A cycle of ``n_scored`` states in one batch, its first consumed at ``opened_at``."""
+    cycle, done = Cycle(), Future()
+    done.set_result(None)
+    for offset in range(n_scored):
+        pending = Pending(SourceRecord("states", 0, offset, b"k", b"v"))
+        cycle.track(pending, opened_at)
+        cycle.add_to_batch(pending, {"schema_id": "s", "version": 1, "questions": []}, done, done, opened_at)
+    return cycle
+
+
+def test_the_loops_budget_closes_at_once_until_it_has_learned_then_plans_from_what_it_learned():
+    gpu = {"busy": False}
+    budget = CycleBudget(100, MAX_WAIT, lambda: gpu["busy"])
+    assert budget.close_by(0.0, Cycle()) is None and not budget.due(0.0, Cycle())
+    first = _cycle_of(8, opened_at=1.0)
+    assert budget.close_by(1.0, first) == 1.0 and budget.due(1.0, first)  # nothing measured yet
+    budget.submitted(1.0, first)
+    misses = _misses()
+    budget.committed(first, closed_at=1.0, scored_at=1.010, now=1.015)  # scored in 10 ms, committed 5 ms later
+    assert _misses() == misses
+    assert budget.state.engine.seconds(8, expected=True) == pytest.approx(0.010)
+    second = _cycle_of(8, opened_at=2.0)
+    # 100 ms budget, 50 ms max wait: the cap closes it, well before the budget's own plan (mean + 4 deviations)
+    assert budget.close_by(2.0, second) == pytest.approx(2.0 + MAX_WAIT) and not budget.due(2.01, second)
+    late = _cycle_of(8, opened_at=3.0)
+    budget.committed(late, closed_at=3.0, scored_at=3.05, now=3.2)  # visible 200 ms after its first state
+    assert _misses() == misses + 1 and budget.state.misses == 1
+
+
+def test_without_a_budget_the_loops_budget_never_closes_a_cycle_nor_learns():
+    budget = CycleBudget(None, MAX_WAIT, lambda: False)
+    cycle = _cycle_of(4, opened_at=1.0)
+    budget.announce(20)
+    budget.submitted(1.0, cycle)
+    budget.committed(cycle, closed_at=1.0, scored_at=1.1, now=5.0)
+    budget.forget_order()
+    assert budget.close_by(1.0, cycle) is None and not budget.due(100.0, cycle) and budget.state is None

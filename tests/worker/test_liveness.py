@@ -6,7 +6,10 @@ from __future__ import annotations
 import json
 import time
 
+import pytest
+
 from worker import health, liveness
+from worker.exceptions import BrokerOutageError
 
 
 def _stats(*states: tuple[int, str]) -> str:
@@ -58,3 +61,15 @@ def test_health_answers_from_events_and_the_broker(monkeypatch):
     assert state.alive() == (True, "ok")
     broker.overran("commit_transaction overran its timeout; the process exits in 3 s unless it returns")
     assert state.alive()[0] is False and "exits in 3 s" in state.alive()[1]
+
+
+def test_the_outage_bound_raises_only_past_its_limit_and_only_while_the_broker_is_down():
+    broker = liveness.BrokerLiveness()
+    broker.check_outage(0.0)  # answering: no outage however small the limit
+    broker.failed("schema topic: Local: Timed out")
+    time.sleep(0.02)
+    broker.check_outage(60.0)
+    with pytest.raises(BrokerOutageError, match=r"--broker-outage-s 0.01\); restart the worker"):
+        broker.check_outage(0.01)
+    broker.succeeded()
+    broker.check_outage(0.0)

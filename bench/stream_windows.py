@@ -1,0 +1,121 @@
+"""The stream benchmark's steady-state windows, from the workers' own structured logs (``--log-format json``).
+
+A worker logs each event of its loop as one JSON line with its wall-clock time (``worker.logs``): ``assigned`` /
+``revoked`` / ``lost`` with the partitions, ``committed`` with the states it scored and dead-lettered in that
+transaction. From those, on the same clock as the benchmark's reader:
+
+- when every worker held partitions, and from when each had committed since its last assignment (its schema
+  prepared, its graphs captured): the start of the all-workers window;
+- how many records each worker committed inside that window: its own steady rate;
+- for ``decider replay``: the time from ``replay_started`` to its first commit (schema preparation, graph capture,
+  the first batch) and its rate from the first commit to the last.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import re
+from pathlib import Path
+
+_TS_FORMAT = "%Y-%m-%dT%H:%M:%S.%fZ"   # worker.logs.JsonFormatter's ts, UTC
+_MEMBERSHIP = ("assigned", "revoked", "lost")
+
+
+def log_events(text: str) -> list[dict]:
+    """The events in a ``--log-format json`` log, each with its wall time as ``t`` (epoch seconds), in order.
+
+    Other lines (a progress bar's carriage-return updates, plain stderr output) are skipped."""
+    events = []
+    for line in re.split(r"[\r\n]+", text):
+        line = line.strip()
+        if not line.startswith("{"):
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if "event" in record and "ts" in record:
+            stamp = datetime.datetime.strptime(record["ts"], _TS_FORMAT).replace(tzinfo=datetime.timezone.utc)
+            events.append({**record, "t": stamp.timestamp()})
+    return events
+
+
+def read_log_events(path: Path) -> list[dict]:
+    """``log_events`` of a log file (none if it does not exist yet)."""
+    return log_events(path.read_text(errors="replace")) if path.exists() else []
+
+
+def held_partitions(events: list[dict]) -> set[int]:
+    """The partitions a worker holds after ``events``; a new process (``model_loaded``) starts with none."""
+    held: set[int] = set()
+    for event in events:
+        kind = event["event"]
+        if kind == "model_loaded":
+            held = set()
+        elif kind == "assigned":
+            held |= set(event.get("partitions") or [])
+        elif kind in ("revoked", "lost"):
+            held -= set(event.get("partitions") or [])
+    return held
+
+
+def committed_records(event: dict) -> int:
+    """Records (probabilities and dead letters) a ``committed`` event made visible."""
+    return int(event.get("scored") or 0) + sum((event.get("dead_letters") or {}).values())
+
+
+def _commits(events: list[dict]) -> list[dict]:
+    return [e for e in events if e["event"] == "committed" and committed_records(e)]
+
+
+def all_workers_window(events_by_worker: list[list[dict]], visible: list[float], lo: float, hi: float) -> dict:
+    """The part of the measured window [lo, hi] (wall times) in which every worker was in steady state.
+
+    A worker is steady from its first commit after its last assignment at or before ``hi``: from then on it holds
+    partitions and its schema is prepared. The window starts when the last worker is steady (and not before ``lo``)
+    and ends at ``hi``. ``visible``: when each output record became visible to the reader. Returns the aggregate
+    rate (records visible inside the window per second), each worker's own rate (records it committed inside the
+    window per second), the window's length and how much of [lo, hi] it cut, the time between the first and the
+    last worker getting partitions at all, and the membership events inside the window (a rebalance there means
+    the window is not steady after all). Rates are None when the window is empty."""
+    firsts = [next((e["t"] for e in events if e["event"] == "assigned" and e.get("partitions")), None)
+              for events in events_by_worker]
+    spread = max(firsts) - min(firsts) if firsts and None not in firsts else None
+    steady_from = []
+    for events in events_by_worker:
+        assigned = [e["t"] for e in events if e["event"] == "assigned" and e.get("partitions") and e["t"] <= hi]
+        first_commit = next((e["t"] for e in _commits(events) if assigned and e["t"] > assigned[-1]), None)
+        steady_from.append(first_commit)
+    result = dict(assignment_spread_s=spread, all_workers_window_s=None, all_workers_window_cut_s=None,
+                  all_workers_states=0, all_workers_states_per_s=None, per_worker_states_per_s=None,
+                  rebalances_in_window=None)
+    if None in steady_from or not steady_from:
+        return result
+    start = max(lo, *steady_from)
+    if start >= hi:
+        return result
+    seconds = hi - start
+    inside = sum(1 for t in visible if start < t <= hi)
+    per_worker = [sum(committed_records(e) for e in _commits(events) if start < e["t"] <= hi) / seconds
+                  for events in events_by_worker]
+    membership = sum(1 for events in events_by_worker for e in events
+                     if e["event"] in _MEMBERSHIP and start < e["t"] <= hi)
+    return {**result, "all_workers_window_s": seconds, "all_workers_window_cut_s": start - lo,
+            "all_workers_states": inside, "all_workers_states_per_s": inside / seconds,
+            "per_worker_states_per_s": per_worker, "rebalances_in_window": membership}
+
+
+def replay_timing(events: list[dict]) -> dict:
+    """A replay's startup (``replay_started`` to its first commit: schema preparation, graph capture and the first
+    batch) and its steady rate: the records committed after the first commit per second until the last commit."""
+    started = next((e["t"] for e in events if e["event"] == "replay_started"), None)
+    commits = _commits(events)
+    result = dict(startup_s=None, first_to_last_commit_s=None, steady_states_per_s=None, commits=len(commits))
+    if not commits:
+        return result
+    first, last = commits[0]["t"], commits[-1]["t"]
+    result["startup_s"] = first - started if started is not None else None
+    if last > first:
+        result["first_to_last_commit_s"] = last - first
+        result["steady_states_per_s"] = sum(committed_records(e) for e in commits[1:]) / (last - first)
+    return result

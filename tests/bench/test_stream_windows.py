@@ -1,0 +1,83 @@
+"""The stream benchmark's steady-state windows, from log lines written by the worker's own JSON formatter."""
+import logging
+
+import pytest
+
+from bench.stream_windows import all_workers_window, held_partitions, log_events, replay_timing
+from worker.logs import JsonFormatter
+
+T0 = 1_790_000_000.0  # an epoch second; events are placed relative to it
+
+
+def _line(t: float, event: str, **fields) -> str:
+    """One event as `decider worker --log-format json` writes it, logged at wall time T0 + t."""
+    record = logging.LogRecord("decider.events", logging.INFO, __file__, 1, event.replace("_", " "), None, None)
+    record.created, record.msecs = T0 + t, (T0 + t) % 1 * 1000
+    record.fields = {"event": event, **fields}
+    return JsonFormatter().format(record)
+
+
+def _log(*lines: str) -> list[dict]:
+    return log_events("\n".join(lines))
+
+
+def _committing(start: float, end: float, every: float, states: int) -> list[str]:
+    n = int(round((end - start) / every))
+    return [_line(start + k * every, "committed", scored=states, dead_letters={}, commit_ms=3.0) for k in range(n + 1)]
+
+
+def test_events_keep_their_wall_time_and_other_output_is_skipped():
+    text = "\n".join(["plain stderr line", _line(1.25, "assigned", partitions=[0, 1]) + "\r  3/60 [00:01<00:02]",
+                      "\r" + _line(2.5, "committed", scored=16, dead_letters={"schema_unknown": 2}), "{not json"])
+    events = log_events(text)
+    assert [e["event"] for e in events] == ["assigned", "committed"]
+    assert events[0]["t"] == pytest.approx(T0 + 1.25, abs=2e-3) and events[0]["partitions"] == [0, 1]
+    assert events[1]["t"] == pytest.approx(T0 + 2.5, abs=2e-3) and events[1]["scored"] == 16
+
+
+def test_held_partitions_follow_assignments_revokes_and_a_restart():
+    events = _log(_line(0, "assigned", partitions=[0, 1, 2, 3]), _line(4, "revoked", partitions=[0, 1, 2, 3]),
+                  _line(4.1, "assigned", partitions=[0, 1]))
+    assert held_partitions(events) == {0, 1}
+    assert held_partitions(events + _log(_line(9, "model_loaded", model_id="m", device="cpu"))) == set()
+    assert held_partitions(_log(_line(0, "assigned", partitions=[2]), _line(1, "lost", partitions=[2]))) == set()
+
+
+def test_the_window_starts_when_the_late_worker_has_committed_and_rates_are_per_worker():
+    # worker 0 holds everything from 0 s; worker 1 joins at 4 s (eager rebalance: worker 0 gives all up, gets half)
+    w0 = _log(_line(0, "assigned", partitions=[0, 1, 2, 3]), *_committing(0.5, 3.9, 0.1, 16),
+              _line(4.0, "revoked", partitions=[0, 1, 2, 3]), _line(4.05, "assigned", partitions=[0, 1]),
+              *_committing(4.2, 12.0, 0.1, 16))
+    w1 = _log(_line(4.05, "assigned", partitions=[2, 3]), *_committing(4.5, 12.0, 0.1, 16))
+    visible = [T0 + 0.5 + k * 0.005 for k in range(2300)]  # records visible at 200/s from 0.5 s to 12 s
+    lo, hi = T0 + 1.0, T0 + 10.0
+    window = all_workers_window([w0, w1], visible, lo, hi)
+    assert window["assignment_spread_s"] == pytest.approx(4.05, abs=2e-3)
+    assert window["all_workers_window_cut_s"] == pytest.approx(3.5, abs=2e-3)
+    assert window["all_workers_window_s"] == pytest.approx(5.5, abs=2e-3)
+    assert window["all_workers_states_per_s"] == pytest.approx(200, rel=0.01)
+    assert window["per_worker_states_per_s"] == [pytest.approx(160, rel=0.03), pytest.approx(160, rel=0.03)]
+    assert window["rebalances_in_window"] == 0
+
+
+def test_a_rebalance_inside_the_window_is_counted_and_a_worker_steady_too_late_leaves_no_window():
+    w0 = _log(_line(0, "assigned", partitions=[0, 1]), *_committing(0.2, 10, 0.1, 8))
+    w1 = _log(_line(0, "assigned", partitions=[2, 3]), *_committing(0.2, 10, 0.1, 8), _line(6, "lost", partitions=[2, 3]))
+    window = all_workers_window([w0, w1], [], T0 + 1, T0 + 9)
+    assert window["rebalances_in_window"] == 1 and window["all_workers_window_cut_s"] == 0
+    late = _log(_line(0, "assigned", partitions=[2, 3]), _line(9.5, "committed", scored=8, dead_letters={}))
+    empty = all_workers_window([w0, late], [], T0 + 1, T0 + 9)
+    assert empty["all_workers_states_per_s"] is None and empty["per_worker_states_per_s"] is None
+    assert empty["assignment_spread_s"] == 0
+
+
+def test_replay_startup_is_until_its_first_commit_and_its_steady_rate_counts_after_it():
+    events = _log(_line(0, "model_loaded", model_id="m", device="cuda:0"), _line(1.0, "replay_started", total=2000),
+                  *_committing(4.6, 5.6, 0.1, 128), _line(5.65, "committed", scored=0, dead_letters={"state_too_large": 2}))
+    timing = replay_timing(events)
+    assert timing["startup_s"] == pytest.approx(3.6, abs=2e-3)
+    assert timing["first_to_last_commit_s"] == pytest.approx(1.05, abs=2e-3)
+    assert timing["steady_states_per_s"] == pytest.approx((10 * 128 + 2) / 1.05, rel=5e-3)
+    assert timing["commits"] == 12
+    assert replay_timing(_log(_line(0, "replay_started"))) == dict(startup_s=None, first_to_last_commit_s=None,
+                                                                   steady_states_per_s=None, commits=0)
