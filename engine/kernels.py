@@ -47,6 +47,8 @@ class Kernels:
     gate_attention(engine.attention.AttentionOut, gate [B, T, Hq, D]) -> [B, T, Hq * D]: the merge of a prefix/suffix
         split attention (if any), then transformers' sigmoid output gate;
     linear(x [..., K], weight [N, K]) -> [..., N]: every projection (bias-free), the label read-out included;
+    mlp_down(gate_up [..., 2I], weight [N, I]) -> [..., N]: linear(swiglu(gate, up), weight) for gate | up the
+        halves of the fused gate|up projection's output, fused into one kernel; None: swiglu, then linear;
     attention(q [Z, H, M, D], k, v [Z, Hkv, N, D], causal, scale, key_lengths [Z] | None) -> (out [Z, H, M, D],
         lse [Z, H, M] float32); key_lengths (keys of entry z past it are padding) only where `ragged_prefixes`;
     attend_by_request: the suffix pass runs attention one request at a time on its own length (eager only: a graph
@@ -61,6 +63,7 @@ class Kernels:
     qk_norm_rope: Callable
     gate_attention: Callable
     linear: Callable = F.linear
+    mlp_down: Callable | None = None
     attention: Callable = lambda q, k, v, causal, scale, key_lengths=None: sdpa_with_lse(q, k, v, causal, scale)
     ragged_prefixes: bool = False
     attend_by_request: bool = False
@@ -109,8 +112,11 @@ def fla_kernels() -> Kernels:
 
 
 def batch_invariant_kernels(table: Kernels, gemm_weights: Sequence[torch.Tensor]) -> Kernels:
-    """`table` with batch-invariant attention, and GEMMs whose summation order is proven not to depend on M."""
+    """`table` with batch-invariant attention, and GEMMs whose summation order is proven not to depend on M; the
+    MLP's swiglu fused into its down projection where `table` has the Triton swiglu and the fused kernel is shown to
+    give the same bits (`engine.batch_invariant.InvariantLinear.swiglu_linear`)."""
     from engine import batch_invariant as bi      # imports triton
+    from engine import triton_kernels
     from engine.graphs import B_BUCKETS
 
     # the row counts a suffix pass's GEMMs see: batch buckets x suffix lengths, and the answer slots' read-out
@@ -120,6 +126,10 @@ def batch_invariant_kernels(table: Kernels, gemm_weights: Sequence[torch.Tensor]
     log.info("deterministic: GEMMs by cuBLAS for weight shapes %s (rows padded up to the floor given; batch-invariant "
              "at %d row counts), by the Triton matmul for %s; checked in %.1f s", linear.floors, len(rows),
              sorted(linear.triton) or "none", time.perf_counter() - started)
+    log.info("deterministic: Triton small tile below %d rows for %s, swiglu fused into the GEMM for %s",
+             bi.SMALL_TILE_ROWS, sorted(linear.small) or "none", sorted(linear.fused) or "none")
     floors = ", ".join(f"{n}x{k}>={f}" for (n, k), f in sorted(linear.floors.items()))
-    return replace(table, name=f"{table.name}+batch-invariant(cuBLAS {floors}; Triton {sorted(linear.triton)})",
-                   linear=linear, attention=bi.attention, ragged_prefixes=True)
+    mlp_down = linear.swiglu_linear if linear.fused and table.swiglu is triton_kernels.swiglu else None
+    return replace(table, name=f"{table.name}+batch-invariant(cuBLAS {floors}; Triton {sorted(linear.triton)}; "
+                              f"small tile {sorted(linear.small)}; swiglu fused {sorted(linear.fused)})",
+                   linear=linear, mlp_down=mlp_down, attention=bi.attention, ragged_prefixes=True)
