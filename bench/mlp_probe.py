@@ -94,7 +94,8 @@ def engine_choice(w: torch.Tensor) -> dict:
     shape = tuple(w.shape)
     return {"cublas_floor": linear.floors.get(shape), "triton": shape in linear.triton,
             "small_tile": linear.small.get(shape), "fused": shape in linear.fused,
-            "small_tile_rows": bi.SMALL_TILE_ROWS, "checked_s": time.perf_counter() - started}
+            "small_tile_rows": bi.SMALL_TILE_ROWS, "fused_max_rows": bi.FUSED_MAX_ROWS,
+            "checked_s": time.perf_counter() - started}
 
 
 def main() -> None:

@@ -91,6 +91,11 @@ SMALL_TILE_ROWS = 2048
 """Row counts below this may take `small_tile_config` (where `small_tile_is_identical` holds); from it up the large
 tile gives every SM work."""
 
+FUSED_MAX_ROWS: int | None = None
+"""`InvariantLinear.swiglu_linear` fuses swiglu into the GEMM up to this many rows (None: at every row count); past
+it the two kernels run. Either gives a row the same bits (checked), so the limit is a matter of speed only: the fused
+loop computes a swiglu element once per column tile, which a large M may pay for more than it saves."""
+
 
 def matmul_config(N: int, K: int) -> Config:
     """(BM, BN, BK, warps, stages) for a weight of N x K: a function of the weight alone, never of M."""
@@ -330,7 +335,8 @@ class InvariantLinear:
         """swiglu(gate, up) @ weight^T for gate_up [..., 2I] = gate | up and weight [N, I] -> [..., N], as
         `engine.triton_kernels.swiglu` then this linear compute it."""
         shape = tuple(weight.shape)
-        if shape in self.fused:
+        rows = gate_up.numel() // max(gate_up.shape[-1], 1)
+        if shape in self.fused and (FUSED_MAX_ROWS is None or rows <= FUSED_MAX_ROWS):
             return swiglu_matmul(gate_up, weight, self._tile(shape, gate_up))
         from engine.triton_kernels import swiglu
         return self(swiglu(*gate_up.split(weight.shape[1], dim=-1)), weight)
