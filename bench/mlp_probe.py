@@ -4,7 +4,8 @@ swiglu into the GEMM and a smaller tile for few rows save, and whether they keep
 For M rows (batch 1 / 8 / 32 / 128 x 184 suffix tokens by default) of a fused gate|up projection output [M, 7168]:
 - time (CUDA events around each launch, the L2 cache flushed before each as the layer's weight is cold in a forward,
   median of --reps after --warmup): `engine.triton_kernels.swiglu` then `engine.batch_invariant.matmul`, and
-  `engine.batch_invariant.swiglu_matmul`, with the large tile (`matmul_config`) and each candidate small tile;
+  `swiglu_matmul` (this file: the experiment of fusing swiglu into the GEMM's A tiles, which lost at every M and
+  is not in the engine), with the large tile (`matmul_config`) and each candidate small tile;
   cuBLAS's F.linear alone and after swiglu, for reference;
 - check bit for bit: fused against unfused with the same tile, and each small tile against the large one;
 - report what `InvariantLinear` chooses for this shape at the row counts the engine checks (Triton or cuBLAS, the
@@ -22,9 +23,57 @@ import time
 import torch
 import torch.nn.functional as F
 import triton
+import triton.language as tl
 
 from engine import batch_invariant as bi
 from engine.triton_kernels import swiglu
+
+@triton.jit(do_not_specialize=["M"])
+def _swiglu_matmul_kernel(GU, W, Y, M, N, K: tl.constexpr, sgu, sw, sy, BM: tl.constexpr, BN: tl.constexpr,
+                          BK: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr):
+    # _matmul_kernel with X = swiglu(GU[:, :K], GU[:, K:]) made tile by tile in registers, rounded as
+    # engine.triton_kernels._swiglu_kernel rounds it, so the dot sees the bits the unfused kernels would store
+    rm, rn = bi._tile(M, N, BM, BN, GROUP_M)
+    rk = tl.arange(0, BK)
+    g_ptr = GU + rm[:, None].to(tl.int64) * sgu + rk[None, :]
+    w_ptr = W + rn[None, :].to(tl.int64) * sw + rk[:, None]                     # [BK, BN]: a tile of W^T
+    m_ok = rm[:, None] < M
+    n_ok = rn[None, :] < N
+    ty = Y.dtype.element_ty
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for _ in range(0, K, BK):
+        g = tl.load(g_ptr, mask=m_ok, other=0.0).to(tl.float32)
+        u = tl.load(g_ptr + K, mask=m_ok, other=0.0).to(tl.float32)
+        act = (g * tl.sigmoid(g)).to(ty).to(tl.float32)
+        acc = tl.dot((act * u).to(ty), tl.load(w_ptr, mask=n_ok, other=0.0), acc, input_precision=PRECISION)
+        g_ptr += BK
+        w_ptr += BK
+    tl.store(Y + rm[:, None].to(tl.int64) * sy + rn[None, :], acc.to(ty), mask=m_ok & n_ok)
+
+
+
+def swiglu_matmul(gate_up: torch.Tensor, weight: torch.Tensor, config: bi.Config | None = None) -> torch.Tensor:
+    """swiglu(gate, up) @ weight[N, I]^T -> [..., N] for gate_up [..., 2I] = gate | up (the fused gate|up
+    projection's output), without writing swiglu's [..., I] out: bit-identical to
+    `matmul(engine.triton_kernels.swiglu(gate, up), weight, config)`, so batch-invariant too."""
+    K = weight.shape[1]
+    N = weight.shape[0]
+    if gate_up.shape[-1] != 2 * K:
+        raise ValueError(f"swiglu_matmul: gate_up has {gate_up.shape[-1]} columns, the weight {K} (needs 2 x {K})")
+    gu = gate_up.reshape(-1, 2 * K)
+    if gu.stride(-1) != 1:
+        gu = gu.contiguous()
+    weight = weight if weight.stride(-1) == 1 else weight.contiguous()
+    M = gu.shape[0]
+    y = torch.empty(M, N, dtype=gate_up.dtype, device=gate_up.device)
+    BM, BN, BK, warps, stages = config or bi.matmul_config(N, K)
+    if M:
+        grid = (triton.cdiv(M, BM) * triton.cdiv(N, BN),)
+        _swiglu_matmul_kernel[grid](gu, weight, y, M, N, K, gu.stride(0), weight.stride(0), y.stride(0), BM=BM,
+                                    BN=BN, BK=BK, GROUP_M=8, PRECISION=bi._precision(gate_up.dtype), num_warps=warps,
+                                    num_stages=stages)
+    return y.view(*gate_up.shape[:-1], N)
+
 
 N, I = 1024, 3584
 SMALL_TILES = [(64, 64, 4, 4), (64, 128, 4, 4), (64, 32, 4, 4), (32, 64, 4, 4), (64, 64, 4, 3), (32, 32, 4, 4)]
@@ -69,7 +118,7 @@ def probe_rows(M: int, w: torch.Tensor, args, flush) -> dict:
         entry = {}
         try:
             unfused = bi.matmul(act, w, config)
-            fused = bi.swiglu_matmul(gate_up, w, config)
+            fused = swiglu_matmul(gate_up, w, config)
             torch.cuda.synchronize()
         except Exception as exc:                          # a tile that does not fit (shared memory, registers)
             row["tiles"][name(config)] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
@@ -79,7 +128,7 @@ def probe_rows(M: int, w: torch.Tensor, args, flush) -> dict:
         entry["fused_equals_large_tile_unfused"] = bool(torch.equal(fused, ref))
         entry["unfused_ms"] = ms(lambda: bi.matmul(swiglu(gate, up), w, config))
         entry["matmul_only_ms"] = ms(lambda: bi.matmul(act, w, config))
-        entry["fused_ms"] = ms(lambda: bi.swiglu_matmul(gate_up, w, config))
+        entry["fused_ms"] = ms(lambda: swiglu_matmul(gate_up, w, config))
         row["tiles"][name(config)] = entry
     return row
 
@@ -93,8 +142,8 @@ def engine_choice(w: torch.Tensor) -> dict:
     linear = bi.InvariantLinear([w], rows)
     shape = tuple(w.shape)
     return {"cublas_floor": linear.floors.get(shape), "triton": shape in linear.triton,
-            "small_tile": linear.small.get(shape), "fused": shape in linear.fused,
-            "small_tile_rows": bi.SMALL_TILE_ROWS, "fused_max_rows": bi.FUSED_MAX_ROWS,
+            "small_tile": linear.small.get(shape), 
+            "small_tile_rows": bi.SMALL_TILE_ROWS,
             "checked_s": time.perf_counter() - started}
 
 

@@ -8,8 +8,6 @@ layers by up to 1e-2 in a probability. These kernels fix the order by constructi
 - `matmul`: one tiling for every M (the tile depends only on the weight's N and K), no split over K: every output
   element is the same dot product, in the same order, whatever M, the row's position and its neighbours
   (`InvariantLinear` takes a smaller tile for few rows only where the device shows it gives the same bits);
-- `swiglu_matmul`: `matmul` of the MLP's swiglu(gate, up), made tile by tile from the fused gate|up projection's
-  output as `engine.triton_kernels.swiglu` rounds it (one launch, and swiglu's output never written);
 - `attention`: each query row reads the keys in blocks of a fixed size from the first, never split: the row's
   running max, sum and output see the same values in the same order whatever the batch, and masked (causal or
   padded) keys add exact zeros.
@@ -57,29 +55,6 @@ def _matmul_kernel(X, W, Y, M, N, K: tl.constexpr, sx, sw, sy, BM: tl.constexpr,
     tl.store(Y + rm[:, None].to(tl.int64) * sy + rn[None, :], acc.to(Y.dtype.element_ty), mask=m_ok & n_ok)
 
 
-@triton.jit(do_not_specialize=["M"])
-def _swiglu_matmul_kernel(GU, W, Y, M, N, K: tl.constexpr, sgu, sw, sy, BM: tl.constexpr, BN: tl.constexpr,
-                          BK: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr):
-    # _matmul_kernel with X = swiglu(GU[:, :K], GU[:, K:]) made tile by tile in registers, rounded as
-    # engine.triton_kernels._swiglu_kernel rounds it, so the dot sees the bits the unfused kernels would store
-    rm, rn = _tile(M, N, BM, BN, GROUP_M)
-    rk = tl.arange(0, BK)
-    g_ptr = GU + rm[:, None].to(tl.int64) * sgu + rk[None, :]
-    w_ptr = W + rn[None, :].to(tl.int64) * sw + rk[:, None]                     # [BK, BN]: a tile of W^T
-    m_ok = rm[:, None] < M
-    n_ok = rn[None, :] < N
-    ty = Y.dtype.element_ty
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for _ in range(0, K, BK):
-        g = tl.load(g_ptr, mask=m_ok, other=0.0).to(tl.float32)
-        u = tl.load(g_ptr + K, mask=m_ok, other=0.0).to(tl.float32)
-        act = (g * tl.sigmoid(g)).to(ty).to(tl.float32)
-        acc = tl.dot((act * u).to(ty), tl.load(w_ptr, mask=n_ok, other=0.0), acc, input_precision=PRECISION)
-        g_ptr += BK
-        w_ptr += BK
-    tl.store(Y + rm[:, None].to(tl.int64) * sy + rn[None, :], acc.to(ty), mask=m_ok & n_ok)
-
-
 Config = tuple[int, int, int, int, int]
 """(BM, BN, BK, warps, stages) of a matmul launch."""
 
@@ -90,12 +65,6 @@ programs of it on the H200's 132 SMs, against 2 x 4 of the 128 x 256 tile."""
 SMALL_TILE_ROWS = 2048
 """Row counts below this may take `small_tile_config` (where `small_tile_is_identical` holds); from it up the large
 tile gives every SM work."""
-
-FUSED_MAX_ROWS: int | None = None
-"""`InvariantLinear.swiglu_linear` fuses swiglu into the GEMM up to this many rows (None: at every row count); past
-it the two kernels run. Either gives a row the same bits (checked), so the limit is a matter of speed only: the fused
-loop computes a swiglu element once per column tile, which a large M may pay for more than it saves."""
-
 
 def matmul_config(N: int, K: int) -> Config:
     """(BM, BN, BK, warps, stages) for a weight of N x K: a function of the weight alone, never of M."""
@@ -134,29 +103,6 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, config: Config | None = None) 
         _matmul_kernel[grid](x2, weight, y, M, N, K, x2.stride(0), weight.stride(0), y.stride(0), BM=BM, BN=BN,
                              BK=BK, GROUP_M=8, PRECISION=_precision(x.dtype), num_warps=warps, num_stages=stages)
     return y.view(*x.shape[:-1], N)
-
-
-def swiglu_matmul(gate_up: torch.Tensor, weight: torch.Tensor, config: Config | None = None) -> torch.Tensor:
-    """swiglu(gate, up) @ weight[N, I]^T -> [..., N] for gate_up [..., 2I] = gate | up (the fused gate|up
-    projection's output), without writing swiglu's [..., I] out: bit-identical to
-    `matmul(engine.triton_kernels.swiglu(gate, up), weight, config)`, so batch-invariant too."""
-    K = weight.shape[1]
-    N = weight.shape[0]
-    if gate_up.shape[-1] != 2 * K:
-        raise ValueError(f"swiglu_matmul: gate_up has {gate_up.shape[-1]} columns, the weight {K} (needs 2 x {K})")
-    gu = gate_up.reshape(-1, 2 * K)
-    if gu.stride(-1) != 1:
-        gu = gu.contiguous()
-    weight = weight if weight.stride(-1) == 1 else weight.contiguous()
-    M = gu.shape[0]
-    y = torch.empty(M, N, dtype=gate_up.dtype, device=gate_up.device)
-    BM, BN, BK, warps, stages = config or matmul_config(N, K)
-    if M:
-        grid = (triton.cdiv(M, BM) * triton.cdiv(N, BN),)
-        _swiglu_matmul_kernel[grid](gu, weight, y, M, N, K, gu.stride(0), weight.stride(0), y.stride(0), BM=BM,
-                                    BN=BN, BK=BK, GROUP_M=8, PRECISION=_precision(gate_up.dtype), num_warps=warps,
-                                    num_stages=stages)
-    return y.view(*gate_up.shape[:-1], N)
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -294,21 +240,6 @@ def small_tile_is_identical(weight: torch.Tensor, row_counts: list[int], small: 
     return all(torch.equal(matmul(block[:M], w, small), ref[:M]) for M in row_counts)
 
 
-def swiglu_matmul_is_identical(weight: torch.Tensor, configs: list[Config], rows: int = SMALL_TILE_ROWS + 77,
-                               seed: int = 0) -> bool:
-    """Whether `swiglu_matmul` gives the bits of `engine.triton_kernels.swiglu` then `matmul` with each of
-    `configs`, on `rows` random rows of a fused gate|up output for a down projection of the weight's shape: both
-    round silu(gate) and the product the same way, but the two compilations of those steps (one inside the GEMM's
-    loop) are the compiler's to order."""
-    from engine.triton_kernels import swiglu
-    K = weight.shape[1]
-    gen = torch.Generator(device=weight.device).manual_seed(seed)
-    gate_up = (torch.randn(rows, 2 * K, device=weight.device, generator=gen) * 3).to(weight.dtype)
-    w = torch.randn(weight.shape, device=weight.device, generator=gen).to(weight.dtype) / K ** 0.5
-    act = swiglu(*gate_up.split(K, dim=-1))
-    return all(torch.equal(swiglu_matmul(gate_up, w, cfg), matmul(act, w, cfg)) for cfg in configs)
-
-
 class InvariantLinear:
     """`F.linear` with a summation order that does not depend on the row count. Per weight shape: cuBLAS with fewer
     rows than a floor zero-padded up to it, at the lowest floor of `MIN_ROWS` from which `cublas_is_invariant` holds
@@ -317,8 +248,9 @@ class InvariantLinear:
     `small_tile_config` below `SMALL_TILE_ROWS` rows where `small_tile_is_identical` holds for the shape (`small`),
     else `matmul_config` at every row count.
 
-    `swiglu_linear` is the MLP's swiglu then down projection: one `swiglu_matmul` launch for the shapes (`fused`)
-    whose result `swiglu_matmul_is_identical` shows the same as the two kernels', else the two."""
+    (Fusing the MLP's swiglu into the down projection's A tiles was tried and kept the bits, but ran slower than the
+    two kernels at every row count on the H200, 0.069 against 0.025 ms at 184 rows and 0.74 against 0.44 at 23,552:
+    bench/results/2026-11-30-nvidia-h200-run-k-mlp-probe.json.)"""
 
     MIN_ROWS = (256, 1024, 4096)
 
@@ -330,8 +262,6 @@ class InvariantLinear:
         few = sorted({m for m in row_counts if m < SMALL_TILE_ROWS})
         self.small = {shape: cfg for shape in sorted(self.triton) if (cfg := small_tile_config(*shape)) is not None
                       and small_tile_is_identical(shapes[shape], few, cfg)}
-        self.fused = {shape for shape in self.triton if shape[0] >= 64 and swiglu_matmul_is_identical(
-            shapes[shape], [matmul_config(*shape)] + ([self.small[shape]] if shape in self.small else []))}
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         shape = tuple(weight.shape)
@@ -344,16 +274,6 @@ class InvariantLinear:
             return torch.nn.functional.linear(x, weight)
         padded = torch.nn.functional.pad(rows, (0, 0, 0, floor - M))                   # [floor, K]
         return torch.nn.functional.linear(padded, weight)[:M].view(*x.shape[:-1], weight.shape[0])
-
-    def swiglu_linear(self, gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """swiglu(gate, up) @ weight^T for gate_up [..., 2I] = gate | up and weight [N, I] -> [..., N], as
-        `engine.triton_kernels.swiglu` then this linear compute it."""
-        shape = tuple(weight.shape)
-        rows = gate_up.numel() // max(gate_up.shape[-1], 1)
-        if shape in self.fused and (FUSED_MAX_ROWS is None or rows <= FUSED_MAX_ROWS):
-            return swiglu_matmul(gate_up, weight, self._tile(shape, gate_up))
-        from engine.triton_kernels import swiglu
-        return self(swiglu(*gate_up.split(weight.shape[1], dim=-1)), weight)
 
     def _tile(self, shape: tuple[int, int], x: torch.Tensor) -> Config | None:
         # a function of the row count, the same for every row: the two tiles give a row the same bits (checked)

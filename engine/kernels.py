@@ -47,8 +47,6 @@ class Kernels:
     gate_attention(engine.attention.AttentionOut, gate [B, T, Hq, D]) -> [B, T, Hq * D]: the merge of a prefix/suffix
         split attention (if any), then transformers' sigmoid output gate;
     linear(x [..., K], weight [N, K]) -> [..., N]: every projection (bias-free), the label read-out included;
-    mlp_down(gate_up [..., 2I], weight [N, I]) -> [..., N]: linear(swiglu(gate, up), weight) for gate | up the
-        halves of the fused gate|up projection's output, fused into one kernel; None: swiglu, then linear;
     attention(q [Z, H, M, D], k, v [Z, Hkv, N, D], causal, scale) -> (out [Z, H, M, D], lse [Z, H, M] float32): the
         suffix half of a suffix pass's attention (causal) and, by row, its prefix half;
     indexed_attention(q [Z, Hkv, M, D], k, v [S, Hkv, N, D], scale, key_lengths [S] int32, kv_index [Z] int64) ->
@@ -66,7 +64,6 @@ class Kernels:
     qk_norm_rope: Callable
     gate_attention: Callable
     linear: Callable = F.linear
-    mlp_down: Callable | None = None
     attention: Callable = sdpa_with_lse
     indexed_attention: Callable | None = None
     attend_by_request: bool = False
@@ -115,11 +112,8 @@ def fla_kernels() -> Kernels:
 
 
 def batch_invariant_kernels(table: Kernels, gemm_weights: Sequence[torch.Tensor]) -> Kernels:
-    """`table` with batch-invariant attention, and GEMMs whose summation order is proven not to depend on M; the
-    MLP's swiglu fused into its down projection where `table` has the Triton swiglu and the fused kernel is shown to
-    give the same bits (`engine.batch_invariant.InvariantLinear.swiglu_linear`)."""
+    """`table` with batch-invariant attention, and GEMMs whose summation order is proven not to depend on M."""
     from engine import batch_invariant as bi      # imports triton
-    from engine import triton_kernels
     from engine.graphs import B_BUCKETS
 
     # the row counts a suffix pass's GEMMs see: batch buckets x suffix lengths, and the answer slots' read-out
@@ -129,12 +123,10 @@ def batch_invariant_kernels(table: Kernels, gemm_weights: Sequence[torch.Tensor]
     log.info("deterministic: GEMMs by cuBLAS for weight shapes %s (rows padded up to the floor given; batch-invariant "
              "at %d row counts), by the Triton matmul for %s; checked in %.1f s", linear.floors, len(rows),
              sorted(linear.triton) or "none", time.perf_counter() - started)
-    log.info("deterministic: Triton small tile below %d rows for %s, swiglu fused into the GEMM for %s",
-             bi.SMALL_TILE_ROWS, sorted(linear.small) or "none", sorted(linear.fused) or "none")
+    log.info("deterministic: Triton small tile below %d rows for %s", bi.SMALL_TILE_ROWS, sorted(linear.small) or "none")
     floors = ", ".join(f"{n}x{k}>={f}" for (n, k), f in sorted(linear.floors.items()))
-    mlp_down = linear.swiglu_linear if linear.fused and table.swiglu is triton_kernels.swiglu else None
     return replace(table, name=f"{table.name}+batch-invariant(cuBLAS {floors}; Triton {sorted(linear.triton)}; "
-                              f"small tile {sorted(linear.small)}; swiglu fused {sorted(linear.fused)})",
-                   linear=linear, mlp_down=mlp_down,
+                              f"small tile {sorted(linear.small)})",
+                   linear=linear,
                    attention=lambda q, k, v, causal, scale: bi.attention(q, k, v, causal, scale),
                    indexed_attention=bi.indexed_attention)

@@ -223,10 +223,7 @@ class HybridForward:
             x, h = self.kernels.add_rms_norm(h, x, self.w[i + 1]["in_norm"], self.eps)
 
     def _mlp(self, mlp, w, x):
-        gate_up = self.kernels.linear(x, w["mlp_in"])
-        if self.kernels.mlp_down is not None:
-            return self.kernels.mlp_down(gate_up, mlp.down_proj.weight)
-        gate, up = gate_up.split(mlp.intermediate_size, dim=-1)
+        gate, up = self.kernels.linear(x, w["mlp_in"]).split(mlp.intermediate_size, dim=-1)
         return self.kernels.linear(self.kernels.swiglu(gate, up), mlp.down_proj.weight)
 
     def _attention(self, attn, w, x, cos, sin, i, ctx):

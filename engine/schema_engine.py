@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass
 from typing import NamedTuple, Sequence
 
+import numpy as np
 import torch
 
 from engine.errors import InputError
@@ -27,7 +28,7 @@ from engine.model import SuffixContext
 from engine.prefix_bank import PrefixBank
 from engine.prompt import (DEFAULT_MAX_CTX_TOKENS, MAX_OPTIONS, ChatTemplate, Question, parse_questions,
                            resolve_temperatures, schema_prefix_ids, schema_suffix_ids)
-from engine.readout import fill_ids, option_mask, read_slots
+from engine.readout import fill_ids, read_slots
 
 
 class TokenizedState(NamedTuple):
@@ -234,20 +235,22 @@ class SchemaEngine:
         R, T = shape.R, shape.T
         per_row = 1 << (max(len(r.answers) for r in rows) - 1).bit_length()       # answers a row may hold, a power of 2
         A = R * per_row
-        answers = [(i, p, t, k) for i, r in enumerate(rows) for p, t, k in zip(r.answers, r.inv_temps, r.n_options)]
-        flat = torch.zeros(A, dtype=torch.long)
-        inv_temp = torch.ones(A, 1)
-        n_options = torch.full((A,), MAX_OPTIONS)
-        flat[:len(answers)] = torch.tensor([i * T + p for i, p, _, _ in answers])
-        inv_temp[:len(answers), 0] = torch.tensor([t for _, _, t, _ in answers])
-        n_options[:len(answers)] = torch.tensor([k for *_, k in answers])
-        # padding rows continue a live prefix (a free slot's length is 0, whose attention has no keys at all)
-        slots = torch.tensor([r.prefix_slot for r in rows] + [rows[0].prefix_slot] * (R - n))
+        flat = [i * T + p for i, r in enumerate(rows) for p in r.answers]
+        # the step's small inputs in two host arrays, so that a step costs the GPU thread three pinned copies: every
+        # torch call releases the GIL, and taking it back behind the loop's threads can cost a switch interval each
+        ints = np.zeros(R + 2 * A, dtype=np.int64)          # [prefix slot per row | answer positions | option counts]
+        ints[:n] = [r.prefix_slot for r in rows]
+        ints[n:R] = rows[0].prefix_slot      # padding rows continue a live prefix (a free slot's has no keys at all)
+        ints[R:R + len(flat)] = flat
+        ints[R + A:R + A + len(flat)] = [k for r in rows for k in r.n_options]
+        ints[R + A + len(flat):] = MAX_OPTIONS
+        inv_temp = np.ones(A, dtype=np.float32)
+        inv_temp[:len(flat)] = [t for r in rows for t in r.inv_temps]
         pin = self.e.dev.type == "cuda"
-        ids = fill_ids([r.ids for r in rows], R, T, self.e.tok.pad_token_id, pin=pin)
-        host = [ids, slots, flat, inv_temp, option_mask(n_options)]
+        host = [fill_ids([r.ids for r in rows], R, T, self.e.tok.pad_token_id, pin=pin), torch.from_numpy(ints),
+                torch.from_numpy(inv_temp)]
         if pin:
-            host = [t if t.is_pinned() else t.pin_memory() for t in host]
+            host = [host[0], host[1].pin_memory(), host[2].pin_memory()]
         inputs = tuple(t.to(self.e.dev, non_blocking=True) for t in host)
         by_row = self.fwd.kernels.attend_by_request
         lengths = [len(r.ids) for r in rows] if by_row else None
@@ -255,13 +258,19 @@ class SchemaEngine:
         key_span = (self.bank.capacity_tokens if shape.graphed
                     else max(self.bank.host_lengths[r.prefix_slot] for r in rows))
         probs = self.graphs.run((per_row,), shape, inputs,
-                                lambda s: self._step_fn(s, key_span, lengths, host_slots), out_rows=len(answers))
+                                lambda s: self._step_fn(s, A, key_span, lengths, host_slots), out_rows=len(flat))
         return probs.float().cpu()
 
-    def _step_fn(self, shape: StepShape, key_span: int, lengths: list[int] | None, host_slots: list[int] | None):
-        """-> (fn(ids, slots, flat, inv_temp, mask) -> probabilities, nothing to keep) for one step at `shape`."""
-        def step(ids, slots, flat, inv_temp, mask):
+    def _step_fn(self, shape: StepShape, A: int, key_span: int, lengths: list[int] | None,
+                 host_slots: list[int] | None):
+        """-> (fn(ids, ints, inv_temp) -> probabilities of the step's A answers, nothing to keep) at `shape`."""
+        R = shape.R
+
+        def step(ids, ints, inv_temp):
+            slots, flat, n_options = ints[:R], ints[R:R + A], ints[R + A:]
+            mask = torch.arange(MAX_OPTIONS, device=ids.device)[None, :] < n_options[:, None]      # [A, MAX_OPTIONS]
             ctx = SuffixContext(self.bank, slots, shape.T, key_span, lengths, host_slots)
             hidden = self.fwd.layers(ids, ctx.positions, ctx)                                 # [R, T, H]
-            return read_slots(hidden, flat, self.fwd.final_norm, self.e.W, inv_temp, mask, self.fwd.kernels.linear)
+            return read_slots(hidden, flat, self.fwd.final_norm, self.e.W, inv_temp[:, None], mask,
+                              self.fwd.kernels.linear)
         return step, None

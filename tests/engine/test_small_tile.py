@@ -1,0 +1,68 @@
+"""engine.batch_invariant's small matmul tile for few rows: used only where it gives the large tile's bits, so a row
+does not depend on its launch's row count whichever tile runs.
+
+Runs on the GPU (`pytest -m gpu`), where it is the real check: whether two tile shapes add a BK step's products in the
+same order is the MMA instructions' business. On a CPU through Triton's interpreter, which checks the kernels'
+addressing and masking (its dot is numpy's): `TRITON_INTERPRET=1 pytest -m gpu tests/engine/test_small_tile.py` with
+triton installed and fla not. bfloat16 only on the GPU: the large tile's float32 operands exceed the H200's shared
+memory (the engine's float32 CUDA path runs cuBLAS, not this kernel).
+"""
+import os
+import random
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("no CUDA device: run with TRITON_INTERPRET=1 to use Triton's interpreter", allow_module_level=True)
+
+from engine import batch_invariant as bi  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+ON_GPU = torch.cuda.is_available()
+DEV = "cuda" if ON_GPU else "cpu"
+DTYPE = torch.bfloat16 if ON_GPU else torch.float32
+# the 0.8B model's down projection on the GPU; a ragged small shape on the interpreter
+N, K = (1024, 3584) if ON_GPU else (80, 192)
+
+
+def _rows_and_weight(M: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(M, K, generator=g) * 3).to(DEV, DTYPE), (torch.randn(N, K, generator=g) / K ** 0.5).to(DEV, DTYPE)
+
+
+def test_the_small_tile_check_reports_the_devices_answer():
+    """On the interpreter both tiles are numpy's dot, so the check must pass; on the GPU it is the hardware's answer
+    (printed; the H200 gave the large tile's bits for the down projection: bench/mlp_probe.py)."""
+    weight = _rows_and_weight(1)[1]
+    small = bi.small_tile_config(N, K)
+    same = bi.small_tile_is_identical(weight, [1, 37, 184, bi.SMALL_TILE_ROWS - 1], small)
+    print(f"{DTYPE} {N}x{K}: small tile {small} identical to {bi.matmul_config(N, K)}: {same}")
+    assert same or ON_GPU
+
+
+class TritonOnly(bi.InvariantLinear):
+    """No cuBLAS floor to try: every shape runs in Triton (the CPU's F.linear passes the check)."""
+    MIN_ROWS = ()
+
+
+@pytest.mark.parametrize("kind", [bi.InvariantLinear, TritonOnly], ids=["as-checked", "triton-only"])
+def test_invariant_linear_gives_a_row_the_same_bits_at_every_row_count(kind):
+    """A probe's rows at a random position among random neighbours, at row counts on both sides of the small tile's
+    limit, get the bits they get alone, whichever kernel and tile the checks chose."""
+    rows, weight = _rows_and_weight(bi.SMALL_TILE_ROWS + 300, seed=1)
+    counts = [16, 184, 1000, bi.SMALL_TILE_ROWS - 1, bi.SMALL_TILE_ROWS + 300]
+    linear = kind([weight], counts)
+    if kind is TritonOnly:
+        assert linear.triton == {(N, K)}
+        assert ON_GPU or (N, K) in linear.small
+    print(f"{DTYPE}: Triton {linear.triton}, small tile {linear.small}")
+    probe = rows[:16].clone()
+    ref = linear(probe, weight)
+    positions = random.Random(0)
+    for M in counts[1:]:
+        at = positions.randrange(M - 15)
+        block = rows[:M].clone()
+        block[at:at + 16] = probe
+        assert torch.equal(linear(block, weight)[at:at + 16], ref), M
