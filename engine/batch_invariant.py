@@ -250,7 +250,7 @@ class InvariantLinear:
 
     (Fusing the MLP's swiglu into the down projection's A tiles was tried and kept the bits, but ran slower than the
     two kernels at every row count on the H200, 0.069 against 0.025 ms at 184 rows and 0.74 against 0.44 at 23,552:
-    bench/results/2026-11-30-nvidia-h200-run-k-mlp-probe.json.)"""
+    bench/results/2026-11-30-nvidia-h200-run-m-mlp-probe.json.)"""
 
     MIN_ROWS = (256, 1024, 4096)
 

@@ -169,7 +169,7 @@ def worker(
     loop_flags: dict,
     worker_id: str = typer.Option(..., "--worker-id", envvar="DECIDER_WORKER_ID", help="Stable id of this worker; its transactional id derives from it. Restart with the same id after a crash."),
     group: str = typer.Option(DEFAULTS["group"], "--group", envvar="DECIDER_GROUP", help="Consumer group shared by the workers."),
-    max_batch: int = typer.Option(DEFAULTS["max_batch"], "--max-batch", envvar="DECIDER_MAX_BATCH", help="A batch closes at this many states..."),
+    max_batch: int = typer.Option(DEFAULTS["max_batch"], "--max-batch", envvar="DECIDER_MAX_BATCH", help="A batch closes at this many states, counting every schema's (they score as one GPU batch), or at --max-wait-ms."),
     max_wait_ms: int = typer.Option(DEFAULTS["max_wait_ms"], "--max-wait-ms", envvar="DECIDER_MAX_WAIT_MS", help="...or this long after its first state."),
     latency_budget_ms: Optional[int] = typer.Option(
         None, "--latency-budget-ms", envvar="DECIDER_LATENCY_BUDGET_MS", min=1, max=MAX_LATENCY_BUDGET_MS,

@@ -55,7 +55,8 @@ LOOP_OPTIONS = [
         help="Comma-separated state lengths in tokens (e.g. 96,128,192). On CUDA, when a schema version is prepared, "
              "capture its graphs for every batch size up to --max-batch at these lengths before its first batch, instead "
              "of one at a time as batches of new sizes arrive (each capture briefly stalls the stream). ~0.1-0.5 s a "
-             "graph, once per schema version. Default: capture on first sight.")),
+             "graph; graphs are shared by every schema, so a later schema of the same shape captures nothing. Default: "
+             "capture on first sight.")),
     _option("transaction_timeout_ms", int, typer.Option(DEFAULTS["transaction_timeout_ms"], "--transaction-timeout-ms", envvar="DECIDER_TRANSACTION_TIMEOUT_MS", help="Broker-side timeout of an open transaction.")),
     _option("broker_outage_s", float, typer.Option(DEFAULTS["broker_outage_s"], "--broker-outage-s", envvar="DECIDER_BROKER_OUTAGE_S", help="How long to ride out an unreachable broker (nothing commits meanwhile; the worker resumes by itself when it returns) before exiting with code 5.")),
     _option("metrics_port", Optional[int], typer.Option(None, "--metrics-port", envvar="DECIDER_METRICS_PORT", min=1, max=65535, help="Serve /metrics (Prometheus), /healthz and /readyz on this port.")),

@@ -103,7 +103,7 @@ class Worker:
         self._decoder = SourceDecoder(self.config.input, self.config.registry, self.config.max_state_chars)
         engine, self._scorer = load_scorer(self.config)
         self._scorer.on_event = self._emit
-        metrics.watch_scorer(self._scorer.graph_stats, self._scorer.prepared)
+        metrics.watch_scorer(self._scorer.graph_stats, self._scorer.prepared, self._scorer.bank_bytes)
         self._outputs = Outputs(topics, self.config.worker_id, engine.model_id, encoder, self._decoder.propagated_headers)
         self._emit("model_loaded", {"model_id": engine.model_id, "device": self.config.device})
         self._table = SchemaTable(self.config.cluster, topics.schemas)
@@ -265,8 +265,8 @@ class Worker:
             metrics.FILL_WAIT.observe(monotonic() - cycle.opened_at)
         keys = list(cycle.batches)
         jobs = [BatchJob(cycle.batches[key].handle, list(cycle.batches[key].rows)) for key in keys]
-        for job in jobs:
-            metrics.BATCH_SIZE.observe(len(job.rows))
+        if jobs:  # one GPU batch, every schema's states together
+            metrics.BATCH_SIZE.observe(sum(len(job.rows) for job in jobs))
         self._budget.submitted(closed_at, cycle)
         inflight = InFlight(cycle, keys, self._scorer.submit(jobs), closed_at)
         inflight.future.add_done_callback(lambda _: setattr(inflight, "scored_at", monotonic()))

@@ -14,8 +14,10 @@ CYCLE_SECONDS = Histogram(
     "decider_cycle_seconds", "From a cycle's first state to its commit",
     buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
 )
-BATCH_SIZE = Histogram("decider_batch_states", "States per scored batch", buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256))
+BATCH_SIZE = Histogram("decider_batch_states", "States per scored batch (a cycle's states of every schema)", buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256))
 PREPARED_BYTES = Gauge("decider_prepared_schema_bytes", "Device bytes held by prepared schemas")
+PREFIX_BANK_BYTES = Gauge("decider_prefix_bank_bytes", "Device bytes of the engine's prefix bank, where every prepared "
+                          "schema's prefix states live (it grows by doubling and never shrinks; released slots are reused)")
 PREPARED_SCHEMAS = Gauge("decider_prepared_schemas", "Schema versions prepared and held on the device")
 FILL_WAIT = Histogram(
     "decider_batch_fill_wait_seconds", "From a cycle's first state to its submission for scoring",
@@ -98,11 +100,13 @@ def on_consumer_stats(stats_json: str) -> None:
                 CONSUMER_LAG.labels(topic, partition).set(max(0, end - position))
 
 
-def watch_scorer(engine_stats: Callable[[], dict[str, int]], prepared: Callable[[], tuple[int, int]]) -> None:
+def watch_scorer(engine_stats: Callable[[], dict[str, int]], prepared: Callable[[], tuple[int, int]],
+                 bank_bytes: Callable[[], int] = lambda: 0) -> None:
     """Read the engine's counters and the prepared-schema figures at every scrape (no bookkeeping in the loop)."""
     for path in ("captures", "replays", "eager"):
         ENGINE_PATHS.labels(path).set_function(lambda path=path: engine_stats().get(path, 0))
     ENGINE_GRAPHS.set_function(lambda: engine_stats().get("graphs", 0))
     PREPARED_SCHEMAS.set_function(lambda: prepared()[0])
     PREPARED_BYTES.set_function(lambda: prepared()[1])
+    PREFIX_BANK_BYTES.set_function(bank_bytes)
 

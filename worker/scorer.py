@@ -267,6 +267,10 @@ class Scorer:
         with self._lock:
             return len(self._entries), self._held_bytes
 
+    def bank_bytes(self) -> int:
+        """Device bytes of the engine's prefix bank (what prepared schemas really hold: it never shrinks)."""
+        return int(self._se.memory()["bank_bytes"])
+
     def close(self) -> None:
         """Stop the threads (queued work is cancelled; the running step finishes)."""
         self._tokenizers.shutdown(wait=False, cancel_futures=True)

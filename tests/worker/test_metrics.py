@@ -86,6 +86,8 @@ def test_metrics_health_and_json_logs_follow_the_run(stream, model_dir):
     assert _value(after, "decider_batch_states_sum") == n
     assert _value(after, "decider_prepared_schemas") == 1
     assert _value(after, "decider_prepared_schema_bytes") > 0
+    assert _value(after, "decider_prefix_bank_bytes") >= _value(after, "decider_prepared_schema_bytes")
+    assert _value(after, "decider_engine_graphs") == 0
     # On CPU every batch runs eagerly; graph captures and replays exist only on CUDA (tests/worker/test_gpu.py).
     assert _value(after, "decider_engine_batches", path="eager") >= 1
     assert _value(after, "decider_engine_batches", path="captures") == 0

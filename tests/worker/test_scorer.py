@@ -87,3 +87,30 @@ def test_unpreparable_schema_and_failing_state_are_isolated(schema_engine):
     want = expected_probabilities(schema_engine, QUESTIONS, [texts[0], texts[2]])
     assert outcome[0].probabilities[0] == pytest.approx(want[0][0], abs=1e-6)
     assert outcome[2].probabilities[0] == pytest.approx(want[1][0], abs=1e-6)
+
+
+def test_a_cycles_schemas_score_as_one_engine_batch(schema_engine):
+    """Every schema's states of a cycle go to the engine in one mixed batch, and each gets its own schema's answers."""
+    calls: list[int] = []
+
+    class Counting(type(schema_engine)):
+        def score_mixed(self, requests):
+            calls.append(len(requests))
+            return super().score_mixed(requests)
+
+    counting = Counting(schema_engine.e)
+    scorer = Scorer(counting, memory_budget=1 << 30)
+    texts = state_texts(5, seed=13)
+    schemas = [_schema("a", QUESTIONS), _schema("b", QUESTIONS_V2)]
+    try:
+        handles = [scorer.acquire(s) for s in schemas]
+        jobs = [BatchJob(h, [scorer.tokenize(h, t) for t in texts[i::2]]) for i, h in enumerate(handles)]
+        outcomes = scorer.submit(jobs).result(60)
+    finally:
+        scorer.close()
+    assert calls == [len(texts)]
+    for i, (document, outcome) in enumerate(zip((QUESTIONS, QUESTIONS_V2), outcomes)):
+        for got, want in zip(outcome, expected_probabilities(schema_engine, document, texts[i::2])):
+            assert got.reason is None
+            for g, w in zip(got.probabilities, want):
+                assert g == pytest.approx(w, abs=1e-6)
