@@ -498,7 +498,8 @@ def main(argv=None) -> dict:
                state_tokens=args.state_tokens, questions=args.questions, options=args.options,
                model="tiny (engine.testing)" if args.quick else "Qwen3.5-0.8B-shaped random weights, test tokenizer")
     print(json.dumps(env), flush=True)
-    engine_rate = engine_only(args, model_dir, document, texts) * (args.workers if args.device.startswith("cuda") else 1)
+    one_engine = engine_only(args, model_dir, document, texts)
+    engine_rate = one_engine * (args.workers if args.device.startswith("cuda") else 1)
     print(f"engine only: {engine_rate:,.1f} states/s (x{args.workers} workers on GPUs)", flush=True)
     # The reader thread stamps when each record becomes visible; a full collection walking torch's and transformers'
     # objects in this process (~0.2 s) would stamp late and count as latency. Same remedy as the worker's.
@@ -526,9 +527,10 @@ def main(argv=None) -> dict:
             print(json.dumps(lat), flush=True)
         if args.replay:
             rep = replay_phase(args, broker.bootstrap, model_dir, f"lat{args.max_wait_ms[0]}", logs)
-            rep["fraction_of_engine"] = rep["states_per_s"] / engine_rate
+            # one replay process on one GPU, whatever the live phases' worker count
+            rep["fraction_of_engine"] = rep["states_per_s"] / one_engine
             if rep["steady_states_per_s"] is not None:
-                rep["steady_fraction_of_engine"] = rep["steady_states_per_s"] / engine_rate
+                rep["steady_fraction_of_engine"] = rep["steady_states_per_s"] / one_engine
             runs.append(rep)
             print(json.dumps(rep), flush=True)
     result = dict(env=env, engine_only_states_per_s=engine_rate, runs=runs, logs=str(logs))
