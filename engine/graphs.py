@@ -115,6 +115,10 @@ class GraphManager:
         """Graphs held."""
         return len(self._steps)
 
+    def holds(self, key: tuple, shape: StepShape) -> bool:
+        """Whether a graph of `key` at `shape` is captured already."""
+        return (*key, shape.R, shape.T) in self._steps
+
     def clear(self) -> None:
         """Forget every graph (the buffers they read were reallocated); later steps capture again."""
         self._steps.clear()

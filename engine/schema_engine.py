@@ -144,7 +144,10 @@ class SchemaEngine:
         rows = [n * h.P for n in batch_sizes]
         shapes = self.graphs.warmup_order([min(r, self.graphs.max_batch) for r in rows],
                                           [n + len(empty.ids) for n in state_tokens])
+        key = (_answers_per_row(h.slots_per_row),)
         for shape in shapes:
+            if self.graphs.holds(key, shape) and self.bank.generation == self._graphs_generation:
+                continue            # captured for an earlier schema: graphs are shared
             row = self._rows_of(h, TokenizedState([self.e.tok.pad_token_id] * shape.T, empty.slots),
                                 [1.0] * h.n_questions)[0]
             self._score_step([row] * shape.R)
@@ -233,7 +236,7 @@ class SchemaEngine:
         n = len(rows)
         shape = self.graphs.shape(n, max(len(r.ids) for r in rows))
         R, T = shape.R, shape.T
-        per_row = 1 << (max(len(r.answers) for r in rows) - 1).bit_length()       # answers a row may hold, a power of 2
+        per_row = _answers_per_row(max(len(r.answers) for r in rows))
         A = R * per_row
         flat = [i * T + p for i, r in enumerate(rows) for p in r.answers]
         # the step's small inputs in two host arrays, so that a step costs the GPU thread three pinned copies: every
@@ -274,3 +277,8 @@ class SchemaEngine:
             return read_slots(hidden, flat, self.fwd.final_norm, self.e.W, inv_temp[:, None], mask,
                               self.fwd.kernels.linear)
         return step, None
+
+
+def _answers_per_row(n: int) -> int:
+    """The answers a step's rows may hold: the power of 2 at or above the most any row holds (a graph's key)."""
+    return 1 << (n - 1).bit_length()

@@ -92,6 +92,9 @@ def test_warmup_captures_then_only_replays(gpu_eng):
     row = TokenizedState([gpu_eng.tok.pad_token_id] * (32 + len(empty.ids)), empty.slots)
     se.score_rows(h, [row] * 8)
     assert se.graph_stats()["captures"] == captures
+    other = se.prepare(make_questions([4, 2]))             # same answers per row: the graphs are shared
+    se.warmup(other, batch_sizes=(1, 8), state_tokens=(32, 64))
+    assert se.graph_stats()["captures"] == captures
 
 
 def test_float32_cuda_path_matches_the_oracle(exact_eng):

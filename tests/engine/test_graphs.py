@@ -35,6 +35,7 @@ def test_eager_steps_are_counted_and_sliced():
     out = g.run(("k",), shape, (torch.arange(12.0).view(6, 2),), lambda s: ((lambda x: x * 2), None), out_rows=4)
     assert torch.equal(out, torch.arange(8.0).view(4, 2) * 2)
     assert g.stats == {"captures": 0, "replays": 0, "eager": 1}
+    assert len(g) == 0 and not g.holds(("k",), shape)         # an eager step keeps nothing
 
 
 def test_schema_engine_reports_its_graph_stats(eng):
