@@ -1,9 +1,10 @@
 """The pieces of a suffix pass's attention that every kernel table shares: the fused attention call with its
-log-sum-exp, the prefix-major / row-major layouts of the shared-prefix half, and `AttentionOut`, what a context's
-attention hands to `Kernels.gate_attention`.
+log-sum-exp, the layout of the prefix half, and `AttentionOut`, what a context's attention hands to
+`Kernels.gate_attention`.
 
-Rows are ordered r * P + p (request r, prefix p).  The prefix half runs every row's queries against the one shared
-prefix K/V, so its queries are laid out prefix-major: all rows continuing prefix p form one matrix per kv head.
+The prefix half is laid out prefix-major, [P, Hkv, R*G*T, D]: the queries of the R rows continuing prefix p, one
+matrix per kv head. A suffix pass over the prefix bank gives every row its own prefix entry (R = 1, P = rows), which
+is the row-major layout itself; the merge kernels take any R and P.
 """
 from __future__ import annotations
 
@@ -25,14 +26,8 @@ class AttentionOut:
     P: int = 1
 
 
-def prefix_major(t: torch.Tensor, R: int, P: int) -> torch.Tensor:
-    """[R*P, Hkv, G*T, X] -> [P, Hkv, R*G*T, X]: every row continuing prefix p as one matrix per (p, kv head)."""
-    _, Hkv, GT, X = t.shape
-    return t.reshape(R, P, Hkv, GT, X).permute(1, 2, 0, 3, 4).reshape(P, Hkv, R * GT, X)
-
-
 def row_major(t: torch.Tensor, R: int) -> torch.Tensor:
-    """The inverse of `prefix_major`: [P, Hkv, R*G*T, X] -> [R*P, Hkv, G*T, X]."""
+    """A prefix-major [P, Hkv, R*G*T, X] -> row-major [R*P, Hkv, G*T, X] (row r * P + p)."""
     P, Hkv, RGT, X = t.shape
     return t.reshape(P, Hkv, R, RGT // R, X).permute(2, 0, 1, 3, 4).reshape(R * P, Hkv, RGT // R, X)
 

@@ -9,12 +9,14 @@ operations, the fused projections and the layer states, so that:
 
 - a *prefix pass* (one prefix, batch 1) returns each layer's state: K/V (after RoPE) for full-attention layers, the
   last K-1 conv inputs and the recurrent state for Gated DeltaNet layers (`PrefixState`);
-- a *suffix pass* continues R x P rows from P shared prefixes without writing to them and without copying the prefix
-  K/V into every row: all rows' queries attend to the one prefix K/V in a single fused attention call per layer,
-  merged with the causal suffix attention by log-sum-exp.
+- a *suffix pass* continues each row from its own prefix in the prefix bank (`engine.prefix_bank`, named by slot),
+  without writing to it and without copying its K/V into the row: the prefix half of attention reads the bank by
+  index (`Kernels.indexed_attention`), merged with the causal suffix half by log-sum-exp; the Gated DeltaNet layers
+  start from the slot's conv and recurrent states.
 
-Rows are ordered r * P + p: request r, prefix p (P = 1 packed, P = n_questions independent).  Rows are right-padded;
-everything here is causal, so padding after a row's last real token never reaches that row's slots.
+A request is one row (packed) or one row per question (independent), each row continuing one prefix; rows of any
+schemas share a batch. Rows are right-padded; everything here is causal, so padding after a row's last real token
+never reaches that row's slots.
 """
 from __future__ import annotations
 
