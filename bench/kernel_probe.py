@@ -26,13 +26,16 @@ FUSED = 2 * HK * DK + 2 * HV * DV + 2 * HV          # qkv | z | b | a: the in_pr
 HQ, HKV, DA = 8, 2, 256
 
 
-def gpu_ms(fn, iters: int = 50) -> float:
-    """Median GPU milliseconds of fn() over `iters` runs, after warm-up (compilation)."""
-    for _ in range(3):
+def gpu_ms(fn, iters: int = 50, warmup: int = 3, flush: torch.Tensor | None = None) -> float:
+    """Median GPU milliseconds of fn() over `iters` runs, after `warmup` calls (compilation); flush: a buffer zeroed
+    before each run (one larger than L2 evicts what the last run left there)."""
+    for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
     times = []
     for _ in range(iters):
+        if flush is not None:
+            flush.zero_()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()

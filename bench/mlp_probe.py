@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 
 import torch
@@ -25,6 +24,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from bench.kernel_probe import gpu_ms
 from engine import batch_invariant as bi
 from engine.triton_kernels import swiglu
 
@@ -80,23 +80,6 @@ SMALL_TILES = [(64, 64, 4, 4), (64, 128, 4, 4), (64, 32, 4, 4), (32, 64, 4, 4), 
 """(BM, BN, warps, stages) candidates for `engine.batch_invariant.SMALL_TILE`."""
 
 
-def timed(fn, warmup: int, reps: int, flush: torch.Tensor | None) -> float:
-    """Median milliseconds of one call of fn."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        if flush is not None:
-            flush.zero_()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 def name(config: tuple) -> str:
     return "x".join(map(str, config))
 
@@ -108,7 +91,7 @@ def probe_rows(M: int, w: torch.Tensor, args, flush) -> dict:
     act = swiglu(gate, up)
     large = bi.matmul_config(N, I)
     ref = bi.matmul(act, w, large)
-    ms = lambda fn: timed(fn, args.warmup, args.reps, flush)          # noqa: E731
+    ms = lambda fn: gpu_ms(fn, args.reps, args.warmup, flush)          # noqa: E731
     cublas = ms(lambda: F.linear(act, w))
     row = {"cublas_linear_ms": cublas, "tflops_cublas": 2 * M * N * I / cublas / 1e9,
            "swiglu_ms": ms(lambda: swiglu(gate, up)),

@@ -66,6 +66,7 @@ SMALL_TILE_ROWS = 2048
 """Row counts below this may take `small_tile_config` (where `small_tile_is_identical` holds); from it up the large
 tile gives every SM work."""
 
+
 def matmul_config(N: int, K: int) -> Config:
     """(BM, BN, BK, warps, stages) for a weight of N x K: a function of the weight alone, never of M."""
     BK = next((b for b in (64, 32, 16) if K % b == 0), None)
@@ -81,10 +82,9 @@ def small_tile_config(N: int, K: int, tile: tuple[int, int, int, int] = SMALL_TI
     one is already small (N < 64). A row's sum keeps its order, but whether the MMA instruction a tile shape
     compiles to (wgmma, mma.sync) adds a BK step's products in the same order is the hardware's: only
     `small_tile_is_identical` can tell."""
-    BM, BN, BK, warps, stages = matmul_config(N, K)
     if N < 64:
         return None
-    return tile[0], tile[1], BK, tile[2], tile[3]
+    return tile[0], tile[1], matmul_config(N, K)[2], tile[2], tile[3]
 
 
 def matmul(x: torch.Tensor, weight: torch.Tensor, config: Config | None = None) -> torch.Tensor:

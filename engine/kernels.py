@@ -128,5 +128,5 @@ def batch_invariant_kernels(table: Kernels, gemm_weights: Sequence[torch.Tensor]
     return replace(table, name=f"{table.name}+batch-invariant(cuBLAS {floors}; Triton {sorted(linear.triton)}; "
                               f"small tile {sorted(linear.small)})",
                    linear=linear,
-                   attention=lambda q, k, v, causal, scale: bi.attention(q, k, v, causal, scale),
+                   attention=bi.attention,
                    indexed_attention=bi.indexed_attention)

@@ -87,8 +87,8 @@ class SuffixContext:
                  host_slots: list[int] | None = None):
         self.bank, self.slots, self.T, self.key_span = bank, slots, T, key_span
         self.lengths, self.host_slots = lengths, host_slots
-        prefix_lengths = bank.lengths.index_select(0, slots)                                    # [B] int32
-        self.positions = prefix_lengths[:, None].long() + torch.arange(T, device=slots.device)[None, :]   # [B, T]
+        self.prefix_lengths = bank.lengths.index_select(0, slots)                               # [B] int32
+        self.positions = self.prefix_lengths[:, None].long() + torch.arange(T, device=slots.device)[None, :]  # [B, T]
 
     def conv_prev(self, i):
         return self.bank.conv[i].index_select(0, self.slots)                                   # [B, C, K-1]
@@ -119,7 +119,7 @@ class SuffixContext:
         span = self.key_span
         kp = self.bank.k[i][:, :, :span].index_select(0, self.slots)                      # [B, Hkv, span, D]
         vp = self.bank.v[i][:, :, :span].index_select(0, self.slots)
-        past_end = torch.arange(span, device=q.device)[None, :] >= self.bank.lengths.index_select(0, self.slots)[:, None]
+        past_end = torch.arange(span, device=q.device)[None, :] >= self.prefix_lengths[:, None]
         qs = q.reshape(B, Hkv, G * T, D)
         s_pre = (qs @ kp.transpose(-1, -2)).float() * scale                                 # [B, Hkv, G*T, span]
         s_pre = s_pre.masked_fill(past_end[:, None, None, :], float("-inf"))

@@ -242,7 +242,8 @@ class SchemaEngine:
         # the step's small inputs in two host arrays, so that a step costs the GPU thread three pinned copies: every
         # torch call releases the GIL, and taking it back behind the loop's threads can cost a switch interval each
         ints = np.zeros(R + 2 * A, dtype=np.int64)          # [prefix slot per row | answer positions | option counts]
-        ints[:n] = [r.prefix_slot for r in rows]
+        slots = [r.prefix_slot for r in rows]
+        ints[:n] = slots
         ints[n:R] = rows[0].prefix_slot      # padding rows continue a live prefix (a free slot's has no keys at all)
         ints[R:R + len(flat)] = flat
         ints[R + A:R + A + len(flat)] = [k for r in rows for k in r.n_options]
@@ -257,9 +258,8 @@ class SchemaEngine:
         inputs = tuple(t.to(self.e.dev, non_blocking=True) for t in host)
         by_row = self.fwd.kernels.attend_by_request
         lengths = [len(r.ids) for r in rows] if by_row else None
-        host_slots = [r.prefix_slot for r in rows] if by_row else None
-        key_span = (self.bank.capacity_tokens if shape.graphed
-                    else max(self.bank.host_lengths[r.prefix_slot] for r in rows))
+        host_slots = slots if by_row else None
+        key_span = self.bank.capacity_tokens if shape.graphed else max(self.bank.host_lengths[s] for s in slots)
         probs = self.graphs.run((per_row,), shape, inputs,
                                 lambda s: self._step_fn(s, A, key_span, lengths, host_slots), out_rows=len(flat))
         return probs.float().cpu()
