@@ -11,6 +11,7 @@ are live changes neither the graphs nor their count.  Prefix states are read-onl
     se = SchemaEngine(engine); h = se.prepare([{"question": ..., "options": [...]}, ...])
     probs = se.score(h, ["state 1", "state 2", ...])          # list of [n_questions, MAX_OPTIONS] tensors
     se.score_mixed([(h, se.tokenize(h, "state 1")), (h2, se.tokenize(h2, "state 2"))])   # plain lists
+    pending = se.launch_mixed(requests); ...; pending.result()     # the same, read later (from any thread)
 """
 from __future__ import annotations
 
@@ -182,43 +183,59 @@ class SchemaEngine:
     def score_lists(self, h: PreparedSchema, rows: Sequence[TokenizedState], temperature=None) -> list[list[list[float]]]:
         """`score_rows` as plain Python: per state, per question, the probabilities of that question's options."""
         inv_temps = self._inv_temps(h, temperature)
-        return self._lists([h] * len(rows), self._score_requests([(h, r, inv_temps) for r in rows]))
+        return PendingScores([h] * len(rows), self._launch_requests([(h, r, inv_temps) for r in rows]),
+                             self._record_done()).result()
 
     def score_mixed(self, requests: Sequence[tuple[PreparedSchema, TokenizedState]]) -> list[list[list[float]]]:
         """States of any mix of prepared schemas in one batch ((schema, tokenized state) pairs, each schema's own
         temperatures) -> per state, per question of its schema, the probabilities of that question's options."""
+        return self.launch_mixed(requests).result()
+
+    def launch_mixed(self, requests: Sequence[tuple[PreparedSchema, TokenizedState]]) -> PendingScores:
+        """`score_mixed` without waiting: the batch is queued on the device and the scores are read later with
+        `PendingScores.result()`, from any thread. A caller that launches the next batch before reading this one's keeps
+        the device busy while it turns scores into records (on CPU the batch is scored before this returns)."""
         temps = {}
         for h, _ in requests:
             if h.id not in temps:
                 temps[h.id] = self._inv_temps(h, None)
-        return self._lists([h for h, _ in requests],
-                           self._score_requests([(h, r, temps[h.id]) for h, r in requests]))
+        chunks = self._launch_requests([(h, r, temps[h.id]) for h, r in requests])
+        return PendingScores([h for h, _ in requests], chunks, self._record_done())
 
     def score_rows(self, h: PreparedSchema, rows: Sequence[TokenizedState], temperature=None) -> list[torch.Tensor]:
         """rows: from `tokenize`.  -> one [n_questions, MAX_OPTIONS] float32 CPU tensor per row."""
         inv_temps = self._inv_temps(h, temperature)
-        table = self._score_requests([(h, r, inv_temps) for r in rows])
+        chunks = self._launch_requests([(h, r, inv_temps) for r in rows])
+        self._synchronize()
+        table = torch.cat(chunks)
         return list(table.view(len(rows), h.n_questions, MAX_OPTIONS).unbind(0))
 
     @staticmethod
     def _inv_temps(h: PreparedSchema, temperature) -> list[float]:
         return [1.0 / t for t in resolve_temperatures(h.questions, temperature)]
 
-    @staticmethod
-    def _lists(schemas: Sequence[PreparedSchema], table: torch.Tensor) -> list[list[list[float]]]:
-        # one tolist() of the batch: per-row tensors cost ~35 us each to convert (2-core CPU machine), on the thread
-        # that drives the GPU
-        answers = iter(table.tolist())
-        return [[next(answers)[:n] for n in h.n_options] for h in schemas]
+    def _record_done(self) -> torch.cuda.Event | None:
+        """An event behind everything queued so far (None off CUDA, where nothing is queued)."""
+        if self.e.dev.type != "cuda":
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event
+
+    def _synchronize(self) -> None:
+        if self.e.dev.type == "cuda":
+            torch.cuda.current_stream().synchronize()
 
     @torch.no_grad()
-    def _score_requests(self, requests: Sequence[tuple[PreparedSchema, TokenizedState, list[float]]]) -> torch.Tensor:
-        """-> [total questions, MAX_OPTIONS] float32 on the CPU, request by request, in question order."""
+    def _launch_requests(self, requests: Sequence[tuple[PreparedSchema, TokenizedState, list[float]]]
+                         ) -> list[torch.Tensor]:
+        """Queue the batch -> per step, [its answers, MAX_OPTIONS] float32 host tensors (being filled on CUDA until the
+        stream reaches the steps), request by request, in question order."""
         if not requests:
             raise InputError("states: empty batch")
         rows = [row for h, state, inv_temps in requests for row in self._rows_of(h, state, inv_temps)]
         chunk = self.graphs.max_batch
-        return torch.cat([self._score_step(rows[start:start + chunk]) for start in range(0, len(rows), chunk)])
+        return [self._score_step(rows[start:start + chunk]) for start in range(0, len(rows), chunk)]
 
     @staticmethod
     def _rows_of(h: PreparedSchema, state: TokenizedState, inv_temps: list[float]) -> list[_Row]:
@@ -229,8 +246,10 @@ class SchemaEngine:
                 for slot, t, n in zip(h.prefix_slots, inv_temps, h.n_options)]
 
     def _score_step(self, rows: Sequence[_Row]) -> torch.Tensor:
-        """One step over up to `graphs.max_batch` rows -> [their answers, MAX_OPTIONS] float32 on the CPU."""
+        """Queue one step over up to `graphs.max_batch` rows -> [their answers, MAX_OPTIONS] float32 on the host, in
+        pinned memory the step's copy fills when the stream reaches it (on CUDA: read it after an event behind it)."""
         if self.bank.generation != self._graphs_generation:      # graphs read the bank's old buffers
+            self._synchronize()     # a launched batch may still be replaying one of the graphs dropped here
             self.graphs.clear()
             self._graphs_generation = self.bank.generation
         n = len(rows)
@@ -262,7 +281,11 @@ class SchemaEngine:
         key_span = self.bank.capacity_tokens if shape.graphed else max(self.bank.host_lengths[s] for s in slots)
         probs = self.graphs.run((per_row,), shape, inputs,
                                 lambda s: self._step_fn(s, A, key_span, lengths, host_slots), out_rows=len(flat))
-        return probs.float().cpu()
+        if not pin:
+            return probs.float()
+        # a graph's output buffer is overwritten by the next replay, but this copy is queued before it
+        host_probs = torch.empty(probs.shape, dtype=torch.float32, pin_memory=True)
+        return host_probs.copy_(probs, non_blocking=True)
 
     def _step_fn(self, shape: StepShape, A: int, key_span: int, lengths: list[int] | None,
                  host_slots: list[int] | None):
@@ -277,6 +300,35 @@ class SchemaEngine:
             return read_slots(hidden, flat, self.fwd.final_norm, self.e.W, inv_temp[:, None], mask,
                               self.fwd.kernels.linear)
         return step, None
+
+
+class PendingScores:
+    """A batch launched by `SchemaEngine.launch_mixed`: `result()` waits for the device and returns the batch's scores.
+
+    Reading does no device work but wait for an event, so any thread may do it (the worker's collector thread does,
+    while its GPU thread launches the next batch). `done()` says whether the device has finished."""
+
+    def __init__(self, schemas: Sequence[PreparedSchema], chunks: list[torch.Tensor],
+                 event: torch.cuda.Event | None) -> None:
+        self._schemas, self._chunks, self._event = list(schemas), chunks, event
+        self._device = torch.cuda.current_device() if event is not None else None
+        self._lists: list[list[list[float]]] | None = None
+
+    def done(self) -> bool:
+        """Whether the scores are ready (`result()` would not wait)."""
+        return self._event is None or self._event.query()
+
+    def result(self) -> list[list[list[float]]]:
+        """Per state, per question of its schema, the probabilities of that question's options (waits for the device)."""
+        if self._lists is None:
+            if self._event is not None:
+                with torch.cuda.device(self._device):
+                    self._event.synchronize()
+            # tolist() per step, no torch.cat: a CPU op here could start a second OpenMP team in this thread
+            answers = (answer for chunk in self._chunks for answer in chunk.tolist())
+            self._lists = [[next(answers)[:n] for n in h.n_options] for h in self._schemas]
+            self._chunks = []
+        return self._lists
 
 
 def _answers_per_row(n: int) -> int:

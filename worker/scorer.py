@@ -1,9 +1,10 @@
 """The worker's side of the engine: one GPU thread, a tokenizer pool, and prepared schemas within a budget.
 
 The device is used from one thread only (``decider-gpu``, a single-thread executor, which is the GPU lock):
-schema preparation and scoring are queued there. Tokenization is CPU work and runs on a small pool, so the
-next batch is tokenized while the current one is on the GPU. Nothing here reaches inside tensors: the
-engine's ``score_mixed`` hands back plain Python floats.
+schema preparation and the launch of each batch are queued there. A launched batch's scores are read by a second
+thread (``decider-collect``), so the next batch is queued on the device before the one ahead of it finishes.
+Tokenization is CPU work and runs on a small pool, so the next batch is tokenized while the current one is on
+the GPU. Nothing here reaches inside tensors: the engine's ``PendingScores`` hands back plain Python floats.
 """
 
 from __future__ import annotations
@@ -84,6 +85,21 @@ class ScoredState:
 
 
 @dataclass
+class _Launch:
+    """A cycle's batch between the GPU thread, which launched it, and the collector, which reads it."""
+
+    jobs: list[BatchJob]
+    outcomes: list[list[ScoredState | None]]    # per job, per state; the unscorable ones filled in already
+    ready: list[tuple[int, int, Any, Any]]      # (job, state, prepared schema, tokenized row) of the launched states
+    launched_at: float
+    pending: Any = None                         # the engine's PendingScores, when the launch succeeded
+    results: list[ScoredState] | None = None    # per ready state, once read
+
+    def requests(self) -> list[tuple[Any, Any]]:
+        return [(handle, row) for _, _, handle, row in self.ready]
+
+
+@dataclass
 class BatchJob:
     """One schema's batch: the future of its prepared schema and, per state, the future of its tokenized row."""
 
@@ -108,6 +124,9 @@ class Scorer:
         # Pass the executor the model was loaded on, so every torch call of the process runs on one thread.
         self._gpu = gpu_thread or device_thread()
         self._tokenizers = ThreadPoolExecutor(max_workers=max(1, tokenizer_threads), thread_name_prefix="decider-tok")
+        # Waits for launched batches and reads their scores, so that the GPU thread is free to launch the next one.
+        self._collector = ThreadPoolExecutor(max_workers=1, thread_name_prefix="decider-collect")
+        self._last_ready_at = 0.0  # when the collector last had a batch's scores (collector thread only)
         self._lock = threading.Lock()  # guards _entries between the main thread and the GPU thread
         self._entries: OrderedDict[SchemaKey, _Entry] = OrderedDict()
         self._held_bytes = 0  # by the prepared schemas in _entries
@@ -202,20 +221,62 @@ class Scorer:
         return self._tokenizers.submit(lambda: self._se.tokenize(handle_future.result(), text))
 
     def submit(self, jobs: Sequence[BatchJob]) -> Future:
-        """Score a cycle's batches on the GPU thread, every schema's states in one mixed batch (the engine reads each
-        row's prefix by index): a future of, per job, one ``ScoredState`` per state."""
-        if not jobs:  # a cycle of dead letters only: nothing to wait for behind the GPU's queue
-            done: Future = Future()
-            done.set_result([])
-            return done
-        return self._gpu.submit(self._run_jobs, list(jobs))
+        """Score a cycle's batches, every schema's states in one mixed GPU batch (the engine reads each row's prefix by
+        index): a future of, per job, one ``ScoredState`` per state.
 
-    def _run_jobs(self, jobs: list[BatchJob]) -> list[list[ScoredState]]:
+        The GPU thread only launches the batch; the collector thread waits for it and reads the scores. So a cycle
+        submitted while the one before it is still on the device is queued right behind it, and the device does not
+        wait for the previous cycle's scores to be read, nor for the GPU thread to get the GIL back from the loop."""
+        scored: Future = Future()
+        if not jobs:  # a cycle of dead letters only: nothing to wait for behind the GPU's queue
+            scored.set_result([])
+            return scored
+        self._gpu.submit(self._launch_jobs, list(jobs), scored)
+        return scored
+
+    def _launch_jobs(self, jobs: list[BatchJob], scored: Future) -> None:
+        """(GPU thread) Launch the jobs' ready states; hand the rest of the work to the collector."""
+        try:
+            outcomes, ready = self._gather(jobs)
+            requests = [(handle, row) for _, _, handle, row in ready]
+            launch = _Launch(jobs, outcomes, ready, time.perf_counter())
+            if requests:
+                try:
+                    launch.pending = self._se.launch_mixed(requests)
+                except Exception as batch_error:
+                    launch.results = self._one_by_one(requests, batch_error)
+            self._collector.submit(self._collect, launch, scored)
+        except BaseException as error:  # noqa: BLE001 - the loop must hear of it, not a thread's log
+            scored.set_exception(error)
+
+    def _collect(self, launch: "_Launch", scored: Future) -> None:
+        """(Collector thread, in launch order) Wait for a launched batch and turn its scores into outcomes."""
+        try:
+            if launch.pending is not None:
+                try:
+                    launch.results = self._checked(launch.requests(), launch.pending.result())
+                except Exception as batch_error:  # the device failed the batch: isolate the state at fault
+                    launch.results = self._gpu.submit(self._one_by_one, launch.requests(), batch_error).result()
+                ready_at = time.perf_counter()
+                # the batch started on the device when it was launched or when the batch ahead of it finished
+                metrics.ENGINE_SECONDS.observe(ready_at - max(launch.launched_at, self._last_ready_at))
+                self._last_ready_at = ready_at
+            for (j, i, _, row), outcome in zip(launch.ready, launch.results or []):
+                outcome.truncated = bool(getattr(row, "truncated", False))
+                launch.outcomes[j][i] = outcome
+            scored.set_result(launch.outcomes)
+        except BaseException as error:  # noqa: BLE001
+            scored.set_exception(error)
+
+    @staticmethod
+    def _gather(jobs: list[BatchJob]) -> tuple[list[list[ScoredState | None]], list[tuple[int, int, Any, Any]]]:
+        """The jobs' prepared schemas and tokenized rows: (outcomes, with the states that cannot be scored filled in;
+        the (job, state, prepared schema, tokenized row) of those that can)."""
         outcomes: list[list[ScoredState | None]] = [[None] * len(job.rows) for job in jobs]
-        ready: list[tuple[int, int, Any, Any]] = []  # (job, state, prepared schema, tokenized row)
+        ready: list[tuple[int, int, Any, Any]] = []
         for j, job in enumerate(jobs):
             try:
-                handle = job.handle.result()  # prepared earlier on this same thread: already done
+                handle = job.handle.result()  # prepared earlier on the GPU thread: already done
             except Exception as error:
                 message = f"the engine rejected the schema: {error}"
                 outcomes[j] = [ScoredState(reason=Reason.SCHEMA_UNPREPARABLE, error=message) for _ in job.rows]
@@ -225,20 +286,11 @@ class Scorer:
                     ready.append((j, i, handle, row_future.result()))
                 except Exception as error:
                     outcomes[j][i] = ScoredState(reason=Reason.SCORING_ERROR, error=f"tokenization failed: {error!r}")
-        if ready:
-            started = time.perf_counter()
-            results = self._score([(handle, row) for _, _, handle, row in ready])
-            metrics.ENGINE_SECONDS.observe(time.perf_counter() - started)
-            for (j, i, _, row), scored in zip(ready, results):
-                scored.truncated = bool(getattr(row, "truncated", False))
-                outcomes[j][i] = scored
-        return outcomes  # type: ignore[return-value]
+        return outcomes, ready
 
-    def _score(self, requests: list[tuple[Any, Any]]) -> list[ScoredState]:
-        try:
-            return self._checked(requests, self._se.score_mixed(requests))
-        except Exception as batch_error:  # isolate the state that fails: score each one alone
-            log.warning("batch of %d failed (%r); scoring its states one by one", len(requests), batch_error)
+    def _one_by_one(self, requests: list[tuple[Any, Any]], batch_error: Exception) -> list[ScoredState]:
+        """(GPU thread) The batch failed: score each state alone, so that only the state at fault fails."""
+        log.warning("batch of %d failed (%r); scoring its states one by one", len(requests), batch_error)
         outcomes = []
         for request in requests:
             try:
@@ -275,3 +327,4 @@ class Scorer:
         """Stop the threads (queued work is cancelled; the running step finishes)."""
         self._tokenizers.shutdown(wait=False, cancel_futures=True)
         self._gpu.shutdown(wait=True, cancel_futures=True)
+        self._collector.shutdown(wait=True, cancel_futures=True)

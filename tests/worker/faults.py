@@ -26,17 +26,18 @@ class MarkedRow(TokenizedState):
 
 
 def failing_on(marker: str) -> type[SchemaEngine]:
-    """A ``SchemaEngine`` class whose ``score_mixed`` fails for any batch holding a state that contains ``marker``."""
+    """A ``SchemaEngine`` class whose ``launch_mixed`` (and so ``score_mixed``) fails for any batch holding a state that
+    contains ``marker``."""
 
     class FaultySchemaEngine(SchemaEngine):
         def tokenize(self, h, context, max_ctx_tokens=None):
             row = super().tokenize(h, context, max_ctx_tokens)
             return MarkedRow(*row) if marker in context else row
 
-        def score_mixed(self, requests):
+        def launch_mixed(self, requests):
             if any(isinstance(row, MarkedRow) for _, row in requests):
                 raise InjectedFault(f"injected scoring fault (a state contains {marker!r})")
-            return super().score_mixed(requests)
+            return super().launch_mixed(requests)
 
     return FaultySchemaEngine
 

@@ -94,9 +94,9 @@ def test_a_cycles_schemas_score_as_one_engine_batch(schema_engine):
     calls: list[int] = []
 
     class Counting(type(schema_engine)):
-        def score_mixed(self, requests):
+        def launch_mixed(self, requests):
             calls.append(len(requests))
-            return super().score_mixed(requests)
+            return super().launch_mixed(requests)
 
     counting = Counting(schema_engine.e)
     scorer = Scorer(counting, memory_budget=1 << 30)
