@@ -62,15 +62,19 @@ class Cycle:
         self.batches: dict[SchemaKey, Batch] = {}
         self.waiting: list[Pending] = []
         self.opened_at: float | None = None
+        self.arrived_at: float | None = None  # the earliest arrival of its states (the latency budget's clock)
         self._next_offsets: dict[tuple[str, int], int] = {}
 
     def __len__(self) -> int:
         return len(self.entries)
 
-    def track(self, pending: Pending, now: float) -> None:
-        """Record that ``pending`` was consumed: it is part of this cycle's transaction and offsets."""
+    def track(self, pending: Pending, now: float, arrived: float | None = None) -> None:
+        """Record that ``pending`` was consumed at ``now``: it is part of this cycle's transaction and offsets.
+        ``arrived``: when it arrived, if earlier than ``now`` (its record's timestamp, on the same clock)."""
         if self.opened_at is None:
             self.opened_at = now
+        arrived = now if arrived is None else min(arrived, now)
+        self.arrived_at = arrived if self.arrived_at is None else min(self.arrived_at, arrived)
         self.entries.append(pending)
         source = pending.source
         self._next_offsets[(source.topic, source.partition)] = source.offset + 1

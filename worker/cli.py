@@ -174,7 +174,8 @@ def worker(
     latency_budget_ms: Optional[int] = typer.Option(
         None, "--latency-budget-ms", envvar="DECIDER_LATENCY_BUDGET_MS", min=1, max=MAX_LATENCY_BUDGET_MS,
         help="Close each batch early enough that its records are visible to read_committed readers within this many ms "
-             "of its first state's arrival (when this worker consumed it), planned from running estimates of scoring "
+             "of its first state's arrival (its record's timestamp; when consumed, if that is missing, ahead of this host's "
+             "clock or already older than the budget), planned from running estimates of scoring "
              "and commit time per batch size; --max-wait-ms still caps the wait. Default: no budget."),
     session_timeout_ms: int = typer.Option(DEFAULTS["session_timeout_ms"], "--session-timeout-ms", envvar="DECIDER_SESSION_TIMEOUT_MS", help="Consumer group session timeout."),
     probabilities_topic: str = ProbabilitiesTopicOpt,

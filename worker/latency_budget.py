@@ -1,7 +1,12 @@
 """The latency budget (``--latency-budget-ms``): when to close the open cycle so that its first state's record is
-visible to read_committed readers within the budget of that state's *arrival* (the moment the worker consumed it;
-the event time is the producer's clock, and the time a state spent in Kafka before it was consumed is not the
-worker's to spend).
+visible to read_committed readers within the budget of that state's *arrival*.
+
+A state arrives when its record was written to Kafka: the record's timestamp (the producer's create time, or the
+broker's log-append time), so that the time it spent in Kafka before the worker consumed it is spent from the
+budget, as a reader measuring from the record's timestamp sees it. Where that time cannot count, the state arrives
+when the worker consumed it: a record without a timestamp, one stamped in the future (the producer's clock ahead of
+ours), and one older than the whole budget when consumed (a backlog, a replay): it cannot be on time whatever the
+worker does, and counting from its timestamp would close every cycle at once and cut a backlog into tiny batches.
 
 A cycle closed at time ``t`` is scored when the GPU is free (the cycle in flight ahead of it finishes at ``g``),
 and its transaction commits after its scores are ready and after the cycle ahead of it committed:
@@ -24,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -209,22 +215,33 @@ class CycleBudget:
             return
         metrics.LATENCY_BUDGET_SECONDS.set(self.state.budget_s)
         log.info("latency budget %d ms: each cycle closes early enough that its first state's record is visible to "
-                 "read_committed readers within %d ms of the state's arrival (when this worker consumed it, not its "
-                 "event time), planned from running estimates of scoring and commit time per batch size; "
+                 "read_committed readers within %d ms of the state's arrival (its record's timestamp; when this worker "
+                 "consumed it for records without one, stamped ahead of this host's clock, or already older than the "
+                 "budget), planned from running estimates of scoring and commit time per batch size; "
                  "--max-wait-ms %s caps the wait for more states; until a cycle has been measured, cycles close as "
                  "soon as they open", self.budget_ms, self.budget_ms, max_wait_ms)
 
+    def arrival(self, consumed_at: float, timestamp_ms: int | None) -> float:
+        """When a state consumed at ``consumed_at`` (monotonic) arrived, on the same clock: see the module's docstring
+        (``timestamp_ms``: its record's timestamp, ms since the epoch; None or not positive: none)."""
+        if self.state is None or timestamp_ms is None or timestamp_ms <= 0:
+            return consumed_at
+        age = time.time() - timestamp_ms / 1000
+        if age <= 0 or age > self.state.budget_s:
+            return consumed_at
+        return consumed_at - age
+
     def close_by(self, now: float, cycle: Cycle) -> float | None:
         """When the budget closes the open ``cycle`` (monotonic seconds); None without a budget or an opened cycle."""
-        if self.state is None or cycle.opened_at is None:
+        if self.state is None or cycle.arrived_at is None:
             return None
-        return self.state.close_by(now, cycle.opened_at, scored_states(cycle), self._gpu_busy())
+        return self.state.close_by(now, cycle.arrived_at, scored_states(cycle), self._gpu_busy())
 
     def due(self, now: float, cycle: Cycle) -> bool:
         """Whether the budget closes the open ``cycle`` now."""
         if self.state is None or not len(cycle):
             return False
-        return now >= self.state.close_by(now, cycle.opened_at, scored_states(cycle), self._gpu_busy())
+        return now >= self.state.close_by(now, cycle.arrived_at, scored_states(cycle), self._gpu_busy())
 
     def submitted(self, closed_at: float, cycle: Cycle) -> None:
         """``cycle``, closed at ``closed_at``, goes to the GPU (call before it counts as in flight)."""
@@ -233,10 +250,10 @@ class CycleBudget:
 
     def committed(self, cycle: Cycle, closed_at: float, scored_at: float | None, now: float) -> None:
         """``cycle`` committed at ``now``: learn its times, update the estimates' metrics, count a miss."""
-        if self.state is None or cycle.opened_at is None:
+        if self.state is None or cycle.arrived_at is None:
             return
         missed = self.state.committed(CycleTimes(
-            n_states=scored_states(cycle), first_arrival=cycle.opened_at, closed_at=closed_at,
+            n_states=scored_states(cycle), first_arrival=cycle.arrived_at, closed_at=closed_at,
             scored_at=scored_at or now, committed_at=now))
         metrics.observe_budget(self.state.engine.values(), self.state.commit.values(), missed)
 

@@ -219,9 +219,11 @@ class Worker:
             return
         if message.error() is not None:
             return check_consumer_error(message.error(), self.config)
+        timestamp_ms = message.timestamp()[1]
         pending = Pending(SourceRecord(message.topic(), message.partition(), message.offset(), message.key(), message.value(),
-                                       message.headers(), message.timestamp()[1]))
-        self._cycle.track(pending, monotonic())
+                                       message.headers(), timestamp_ms))
+        now = monotonic()
+        self._cycle.track(pending, now, self._budget.arrival(now, timestamp_ms))
         try:
             pending.state = self._decoder.decode(pending.source)
         except Unscorable as exc:
@@ -298,12 +300,13 @@ class Worker:
         self._release_pins(cycle)
         self._assignment.on_committed(offsets)
         self._budget.committed(cycle, inflight.closed_at, inflight.scored_at, monotonic())
-        metrics.count_committed(monotonic() - (cycle.opened_at or monotonic()), out.scored, out.dead_letters_by_code())
+        metrics.count_committed(monotonic() - (cycle.arrived_at or monotonic()), out.scored, out.dead_letters_by_code())
         log.debug("committed %d scored, %s dead letters, offsets %s", sum(out.scored.values()),
                   out.dead_letters_by_code(), partition_names(cycle.offsets(), with_offsets=True))
         self._emit("committed", {"scored": sum(out.scored.values()), "dead_letters": out.dead_letters_by_code(),
                                  "samples": out.samples, "batches": {f"{k[0]} v{k[1]}": len(b.members) for k, b in cycle.batches.items()},
-                                 "commit_ms": commit_ms, "offsets": [(tp.partition, tp.offset) for tp in cycle.offsets()]})
+                                 "commit_ms": commit_ms, "offsets": [(tp.partition, tp.offset) for tp in cycle.offsets()],
+                                 "arrival_to_visible_ms": (monotonic() - cycle.arrived_at) * 1000 if cycle.arrived_at else None})
 
     def _gpu_busy(self) -> bool:
         """Whether the last submitted cycle is still being scored."""

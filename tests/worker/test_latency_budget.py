@@ -4,6 +4,7 @@ timings fed to its running estimates."""
 from __future__ import annotations
 
 import random
+import time
 from concurrent.futures import Future
 
 import pytest
@@ -179,3 +180,27 @@ def test_without_a_budget_the_loops_budget_never_closes_a_cycle_nor_learns():
     budget.committed(cycle, closed_at=1.0, scored_at=1.1, now=5.0)
     budget.forget_order()
     assert budget.close_by(1.0, cycle) is None and not budget.due(100.0, cycle) and budget.state is None
+
+
+def test_a_state_arrives_at_its_records_timestamp_when_that_can_count():
+    budget = CycleBudget(50, MAX_WAIT, lambda: False)
+    now_ms = time.time() * 1000
+    # written to Kafka 10 ms before it was consumed: those 10 ms are spent from the budget
+    assert budget.arrival(100.0, int(now_ms - 10)) == pytest.approx(100.0 - 0.010, abs=0.003)
+    # no timestamp, stamped ahead of this host's clock, or older than the whole budget (backlog, replay): consumption
+    for stamp in (None, -1, 0, int(now_ms + 5_000), int(now_ms - 60_000)):
+        assert budget.arrival(100.0, stamp) == 100.0
+    # no budget: the timestamp is not read at all
+    assert CycleBudget(None, MAX_WAIT, lambda: False).arrival(100.0, int(now_ms - 10)) == 100.0
+
+
+def test_the_budget_counts_from_the_earliest_arrival_of_a_cycles_states():
+    budget = CycleBudget(200, 1.0, lambda: False)
+    budget.committed(_cycle_of(2, opened_at=1.0), closed_at=1.0, scored_at=1.010, now=1.015)
+    cycle = _cycle_of(3, opened_at=2.000)
+    cycle.track(Pending(SourceRecord("states", 0, 3, b"k", b"v")), 2.001, 1.980)   # written 21 ms before
+    cycle.track(Pending(SourceRecord("states", 0, 4, b"k", b"v")), 2.002, 1.990)
+    assert cycle.opened_at == 2.000 and cycle.arrived_at == 1.980
+    on_consumption = _cycle_of(3, opened_at=2.000)
+    assert on_consumption.arrived_at == on_consumption.opened_at == 2.000
+    assert budget.close_by(2.002, cycle) == pytest.approx(budget.close_by(2.002, on_consumption) - 0.020)
