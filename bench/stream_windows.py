@@ -119,3 +119,19 @@ def replay_timing(events: list[dict]) -> dict:
         result["first_to_last_commit_s"] = last - first
         result["steady_states_per_s"] = sum(committed_records(e) for e in commits[1:]) / (last - first)
     return result
+
+
+def budget_plan_errors(events: list[dict], budget_ms: float, since: float = 0.0) -> dict:
+    """Under a latency budget, how the worker's plans came out, over the cycles committed after wall time ``since``:
+    per cycle, its first state's arrival-to-visible time minus what the plan expected when the cycle closed
+    (``committed`` events' ``arrival_to_visible_ms`` - ``planned_visible_ms``; positive: later than planned), and how
+    many cycles were planned over the budget already (the GPU busy until too late: they gathered until it freed)."""
+    plans = [(e["planned_visible_ms"], e["arrival_to_visible_ms"]) for e in _commits(events)
+             if e["t"] >= since and e.get("planned_visible_ms") is not None and e.get("arrival_to_visible_ms") is not None]
+    errors = sorted(actual - planned for planned, actual in plans)
+    if not errors:
+        return dict(planned_cycles=0, planned_over_budget=0, later_than_planned=0, plan_error_p50_ms=None,
+                    plan_error_p90_ms=None)
+    return dict(planned_cycles=len(errors), planned_over_budget=sum(planned > budget_ms for planned, _ in plans),
+                later_than_planned=sum(x > 0 for x in errors), plan_error_p50_ms=errors[(len(errors) - 1) // 2],
+                plan_error_p90_ms=errors[int(0.9 * (len(errors) - 1))])

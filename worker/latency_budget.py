@@ -166,15 +166,20 @@ class LatencyBudget:
         return close_by(now, first_arrival, n_states, self.engine, self.commit, self.budget_s, self.max_wait_s,
                         self._gpu_free_at if gpu_busy else None)
 
-    def submitted(self, now: float, n_states: int, gpu_busy: bool) -> None:
+    def submitted(self, now: float, n_states: int, gpu_busy: bool) -> float | None:
         """A cycle of ``n_states`` was closed at ``now`` and submitted: expect the GPU busy until it is scored.
+        Returns when the plan expects its records visible (pessimistic estimates; None before any estimate).
 
         Expected, not pessimistic: this only decides how long a cycle that misses the budget anyway keeps gathering,
         and gathering past the moment the GPU frees would leave it idle. (The loop stops waiting as soon as the
         cycle ahead is actually scored.)"""
-        start = max(now, self._gpu_free_at or now) if gpu_busy else now
-        scoring = self.engine.seconds(n_states, expected=True) if n_states else 0.0
-        self._gpu_free_at = start + (scoring or 0.0)
+        gpu_free_at = max(now, self._gpu_free_at or now) if gpu_busy else now
+        scoring = self.engine.seconds(n_states) if n_states else 0.0
+        committing = self.commit.seconds(n_states)
+        planned = None if scoring is None or committing is None else visible_at(now, gpu_free_at, scoring, committing)
+        expected = self.engine.seconds(n_states, expected=True) if n_states else 0.0
+        self._gpu_free_at = gpu_free_at + (expected or 0.0)
+        return planned
 
     def committed(self, times: CycleTimes) -> bool:
         """Learn from a committed cycle; True if its first state's record became visible later than the budget."""
@@ -243,10 +248,12 @@ class CycleBudget:
             return False
         return now >= self.state.close_by(now, cycle.arrived_at, scored_states(cycle), self._gpu_busy())
 
-    def submitted(self, closed_at: float, cycle: Cycle) -> None:
-        """``cycle``, closed at ``closed_at``, goes to the GPU (call before it counts as in flight)."""
-        if self.state is not None:
-            self.state.submitted(closed_at, scored_states(cycle), gpu_busy=self._gpu_busy())
+    def submitted(self, closed_at: float, cycle: Cycle) -> float | None:
+        """``cycle``, closed at ``closed_at``, goes to the GPU (call before it counts as in flight). -> when the plan
+        expects its records visible (None without a budget or before any estimate)."""
+        if self.state is None:
+            return None
+        return self.state.submitted(closed_at, scored_states(cycle), gpu_busy=self._gpu_busy())
 
     def committed(self, cycle: Cycle, closed_at: float, scored_at: float | None, now: float) -> None:
         """``cycle`` committed at ``now``: learn its times, update the estimates' metrics, count a miss."""

@@ -74,6 +74,7 @@ class InFlight:
     keys: list[SchemaKey]  # the cycle's batches, in the order of the scorer's results
     future: Future
     closed_at: float  # when the loop decided to close the cycle
+    planned_visible_at: float | None = None  # when the latency budget's plan expects it visible
     scored_at: float | None = None  # when its scores were ready (set on the scoring thread)
 
 
@@ -269,8 +270,8 @@ class Worker:
         jobs = [BatchJob(cycle.batches[key].handle, list(cycle.batches[key].rows)) for key in keys]
         if jobs:  # one GPU batch, every schema's states together
             metrics.BATCH_SIZE.observe(sum(len(job.rows) for job in jobs))
-        self._budget.submitted(closed_at, cycle)
-        inflight = InFlight(cycle, keys, self._scorer.submit(jobs), closed_at)
+        planned_visible_at = self._budget.submitted(closed_at, cycle)
+        inflight = InFlight(cycle, keys, self._scorer.submit(jobs), closed_at, planned_visible_at)
         inflight.future.add_done_callback(lambda _: setattr(inflight, "scored_at", monotonic()))
         self._inflight.append(inflight)
 
@@ -306,7 +307,17 @@ class Worker:
         self._emit("committed", {"scored": sum(out.scored.values()), "dead_letters": out.dead_letters_by_code(),
                                  "samples": out.samples, "batches": {f"{k[0]} v{k[1]}": len(b.members) for k, b in cycle.batches.items()},
                                  "commit_ms": commit_ms, "offsets": [(tp.partition, tp.offset) for tp in cycle.offsets()],
-                                 "arrival_to_visible_ms": (monotonic() - cycle.arrived_at) * 1000 if cycle.arrived_at else None})
+                                 **self._latency_fields(inflight)})
+
+    @staticmethod
+    def _latency_fields(inflight: InFlight) -> dict[str, float | None]:
+        """A committed cycle's first state's arrival-to-visible time and, under a budget, what the plan expected."""
+        arrived_at = inflight.cycle.arrived_at
+        if arrived_at is None:
+            return {}
+        since_arrival = lambda at: None if at is None else round((at - arrived_at) * 1000, 2)  # noqa: E731
+        return {"arrival_to_visible_ms": since_arrival(monotonic()),
+                "planned_visible_ms": since_arrival(inflight.planned_visible_at)}
 
     def _gpu_busy(self) -> bool:
         """Whether the last submitted cycle is still being scored."""

@@ -3,7 +3,7 @@ import logging
 
 import pytest
 
-from bench.stream_windows import all_workers_window, held_partitions, log_events, replay_timing
+from bench.stream_windows import all_workers_window, budget_plan_errors, held_partitions, log_events, replay_timing
 from worker.logs import JsonFormatter
 
 T0 = 1_790_000_000.0  # an epoch second; events are placed relative to it
@@ -81,3 +81,15 @@ def test_replay_startup_is_until_its_first_commit_and_its_steady_rate_counts_aft
     assert timing["commits"] == 12
     assert replay_timing(_log(_line(0, "replay_started"))) == dict(startup_s=None, first_to_last_commit_s=None,
                                                                    steady_states_per_s=None, commits=0)
+
+
+def test_budget_plan_errors_compare_each_cycles_outcome_with_its_plan_after_the_warm_up():
+    planned = [(40.0, 45.0), (40.0, 38.0), (50.0, 62.0), (30.0, 30.5)]       # (planned, actual) ms after arrival
+    events = _log(_line(0.5, "committed", scored=4, dead_letters={}, arrival_to_visible_ms=90.0, planned_visible_ms=None),
+                  *(_line(1.0 + k, "committed", scored=4, dead_letters={}, arrival_to_visible_ms=actual,
+                          planned_visible_ms=plan) for k, (plan, actual) in enumerate(planned)),
+                  _line(9.0, "committed", scored=0, dead_letters={}, arrival_to_visible_ms=1.0, planned_visible_ms=0.0))
+    errors = budget_plan_errors(events, budget_ms=45, since=T0 + 0.9)
+    assert errors == dict(planned_cycles=4, planned_over_budget=1, later_than_planned=3,
+                          plan_error_p50_ms=pytest.approx(0.5), plan_error_p90_ms=pytest.approx(5.0))
+    assert budget_plan_errors(events, budget_ms=45, since=T0 + 20)["planned_cycles"] == 0

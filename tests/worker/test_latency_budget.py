@@ -123,9 +123,16 @@ def test_the_worker_state_learns_from_committed_cycles_and_counts_misses():
     assert 0.0 < budget.close_by(1.0, 1.0, 4, gpu_busy=False) < 1.1
     # a submitted cycle keeps the GPU busy for its expected scoring time; this cycle's budget is lost anyway, so it
     # gathers until then
-    budget.submitted(2.0, 4, gpu_busy=False)
+    planned = budget.submitted(2.0, 4, gpu_busy=False)
     assert budget.close_by(2.0, 2.0, 4, gpu_busy=True) == pytest.approx(2.0 + budget.engine.by_bucket[4].mean)
     assert budget.close_by(2.0, 2.0, 4, gpu_busy=False) == 2.0
+    # what the plan expects of the submitted cycle, on the pessimistic estimates; one behind it starts when the GPU
+    # is expected free
+    scoring, committing = budget.engine.by_bucket[4].value, budget.commit.by_bucket[4].value
+    assert planned == pytest.approx(visible_at(2.0, 2.0, scoring, committing))
+    behind = budget.submitted(2.0, 4, gpu_busy=True)
+    assert behind == pytest.approx(visible_at(2.0, 2.0 + budget.engine.by_bucket[4].mean, scoring, committing))
+    assert LatencyBudget(budget_s=0.1, max_wait_s=1.0).submitted(0.0, 4, gpu_busy=False) is None  # nothing learned
 
 
 def test_the_configuration_refuses_a_budget_out_of_range():
