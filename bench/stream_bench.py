@@ -186,7 +186,8 @@ class Stream:
                 os.killpg(p.pid, signal.SIGKILL)
 
 
-STAGES = {"decider_batch_fill_wait_seconds": "fill_wait_ms", "decider_engine_seconds": "engine_ms",
+STAGES = {"decider_batch_fill_wait_seconds": "fill_wait_ms", "decider_batch_launch_seconds": "launch_ms",
+          "decider_engine_seconds": "engine_ms",
           "decider_transaction_commit_seconds": "commit_ms", "decider_cycle_seconds": "cycle_ms", "decider_batch_states": "batch_states",
           "decider_gc_pause_seconds": "full_gc_ms"}
 

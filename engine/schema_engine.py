@@ -306,17 +306,13 @@ class PendingScores:
     """A batch launched by `SchemaEngine.launch_mixed`: `result()` waits for the device and returns the batch's scores.
 
     Reading does no device work but wait for an event, so any thread may do it (the worker's collector thread does,
-    while its GPU thread launches the next batch). `done()` says whether the device has finished."""
+    while its GPU thread launches the next batch)."""
 
     def __init__(self, schemas: Sequence[PreparedSchema], chunks: list[torch.Tensor],
                  event: torch.cuda.Event | None) -> None:
         self._schemas, self._chunks, self._event = list(schemas), chunks, event
         self._device = torch.cuda.current_device() if event is not None else None
         self._lists: list[list[list[float]]] | None = None
-
-    def done(self) -> bool:
-        """Whether the scores are ready (`result()` would not wait)."""
-        return self._event is None or self._event.query()
 
     def result(self) -> list[list[list[float]]]:
         """Per state, per question of its schema, the probabilities of that question's options (waits for the device)."""

@@ -18,7 +18,9 @@ catch-up, the tokenization still pending, the engine) and ``C(n)`` the time from
 end of its transaction (building the output records, the transaction itself, the loop noticing). Both are
 learned from the cycles the loop commits, per batch bucket (the power of two at or above ``n``), as running
 estimates that are deliberately pessimistic: the smoothed mean plus four smoothed mean deviations (RFC 6298's
-retransmission timer, which has the same job: a deadline that is rarely too early).
+retransmission timer, which has the same job: a deadline that is rarely too early). A cycle that cannot be on time
+however soon it closes gathers until the GPU frees, less the time a closed cycle takes to be queued on the device
+(learned as a mean), so that its batch is queued behind the one in flight rather than launched after it.
 
 The estimates and the plan are pure (no clock, no Kafka): the loop hands in the times it measured. ``CycleBudget`` is
 the loop's side of it: it takes the loop's cycles, keeps the budget's state and reports to the metrics, and does
@@ -110,15 +112,17 @@ class BucketedEstimates:
 
 
 def close_by(now: float, first_arrival: float, n_states: int, engine: BucketedEstimates, commit: BucketedEstimates,
-             budget_s: float, max_wait_s: float, gpu_free_at: float | None = None) -> float:
+             budget_s: float, max_wait_s: float, gpu_free_at: float | None = None, launch_lead_s: float = 0.0) -> float:
     """The latest (monotonic) time at which the open cycle may close so that its first state's record is visible by
     ``first_arrival + budget_s``, capped at ``first_arrival + max_wait_s``.
 
     ``n_states``: the cycle's scored states so far (0: dead letters only, nothing to score); ``gpu_free_at``: when the
     cycle in flight is expected to finish scoring (None or past: the GPU is free now). Returns ``first_arrival`` (close
     at once) before any estimate exists. When the budget cannot be met however soon the cycle closes, because the GPU
-    frees too late, returns that moment: the cycle could not start earlier, and states joining it until then wait no
-    longer than they would in the next cycle."""
+    frees too late, returns that moment less ``launch_lead_s`` (the time from closing a cycle to its batch being queued
+    on the device: schema catch-up, tokenization, launch): the cycle could not start earlier, states joining it until
+    then wait no longer than they would in the next cycle, and closing that much ahead queues its batch behind the one
+    in flight instead of leaving the GPU idle while it is launched."""
     cap = first_arrival + max_wait_s
     scoring = engine.seconds(n_states) if n_states else 0.0
     committing = commit.seconds(n_states)
@@ -128,7 +132,7 @@ def close_by(now: float, first_arrival: float, n_states: int, engine: BucketedEs
     gpu = max(now, gpu_free_at if gpu_free_at is not None else now)
     latest = deadline - scoring - committing
     if visible_at(latest, gpu, scoring, committing) > deadline + 1e-9:
-        return min(cap, max(gpu, first_arrival))
+        return min(cap, max(gpu - launch_lead_s if gpu > now else now, first_arrival))
     return min(cap, latest)
 
 
@@ -147,6 +151,7 @@ class CycleTimes:
     closed_at: float       # the loop decided to close it
     scored_at: float       # its scores were ready (all its batches)
     committed_at: float    # its transaction ended: its records are visible
+    launched_at: float | None = None  # its batch was queued on the device (None: nothing was scored)
 
 
 class LatencyBudget:
@@ -156,6 +161,7 @@ class LatencyBudget:
         self.budget_s, self.max_wait_s = budget_s, max_wait_s
         self.engine = BucketedEstimates()
         self.commit = BucketedEstimates()
+        self.launch_lead: RunningEstimate | None = None  # from closing a cycle to its batch queued on the device
         self.misses = 0
         self._last_scored_at = -math.inf
         self._last_committed_at = -math.inf
@@ -164,15 +170,16 @@ class LatencyBudget:
     def close_by(self, now: float, first_arrival: float, n_states: int, gpu_busy: bool) -> float:
         """When the open cycle should close (see ``close_by``); ``gpu_busy``: a submitted cycle is not scored yet."""
         return close_by(now, first_arrival, n_states, self.engine, self.commit, self.budget_s, self.max_wait_s,
-                        self._gpu_free_at if gpu_busy else None)
+                        self._gpu_free_at if gpu_busy else None,
+                        self.launch_lead.mean if self.launch_lead is not None else 0.0)
 
     def submitted(self, now: float, n_states: int, gpu_busy: bool) -> float | None:
         """A cycle of ``n_states`` was closed at ``now`` and submitted: expect the GPU busy until it is scored.
-        Returns when the plan expects its records visible (pessimistic estimates; None before any estimate).
+        Returns when the plan expects its records visible, on the pessimistic estimates (None before any estimate).
 
-        Expected, not pessimistic: this only decides how long a cycle that misses the budget anyway keeps gathering,
-        and gathering past the moment the GPU frees would leave it idle. (The loop stops waiting as soon as the
-        cycle ahead is actually scored.)"""
+        The GPU's busy time is the expected one, not the pessimistic one: it only decides how long a cycle that misses
+        the budget anyway keeps gathering, and gathering past the moment the GPU frees would leave it idle. (The loop
+        stops waiting as soon as the cycle ahead is actually scored.)"""
         gpu_free_at = max(now, self._gpu_free_at or now) if gpu_busy else now
         scoring = self.engine.seconds(n_states) if n_states else 0.0
         committing = self.commit.seconds(n_states)
@@ -187,6 +194,12 @@ class LatencyBudget:
         started_commit = max(times.scored_at, self._last_committed_at)  # and the loop commits them in order
         if times.n_states:
             self.engine.add(times.n_states, max(0.0, times.scored_at - started_scoring))
+        if times.launched_at is not None:
+            lead = max(0.0, times.launched_at - times.closed_at)
+            if self.launch_lead is None:
+                self.launch_lead = RunningEstimate.first(lead)
+            else:
+                self.launch_lead.add(lead)
         self.commit.add(times.n_states, max(0.0, times.committed_at - started_commit))
         self._last_scored_at, self._last_committed_at = times.scored_at, times.committed_at
         missed = times.committed_at - times.first_arrival > self.budget_s
@@ -255,13 +268,14 @@ class CycleBudget:
             return None
         return self.state.submitted(closed_at, scored_states(cycle), gpu_busy=self._gpu_busy())
 
-    def committed(self, cycle: Cycle, closed_at: float, scored_at: float | None, now: float) -> None:
+    def committed(self, cycle: Cycle, closed_at: float, scored_at: float | None, now: float,
+                  launched_at: float | None = None) -> None:
         """``cycle`` committed at ``now``: learn its times, update the estimates' metrics, count a miss."""
         if self.state is None or cycle.arrived_at is None:
             return
         missed = self.state.committed(CycleTimes(
             n_states=scored_states(cycle), first_arrival=cycle.arrived_at, closed_at=closed_at,
-            scored_at=scored_at or now, committed_at=now))
+            scored_at=scored_at or now, committed_at=now, launched_at=launched_at))
         metrics.observe_budget(self.state.engine.values(), self.state.commit.values(), missed)
 
     def forget_order(self) -> None:

@@ -75,6 +75,7 @@ class InFlight:
     future: Future
     closed_at: float  # when the loop decided to close the cycle
     planned_visible_at: float | None = None  # when the latency budget's plan expects it visible
+    launched_at: float | None = None  # when its batch was queued on the device (set on the GPU thread)
     scored_at: float | None = None  # when its scores were ready (set on the scoring thread)
 
 
@@ -270,8 +271,8 @@ class Worker:
         jobs = [BatchJob(cycle.batches[key].handle, list(cycle.batches[key].rows)) for key in keys]
         if jobs:  # one GPU batch, every schema's states together
             metrics.BATCH_SIZE.observe(sum(len(job.rows) for job in jobs))
-        planned_visible_at = self._budget.submitted(closed_at, cycle)
-        inflight = InFlight(cycle, keys, self._scorer.submit(jobs), closed_at, planned_visible_at)
+        inflight = InFlight(cycle, keys, Future(), closed_at, self._budget.submitted(closed_at, cycle))
+        inflight.future = self._scorer.submit(jobs, on_launched=lambda at: setattr(inflight, "launched_at", at))
         inflight.future.add_done_callback(lambda _: setattr(inflight, "scored_at", monotonic()))
         self._inflight.append(inflight)
 
@@ -300,7 +301,7 @@ class Worker:
         self._inflight.popleft()
         self._release_pins(cycle)
         self._assignment.on_committed(offsets)
-        self._budget.committed(cycle, inflight.closed_at, inflight.scored_at, monotonic())
+        self._budget.committed(cycle, inflight.closed_at, inflight.scored_at, monotonic(), inflight.launched_at)
         metrics.count_committed(monotonic() - (cycle.arrived_at or monotonic()), out.scored, out.dead_letters_by_code())
         log.debug("committed %d scored, %s dead letters, offsets %s", sum(out.scored.values()),
                   out.dead_letters_by_code(), partition_names(cycle.offsets(), with_offsets=True))

@@ -24,8 +24,14 @@ FILL_WAIT = Histogram(
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
 )
 ENGINE_SECONDS = Histogram(
-    "decider_engine_seconds", "Device time of one batch (tokenized rows in, probabilities out)",
+    "decider_engine_seconds", "One batch on the device: from its launch, or from the end of the batch queued "
+    "ahead of it, to its probabilities read",
     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
+)
+LAUNCH_SECONDS = Histogram(
+    "decider_batch_launch_seconds", "Host time to queue one batch on the device (on the GPU thread: waiting for its "
+    "tokenization, building the step inputs, the launch)",
+    buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1),
 )
 COMMIT_SECONDS = Histogram(
     "decider_transaction_commit_seconds", "One transaction: produce, flush, send offsets, commit",

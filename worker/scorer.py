@@ -220,22 +220,25 @@ class Scorer:
         """A future of the engine's tokenized row for ``text`` (runs on the tokenizer pool)."""
         return self._tokenizers.submit(lambda: self._se.tokenize(handle_future.result(), text))
 
-    def submit(self, jobs: Sequence[BatchJob]) -> Future:
+    def submit(self, jobs: Sequence[BatchJob], on_launched: Callable[[float], None] | None = None) -> Future:
         """Score a cycle's batches, every schema's states in one mixed GPU batch (the engine reads each row's prefix by
         index): a future of, per job, one ``ScoredState`` per state.
 
         The GPU thread only launches the batch; the collector thread waits for it and reads the scores. So a cycle
         submitted while the one before it is still on the device is queued right behind it, and the device does not
-        wait for the previous cycle's scores to be read, nor for the GPU thread to get the GIL back from the loop."""
+        wait for the previous cycle's scores to be read, nor for the GPU thread to get the GIL back from the loop.
+        ``on_launched(t)`` is called (on the GPU thread) once the batch is queued on the device, ``t`` in
+        ``time.monotonic()`` seconds."""
         scored: Future = Future()
         if not jobs:  # a cycle of dead letters only: nothing to wait for behind the GPU's queue
             scored.set_result([])
             return scored
-        self._gpu.submit(self._launch_jobs, list(jobs), scored)
+        self._gpu.submit(self._launch_jobs, list(jobs), scored, on_launched)
         return scored
 
-    def _launch_jobs(self, jobs: list[BatchJob], scored: Future) -> None:
+    def _launch_jobs(self, jobs: list[BatchJob], scored: Future, on_launched: Callable[[float], None] | None) -> None:
         """(GPU thread) Launch the jobs' ready states; hand the rest of the work to the collector."""
+        started = time.perf_counter()
         try:
             outcomes, ready = self._gather(jobs)
             requests = [(handle, row) for _, _, handle, row in ready]
@@ -245,6 +248,9 @@ class Scorer:
                     launch.pending = self._se.launch_mixed(requests)
                 except Exception as batch_error:
                     launch.results = self._one_by_one(requests, batch_error)
+                metrics.LAUNCH_SECONDS.observe(time.perf_counter() - started)
+                if on_launched is not None:
+                    on_launched(time.monotonic())
             self._collector.submit(self._collect, launch, scored)
         except BaseException as error:  # noqa: BLE001 - the loop must hear of it, not a thread's log
             scored.set_exception(error)

@@ -84,6 +84,12 @@ def test_waits_for_a_busy_gpu_only_when_the_budget_is_lost_anyway():
     # it frees too late to meet the budget: closing before it frees would not start the cycle sooner
     assert close_by(0.0, 0.0, 4, engine, commit, BUDGET, 1.0, gpu_free_at=0.09) == pytest.approx(0.09)
     assert close_by(0.0, 0.0, 4, engine, commit, BUDGET, MAX_WAIT, gpu_free_at=0.09) == MAX_WAIT
+    # ... less the time a closed cycle takes to reach the device, so that its batch is queued behind the one in flight
+    assert close_by(0.0, 0.0, 4, engine, commit, BUDGET, 1.0, gpu_free_at=0.09, launch_lead_s=0.004) == pytest.approx(0.086)
+    assert close_by(0.088, 0.0, 4, engine, commit, BUDGET, 1.0, gpu_free_at=0.09, launch_lead_s=0.004) <= 0.088
+    # the lead never moves a decision the budget makes, nor closes before the first state arrived
+    assert close_by(0.0, 0.0, 4, engine, commit, BUDGET, 1.0, gpu_free_at=0.03, launch_lead_s=0.004) == pytest.approx(0.075, rel=1e-3)
+    assert close_by(0.0, 0.0, 4, engine, commit, BUDGET, 1.0, gpu_free_at=0.09, launch_lead_s=0.5) == 0.0
 
 
 def test_a_cycle_of_dead_letters_only_plans_with_the_commit_alone():
@@ -123,6 +129,7 @@ def test_the_worker_state_learns_from_committed_cycles_and_counts_misses():
     assert 0.0 < budget.close_by(1.0, 1.0, 4, gpu_busy=False) < 1.1
     # a submitted cycle keeps the GPU busy for its expected scoring time; this cycle's budget is lost anyway, so it
     # gathers until then
+    assert budget.launch_lead is None      # no cycle said when it reached the device
     planned = budget.submitted(2.0, 4, gpu_busy=False)
     assert budget.close_by(2.0, 2.0, 4, gpu_busy=True) == pytest.approx(2.0 + budget.engine.by_bucket[4].mean)
     assert budget.close_by(2.0, 2.0, 4, gpu_busy=False) == 2.0
@@ -211,3 +218,16 @@ def test_the_budget_counts_from_the_earliest_arrival_of_a_cycles_states():
     on_consumption = _cycle_of(3, opened_at=2.000)
     assert on_consumption.arrived_at == on_consumption.opened_at == 2.000
     assert budget.close_by(2.002, cycle) == pytest.approx(budget.close_by(2.002, on_consumption) - 0.020)
+
+
+def test_the_launch_lead_is_learned_from_committed_cycles_and_moves_a_late_cycles_close():
+    budget = LatencyBudget(budget_s=0.05, max_wait_s=1.0)
+    for k in range(8):
+        t = float(k)
+        budget.committed(CycleTimes(n_states=4, first_arrival=t, closed_at=t, scored_at=t + 0.02, committed_at=t + 0.025,
+                                    launched_at=t + 0.003))
+    assert budget.launch_lead.mean == pytest.approx(0.003)
+    budget.submitted(10.0, 4, gpu_busy=False)            # the GPU is expected busy until 10.02
+    gpu_free_at = 10.0 + budget.engine.seconds(4, expected=True)
+    # a cycle that cannot make it whatever it does closes a launch's time before the GPU frees
+    assert budget.close_by(10.0, 9.99, 4, gpu_busy=True) == pytest.approx(gpu_free_at - 0.003)

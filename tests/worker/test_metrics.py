@@ -80,8 +80,8 @@ def test_metrics_health_and_json_logs_follow_the_run(stream, model_dir):
     assert _value(after, "decider_states_scored_total", schema_id="tickets") == n
     assert _value(after, "decider_dead_letters_total", reason="undecodable") == 1
     assert _value(after, "decider_transactions_total", outcome="committed") >= 1
-    for histogram in ("decider_batch_states", "decider_batch_fill_wait_seconds", "decider_engine_seconds",
-                      "decider_transaction_commit_seconds", "decider_cycle_seconds"):
+    for histogram in ("decider_batch_states", "decider_batch_fill_wait_seconds", "decider_batch_launch_seconds",
+                      "decider_engine_seconds", "decider_transaction_commit_seconds", "decider_cycle_seconds"):
         assert _value(after, f"{histogram}_count") > _value(before, f"{histogram}_count"), histogram
     assert _value(after, "decider_batch_states_sum") == n
     assert _value(after, "decider_prepared_schemas") == 1
