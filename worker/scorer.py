@@ -88,7 +88,6 @@ class ScoredState:
 class _Launch:
     """A cycle's batch between the GPU thread, which launched it, and the collector, which reads it."""
 
-    jobs: list[BatchJob]
     outcomes: list[list[ScoredState | None]]    # per job, per state; the unscorable ones filled in already
     ready: list[tuple[int, int, Any, Any]]      # (job, state, prepared schema, tokenized row) of the launched states
     launched_at: float
@@ -242,7 +241,7 @@ class Scorer:
         try:
             outcomes, ready = self._gather(jobs)
             requests = [(handle, row) for _, _, handle, row in ready]
-            launch = _Launch(jobs, outcomes, ready, time.perf_counter())
+            launch = _Launch(outcomes, ready, time.perf_counter())
             if requests:
                 try:
                     launch.pending = self._se.launch_mixed(requests)
