@@ -183,8 +183,7 @@ class SchemaEngine:
     def score_lists(self, h: PreparedSchema, rows: Sequence[TokenizedState], temperature=None) -> list[list[list[float]]]:
         """`score_rows` as plain Python: per state, per question, the probabilities of that question's options."""
         inv_temps = self._inv_temps(h, temperature)
-        return PendingScores([h] * len(rows), self._launch_requests([(h, r, inv_temps) for r in rows]),
-                             self._record_done()).result()
+        return self._launch([(h, r, inv_temps) for r in rows]).result()
 
     def score_mixed(self, requests: Sequence[tuple[PreparedSchema, TokenizedState]]) -> list[list[list[float]]]:
         """States of any mix of prepared schemas in one batch ((schema, tokenized state) pairs, each schema's own
@@ -199,8 +198,7 @@ class SchemaEngine:
         for h, _ in requests:
             if h.id not in temps:
                 temps[h.id] = self._inv_temps(h, None)
-        chunks = self._launch_requests([(h, r, temps[h.id]) for h, r in requests])
-        return PendingScores([h for h, _ in requests], chunks, self._record_done())
+        return self._launch([(h, r, temps[h.id]) for h, r in requests])
 
     def score_rows(self, h: PreparedSchema, rows: Sequence[TokenizedState], temperature=None) -> list[torch.Tensor]:
         """rows: from `tokenize`.  -> one [n_questions, MAX_OPTIONS] float32 CPU tensor per row."""
@@ -213,6 +211,9 @@ class SchemaEngine:
     @staticmethod
     def _inv_temps(h: PreparedSchema, temperature) -> list[float]:
         return [1.0 / t for t in resolve_temperatures(h.questions, temperature)]
+
+    def _launch(self, requests: Sequence[tuple[PreparedSchema, TokenizedState, list[float]]]) -> PendingScores:
+        return PendingScores([h for h, _, _ in requests], self._launch_requests(requests), self._record_done())
 
     def _record_done(self) -> torch.cuda.Event | None:
         """An event behind everything queued so far (None off CUDA, where nothing is queued)."""

@@ -67,6 +67,14 @@ class RunningEstimate:
         self.deviation += DEVIATION_GAIN * (abs(seconds - self.mean) - self.deviation)
         self.mean += MEAN_GAIN * (seconds - self.mean)
 
+    @classmethod
+    def folded(cls, estimate: "RunningEstimate | None", seconds: float) -> "RunningEstimate":
+        """``estimate`` with one more measured duration folded in (the first estimate when there is none yet)."""
+        if estimate is None:
+            return cls.first(seconds)
+        estimate.add(seconds)
+        return estimate
+
     @property
     def value(self) -> float:
         """The duration to plan with: mean plus DEVIATIONS mean deviations."""
@@ -86,10 +94,7 @@ class BucketedEstimates:
     def add(self, n: int, seconds: float) -> None:
         """Fold in the duration measured for a cycle of ``n`` scored states."""
         key = bucket(n)
-        if key in self.by_bucket:
-            self.by_bucket[key].add(seconds)
-        else:
-            self.by_bucket[key] = RunningEstimate.first(seconds)
+        self.by_bucket[key] = RunningEstimate.folded(self.by_bucket.get(key), seconds)
 
     def seconds(self, n: int, expected: bool = False) -> float | None:
         """The duration to plan with for ``n`` states (``expected``: the smoothed mean instead), or None before any
@@ -147,7 +152,7 @@ class CycleTimes:
     """What the loop measured of one committed cycle (monotonic seconds)."""
 
     n_states: int          # scored states in the cycle
-    first_arrival: float   # its first state consumed
+    first_arrival: float   # its first state arrived (``CycleBudget.arrival``)
     closed_at: float       # the loop decided to close it
     scored_at: float       # its scores were ready (all its batches)
     committed_at: float    # its transaction ended: its records are visible
@@ -195,11 +200,7 @@ class LatencyBudget:
         if times.n_states:
             self.engine.add(times.n_states, max(0.0, times.scored_at - started_scoring))
         if times.launched_at is not None:
-            lead = max(0.0, times.launched_at - times.closed_at)
-            if self.launch_lead is None:
-                self.launch_lead = RunningEstimate.first(lead)
-            else:
-                self.launch_lead.add(lead)
+            self.launch_lead = RunningEstimate.folded(self.launch_lead, max(0.0, times.launched_at - times.closed_at))
         self.commit.add(times.n_states, max(0.0, times.committed_at - started_commit))
         self._last_scored_at, self._last_committed_at = times.scored_at, times.committed_at
         missed = times.committed_at - times.first_arrival > self.budget_s

@@ -301,23 +301,25 @@ class Worker:
         self._inflight.popleft()
         self._release_pins(cycle)
         self._assignment.on_committed(offsets)
-        self._budget.committed(cycle, inflight.closed_at, inflight.scored_at, monotonic(), inflight.launched_at)
-        metrics.count_committed(monotonic() - (cycle.arrived_at or monotonic()), out.scored, out.dead_letters_by_code())
-        log.debug("committed %d scored, %s dead letters, offsets %s", sum(out.scored.values()),
-                  out.dead_letters_by_code(), partition_names(cycle.offsets(), with_offsets=True))
-        self._emit("committed", {"scored": sum(out.scored.values()), "dead_letters": out.dead_letters_by_code(),
+        committed_at = monotonic()
+        self._budget.committed(cycle, inflight.closed_at, inflight.scored_at, committed_at, inflight.launched_at)
+        scored, dead_letters = sum(out.scored.values()), out.dead_letters_by_code()
+        metrics.count_committed(committed_at - (cycle.arrived_at or committed_at), out.scored, dead_letters)
+        log.debug("committed %d scored, %s dead letters, offsets %s", scored, dead_letters,
+                  partition_names(cycle.offsets(), with_offsets=True))
+        self._emit("committed", {"scored": scored, "dead_letters": dead_letters,
                                  "samples": out.samples, "batches": {f"{k[0]} v{k[1]}": len(b.members) for k, b in cycle.batches.items()},
                                  "commit_ms": commit_ms, "offsets": [(tp.partition, tp.offset) for tp in cycle.offsets()],
-                                 **self._latency_fields(inflight)})
+                                 **self._latency_fields(inflight, committed_at)})
 
     @staticmethod
-    def _latency_fields(inflight: InFlight) -> dict[str, float | None]:
+    def _latency_fields(inflight: InFlight, committed_at: float) -> dict[str, float | None]:
         """A committed cycle's first state's arrival-to-visible time and, under a budget, what the plan expected."""
         arrived_at = inflight.cycle.arrived_at
         if arrived_at is None:
             return {}
         since_arrival = lambda at: None if at is None else round((at - arrived_at) * 1000, 2)  # noqa: E731
-        return {"arrival_to_visible_ms": since_arrival(monotonic()),
+        return {"arrival_to_visible_ms": since_arrival(committed_at),
                 "planned_visible_ms": since_arrival(inflight.planned_visible_at)}
 
     def _gpu_busy(self) -> bool:
