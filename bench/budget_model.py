@@ -9,8 +9,9 @@ lead); the loop, the GPU and Kafka are modelled, with costs fitted to stream_ben
   schema catch-up and launch take `--launch-ms` of the loop before the batch is queued on the device;
 - the GPU runs batches in order, each `--batch-fixed-ms + --per-row-ms x rows`, rows padded to the engine's graph
   bucket (`engine.graphs.B_BUCKETS`); scores are read `--collect-ms` later;
-- the loop commits cycles in order (`--commit-ms` of its time), noticing a scored cycle within `--poll-ms`, and keeps
-  at most two cycles in flight (it waits for the older one's commit after submitting a new one).
+- the loop's wait ends when a state is consumable (nothing in flight), when the oldest cycle in flight is scored, when
+  the planner's close time comes, or after `--poll-ms` (in flight); it commits cycles in order (`--commit-ms` of its
+  time) and keeps at most two cycles in flight (it waits for the older one's commit after submitting a new one).
 
 It is a model: use it to compare planner changes side by side, and the GPU to measure them. Example (run R's costs):
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import statistics
 import sys
@@ -41,7 +43,7 @@ class Costs:
     launch_ms: float = 1.5
     collect_ms: float = 0.3
     commit_ms: float = 2.7
-    poll_ms: float = 5.0
+    poll_ms: float = 5.0     # the loop's wait for messages while a cycle is in flight (its scores end it sooner)
 
 
 @dataclass
@@ -67,7 +69,7 @@ def simulate(rate: float, budget_ms: float, costs: Costs, seconds: float = 20.0,
     latencies, batches = [], []
     inflight: list[_Cycle] = []
     open_states: list[float] = []
-    now = busy_until = gpu_free = next_poll = 0.0
+    now = busy_until = gpu_free = next_wake = 0.0
     i = 0
 
     def commit_oldest(at: float) -> float:
@@ -81,18 +83,24 @@ def simulate(rate: float, budget_ms: float, costs: Costs, seconds: float = 20.0,
 
     while i < len(arrivals) or open_states or inflight:
         now += tick_ms
-        if now < busy_until or (now < next_poll and not (i < len(arrivals) and arrivals[i][1] <= now)):
+        if now < busy_until:
+            continue
+        consumable = i < len(arrivals) and arrivals[i][1] <= now
+        scored = bool(inflight) and inflight[0].scored <= now
+        # the loop's wait ends on a message while nothing is in flight, else on the oldest cycle's scores
+        if now < next_wake and not scored and not (consumable and not inflight):
             continue
         while i < len(arrivals) and arrivals[i][1] <= now and len(open_states) < max_batch:
             open_states.append(arrivals[i][0])
             i += 1
-        if inflight and inflight[0].scored <= now:
+        if scored:
             busy_until = commit_oldest(now)
             continue
         gpu_busy = bool(inflight) and inflight[-1].scored > now
+        close_at = math.inf
         if open_states:
             first, n = min(open_states), len(open_states)
-            close_at = planner.close_by(now / 1000, first / 1000, n, gpu_busy) * 1000
+            close_at = planner.close_by(now / 1000, first / 1000, gpu_busy) * 1000
             if n >= max_batch or now >= close_at or i >= len(arrivals):
                 planner.submitted(now / 1000, n, gpu_busy)
                 launched = now + costs.launch_ms
@@ -103,7 +111,7 @@ def simulate(rate: float, budget_ms: float, costs: Costs, seconds: float = 20.0,
                 while len(inflight) > 1:
                     busy_until = commit_oldest(max(busy_until, inflight[0].scored))
                 continue
-        next_poll = now + (costs.poll_ms if inflight else 100.0)
+        next_wake = min(now + (costs.poll_ms if inflight else 100.0), close_at)
     measured = sorted(latencies[len(latencies) // 5:])
     quantile = lambda q: measured[int(q * (len(measured) - 1))]  # noqa: E731
     return dict(rate=rate, budget_ms=budget_ms, p50_ms=round(quantile(0.5), 1), p99_ms=round(quantile(0.99), 1),

@@ -105,14 +105,15 @@ def create_topics(cluster: Cluster | str, topics: Topics, partitions: int, repli
     return outcome
 
 
-def plain_producer(cluster: Cluster | str) -> Producer:
-    """An idempotent, non-transactional producer for the CLI's schema put / produce commands."""
+def plain_producer(cluster: Cluster | str, linger_ms: int = 5) -> Producer:
+    """An idempotent, non-transactional producer for the CLI's schema put / produce commands (``linger_ms``: how long
+    a record may wait for others to share its request; it is part of every record's latency)."""
     return Producer({
         **base_config(cluster),
         "enable.idempotence": True,  # retries never duplicate or reorder a produced state
         # Java-client-compatible key hashing, so a state id lands on the same partition whoever produces it.
         "partitioner": "murmur2_random",
-        "linger.ms": 5,
+        "linger.ms": linger_ms,
     })
 
 

@@ -1,12 +1,22 @@
-"""The latency budget (``--latency-budget-ms``): when to close the open cycle so that its first state's record is
-visible to read_committed readers within the budget of that state's *arrival*.
+"""The latency budget (``--latency-budget-ms``): close each cycle so that its first state's record is visible to
+read_committed readers as soon after that state's *arrival* as the load allows, and count the cycles that were not
+visible within the budget.
 
 A state arrives when its record was written to Kafka: the record's timestamp (the producer's create time, or the
 broker's log-append time), so that the time it spent in Kafka before the worker consumed it is spent from the
 budget, as a reader measuring from the record's timestamp sees it. Where that time cannot count, the state arrives
 when the worker consumed it: a record without a timestamp, one stamped in the future (the producer's clock ahead of
 ours), and one older than the whole budget when consumed (a backlog, a replay): it cannot be on time whatever the
-worker does, and counting from its timestamp would close every cycle at once and cut a backlog into tiny batches.
+worker does, and counting from its timestamp would make every cycle a miss and its plans meaningless.
+
+The budget is a deadline, not a batching target, so a cycle never waits for more states while the GPU could score
+it: it closes at once when the GPU is idle and, when a cycle is in flight, when that one is expected to finish less
+the time a closed cycle takes to be queued on the device (the *launch lead*), so that its batch is queued behind the
+one in flight. States that arrive while a batch runs make the next batch: the queue sets the batch size, which grows
+with the load up to --max-batch, so throughput is what the GPU sustains. Gathering longer, up to the latest close
+that still meets the cycle's own deadline, was tried first (runs P and R in bench/README.md): each cycle's larger
+batch held the GPU past the next cycle's deadline, and at 50 ms and half load every cycle closed already late.
+``bench/budget_model.py`` compares the two. --max-wait-ms still caps a cycle's wait for a busy GPU.
 
 A cycle closed at time ``t`` is scored when the GPU is free (the cycle in flight ahead of it finishes at ``g``),
 and its transaction commits after its scores are ready and after the cycle ahead of it committed:
@@ -17,10 +27,9 @@ where ``E(n)`` is the time from closing a cycle of ``n`` scored states to its sc
 catch-up, the tokenization still pending, the engine) and ``C(n)`` the time from its scores being ready to the
 end of its transaction (building the output records, the transaction itself, the loop noticing). Both are
 learned from the cycles the loop commits, per batch bucket (the power of two at or above ``n``), as running
-estimates that are deliberately pessimistic: the smoothed mean plus four smoothed mean deviations (RFC 6298's
-retransmission timer, which has the same job: a deadline that is rarely too early). A cycle that cannot be on time
-however soon it closes gathers until the GPU frees, less the time a closed cycle takes to be queued on the device
-(learned as a mean), so that its batch is queued behind the one in flight rather than launched after it.
+estimates: their smoothed means say when the GPU frees, and the pessimistic values (the mean plus four smoothed
+mean deviations, RFC 6298's retransmission timer) give each submitted cycle's *plan*, logged with its commit, so
+that plans against outcomes show whether the budget can be met at this load.
 
 The estimates and the plan are pure (no clock, no Kafka): the loop hands in the times it measured. ``CycleBudget`` is
 the loop's side of it: it takes the loop's cycles, keeps the budget's state and reports to the metrics, and does
@@ -116,29 +125,16 @@ class BucketedEstimates:
         return {b: e.value for b, e in sorted(self.by_bucket.items())}
 
 
-def close_by(now: float, first_arrival: float, n_states: int, engine: BucketedEstimates, commit: BucketedEstimates,
-             budget_s: float, max_wait_s: float, gpu_free_at: float | None = None, launch_lead_s: float = 0.0) -> float:
-    """The latest (monotonic) time at which the open cycle may close so that its first state's record is visible by
-    ``first_arrival + budget_s``, capped at ``first_arrival + max_wait_s``.
+def close_by(now: float, first_arrival: float, max_wait_s: float, gpu_free_at: float | None = None,
+             launch_lead_s: float = 0.0) -> float:
+    """When the open cycle closes: as soon as the GPU can take it, capped at ``first_arrival + max_wait_s``.
 
-    ``n_states``: the cycle's scored states so far (0: dead letters only, nothing to score); ``gpu_free_at``: when the
-    cycle in flight is expected to finish scoring (None or past: the GPU is free now). Returns ``first_arrival`` (close
-    at once) before any estimate exists. When the budget cannot be met however soon the cycle closes, because the GPU
-    frees too late, returns that moment less ``launch_lead_s`` (the time from closing a cycle to its batch being queued
-    on the device: schema catch-up, tokenization, launch): the cycle could not start earlier, states joining it until
-    then wait no longer than they would in the next cycle, and closing that much ahead queues its batch behind the one
-    in flight instead of leaving the GPU idle while it is launched."""
-    cap = first_arrival + max_wait_s
-    scoring = engine.seconds(n_states) if n_states else 0.0
-    committing = commit.seconds(n_states)
-    if scoring is None or committing is None:
-        return first_arrival
-    deadline = first_arrival + budget_s
-    gpu = max(now, gpu_free_at if gpu_free_at is not None else now)
-    latest = deadline - scoring - committing
-    if visible_at(latest, gpu, scoring, committing) > deadline + 1e-9:
-        return min(cap, max(gpu - launch_lead_s if gpu > now else now, first_arrival))
-    return min(cap, latest)
+    ``gpu_free_at``: when the cycle in flight is expected to finish scoring (None or past: the GPU is free now, and
+    the cycle closes at once); ``launch_lead_s``: the time from closing a cycle to its batch being queued on the device
+    (schema catch-up, tokenization, launch), so that a cycle closed that much before the GPU frees is queued behind
+    the batch in flight. See the module's docstring for why it never waits longer."""
+    can_take = now if gpu_free_at is None else max(now, gpu_free_at - launch_lead_s)
+    return min(first_arrival + max_wait_s, can_take)
 
 
 def visible_at(close: float, gpu_free_at: float, scoring_s: float, committing_s: float) -> float:
@@ -172,19 +168,18 @@ class LatencyBudget:
         self._last_committed_at = -math.inf
         self._gpu_free_at: float | None = None
 
-    def close_by(self, now: float, first_arrival: float, n_states: int, gpu_busy: bool) -> float:
+    def close_by(self, now: float, first_arrival: float, gpu_busy: bool) -> float:
         """When the open cycle should close (see ``close_by``); ``gpu_busy``: a submitted cycle is not scored yet."""
-        return close_by(now, first_arrival, n_states, self.engine, self.commit, self.budget_s, self.max_wait_s,
-                        self._gpu_free_at if gpu_busy else None,
+        return close_by(now, first_arrival, self.max_wait_s, self._gpu_free_at if gpu_busy else None,
                         self.launch_lead.mean if self.launch_lead is not None else 0.0)
 
     def submitted(self, now: float, n_states: int, gpu_busy: bool) -> float | None:
         """A cycle of ``n_states`` was closed at ``now`` and submitted: expect the GPU busy until it is scored.
         Returns when the plan expects its records visible, on the pessimistic estimates (None before any estimate).
 
-        The GPU's busy time is the expected one, not the pessimistic one: it only decides how long a cycle that misses
-        the budget anyway keeps gathering, and gathering past the moment the GPU frees would leave it idle. (The loop
-        stops waiting as soon as the cycle ahead is actually scored.)"""
+        The GPU's busy time is the expected one, not the pessimistic one: it decides when the next cycle closes, and
+        closing after the GPU frees would leave it idle. (The loop closes the next cycle at once when the cycle ahead
+        is scored sooner.)"""
         gpu_free_at = max(now, self._gpu_free_at or now) if gpu_busy else now
         scoring = self.engine.seconds(n_states) if n_states else 0.0
         committing = self.commit.seconds(n_states)
@@ -254,13 +249,13 @@ class CycleBudget:
         """When the budget closes the open ``cycle`` (monotonic seconds); None without a budget or an opened cycle."""
         if self.state is None or cycle.arrived_at is None:
             return None
-        return self.state.close_by(now, cycle.arrived_at, scored_states(cycle), self._gpu_busy())
+        return self.state.close_by(now, cycle.arrived_at, self._gpu_busy())
 
     def due(self, now: float, cycle: Cycle) -> bool:
         """Whether the budget closes the open ``cycle`` now."""
         if self.state is None or not len(cycle):
             return False
-        return now >= self.state.close_by(now, cycle.arrived_at, scored_states(cycle), self._gpu_busy())
+        return now >= self.state.close_by(now, cycle.arrived_at, self._gpu_busy())
 
     def submitted(self, closed_at: float, cycle: Cycle) -> float | None:
         """``cycle``, closed at ``closed_at``, goes to the GPU (call before it counts as in flight). -> when the plan

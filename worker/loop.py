@@ -27,7 +27,7 @@ import math
 import threading
 import time
 from collections import deque
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from dataclasses import dataclass
 
 from confluent_kafka import KafkaException
@@ -190,8 +190,8 @@ class Worker:
         wait_deadline = self._cycle.wait_deadline()
         if wait_deadline is not None:
             until_due = min(until_due if until_due is not None else math.inf, max(0.0, wait_deadline - now))
-        # A cycle on the GPU is committed by the first step after it finishes: wait briefly, so that a quiet
-        # stream (no message ends the wait early) does not add the wait to that cycle's latency.
+        # While a cycle is on the GPU the wait ends when its scores are ready (``_next_message``); wait briefly all
+        # the same, so that messages fetched meanwhile are routed while it runs.
         timeout = 0.005 if self._inflight else 0.1
         if until_due is not None:
             close_by = self._budget.close_by(now, self._cycle)
@@ -206,7 +206,7 @@ class Worker:
         *wait* for more states, never the taking of states already here: a backlog is taken in full batches
         (a deadline on taking would cap batches at what one deadline's worth of routing allows, below the
         load the GPU can carry)."""
-        message = self._consumer.poll(timeout)
+        message = self._next_message(timeout)
         count = 0
         while message is not None:
             self._take(message)
@@ -214,6 +214,20 @@ class Worker:
             if count >= self.config.max_batch or self._cycle.full(self.config.max_batch):
                 return
             message = self._consumer.poll(0)
+
+    def _next_message(self, timeout: float):
+        """The next message, waiting up to ``timeout`` for one or, while a cycle is being scored, for its scores: a
+        consumer's poll cannot be woken by another thread, so the loop waits on the scores and takes the messages
+        fetched meanwhile when they are ready. The cycle is then committed at once rather than at the end of a poll
+        (a wait of up to its timeout, spent from every record's latency)."""
+        scoring = self._inflight[0].future if self._inflight else None
+        if scoring is None or scoring.done() or timeout <= 0:
+            return self._consumer.poll(timeout)
+        message = self._consumer.poll(0)
+        if message is None:
+            wait([scoring], timeout)
+            message = self._consumer.poll(0)
+        return message
 
     def _take(self, message) -> None:
         """One polled message: an error to act on, or a record to decode and route."""

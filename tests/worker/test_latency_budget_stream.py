@@ -1,7 +1,7 @@
 """--latency-budget-ms on a real worker (embedded broker, tiny model on the CPU): at a modest offered rate, with a
 --max-wait-ms far longer than the budget, records become visible within the budget of their production (an upper
-bound of the arrival the worker promises against), batches still gather several states, and the budget's estimates
-and misses are exported."""
+bound of the arrival the worker promises against), cycles close when the device can take them rather than waiting
+for more states, and the budget's estimates and misses are exported."""
 
 from __future__ import annotations
 
@@ -85,12 +85,11 @@ def test_records_are_visible_within_the_budget_at_a_modest_rate(stream, model_di
     latencies = sorted((visible[s] - produced[s]) * 1000 for s in produced)
     p50, p90 = statistics.median(latencies), latencies[int(0.9 * (len(latencies) - 1))]
     assert p90 <= BUDGET_MS, (p50, p90, latencies[-5:], worker.log()[-3000:])
-    # The budget is spent on gathering states, not given away: cycles wait well past a lone state's scoring.
-    assert p50 >= BUDGET_MS / 8, (p50, p90)
+    # A cycle does not wait for more states while the device could score it (gathering up to the latest close that
+    # meets its own deadline would put the median near the budget: well over half of it).
+    assert p50 < BUDGET_MS / 2, (p50, p90)
 
     samples = _samples(port)
-    batches = _value(samples, "decider_batch_states_sum") / _value(samples, "decider_batch_states_count")
-    assert batches >= 3, batches
     estimated = {dict(labels)["batch"]: v for (name, labels), v in samples.items() if name == "decider_estimated_engine_seconds"}
     # Every bucket measured has a positive estimate, and the worker plans with some that fit the budget. Not all of
     # them need to: an estimate is the mean plus four deviations, so a bucket seen only in a few slow cycles of this
