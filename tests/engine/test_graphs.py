@@ -8,14 +8,15 @@ from .conftest import make_questions, make_states
 
 def test_batch_buckets_cover_every_batch_up_to_max_batch():
     assert batch_buckets(1) == [1]
-    assert batch_buckets(32) == [1, 2, 4, 8, 12, 16, 24, 32]
-    assert batch_buckets(44) == [1, 2, 4, 8, 12, 16, 24, 32, 40, 48]     # 41-48 states run in the 48 graph
+    assert batch_buckets(32) == [1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 28, 32]
+    assert batch_buckets(44) == [*batch_buckets(32), 40, 48]     # 41-48 states run in the 48 graph
     assert batch_buckets(1000) == list(B_BUCKETS)            # chunks of 128 and any remainder
 
 
 def test_shapes_pad_to_buckets_and_fall_back_to_eager_past_them():
     g = GraphManager(enabled=True)
-    assert g.shape(17, 182) == StepShape(24, 184, graphed=True)
+    assert g.shape(17, 182) == StepShape(20, 184, graphed=True)
+    assert g.shape(5, 182) == StepShape(5, 184, graphed=True)
     assert g.shape(1, 5) == StepShape(1, 32, graphed=True)
     assert g.shape(3, TS_BUCKETS[-1] + 1) == StepShape(3, TS_BUCKETS[-1] + 1, graphed=False)
     assert g.shape(B_BUCKETS[-1] + 1, 40) == StepShape(B_BUCKETS[-1] + 1, 40, graphed=False)
@@ -24,8 +25,9 @@ def test_shapes_pad_to_buckets_and_fall_back_to_eager_past_them():
 
 def test_warmup_order_is_largest_first_one_shape_per_bucket():
     g = GraphManager(enabled=True)
-    order = g.warmup_order([1, 8, 7], [100, 97, 60])
-    assert order == [StepShape(8, 104, True), StepShape(8, 64, True), StepShape(1, 104, True), StepShape(1, 64, True)]
+    order = g.warmup_order([1, 8, 9, 10], [100, 97, 60])
+    assert order == [StepShape(10, 104, True), StepShape(10, 64, True), StepShape(8, 104, True), StepShape(8, 64, True),
+                     StepShape(1, 104, True), StepShape(1, 64, True)]
     assert GraphManager(enabled=False).warmup_order([1, 8], [100]) == []
 
 
