@@ -121,8 +121,8 @@ class Stream:
         if device.startswith("cuda"):
             env["CUDA_VISIBLE_DEVICES"] = str(i % max(1, self.args.gpus))
             device = "cuda:0"
-            # the states are of one length: capture every batch size's graph when the schema is prepared
-            gpu_flags = ["--warmup-state-tokens", str(self.args.state_tokens)]
+            # capture every batch size's graph at the states' lengths when the schema is prepared
+            gpu_flags = ["--warmup-state-tokens", self.args.warmup_state_tokens]
         budget_flags = [] if self.latency_budget_ms is None else ["--latency-budget-ms", str(self.latency_budget_ms)]
         t = self.topics
         cmd = [sys.executable, "-m", "worker", "worker", "-b", self.bootstrap, "--model", str(self.model_dir),
@@ -414,7 +414,7 @@ def replay_phase(args, bootstrap, model_dir, live_name: str, logs) -> dict:
                  dead_letter=f"{live_name}.replay.dead-letter")
     create_topics(bootstrap, out, args.partitions)
     device = "cuda:0" if args.device.startswith("cuda") else "cpu"
-    gpu_flags = ["--warmup-state-tokens", str(args.state_tokens)] if device != "cpu" else []
+    gpu_flags = ["--warmup-state-tokens", args.warmup_state_tokens] if device != "cpu" else []
     cmd = [sys.executable, "-m", "worker", "replay", "-b", bootstrap, "--model", str(model_dir), "--device", device,
            "--name", f"bench-{live_name}", "--states-topic", live.states, "--schemas-topic", live.schemas,
            "--output-topic", out.probabilities, "--dead-letter-topic", out.dead_letter,
@@ -498,6 +498,11 @@ def main(argv=None) -> dict:
     schema_file = root / "schema.json"
     schema_file.write_text(json.dumps(document))
     texts = states(tok, 256, args.state_tokens, seed=3)
+    # up to --state-tokens each (a few tokens short where a word would not fit): their suffixes can fall into two
+    # length buckets, and a graph first captured mid-phase stalls the stream (with kernels compiled for a new length,
+    # for seconds), so the workers warm up both ends
+    lengths = [len(tok.encode(t, add_special_tokens=False)) for t in texts]
+    args.warmup_state_tokens = ",".join(str(n) for n in sorted({min(lengths), max(lengths)}))
     env = dict(date=datetime.date.today().isoformat(), device=args.device,
                gpu=torch.cuda.get_device_name(0) if args.device.startswith("cuda") else "cpu",
                workers=args.workers, gpus=args.gpus, partitions=args.partitions, max_batch=args.max_batch,

@@ -84,6 +84,16 @@ class ScoredState:
     error: str | None = None
 
 
+def _warn_captured(requests: Sequence[tuple[Any, Any]], seconds: float) -> None:
+    """A batch captured a CUDA graph on the stream's path (a batch size or length not warmed up): say what it cost
+    and how to avoid it. A first capture at a new length can also compile kernels: seconds, not milliseconds."""
+    lengths = [len(row.ids) for _, row in requests]
+    log.warning("a batch of %d states (rows of %d to %d tokens: state and answer slots) captured a CUDA graph on the "
+                "stream's path, which held it %.0f ms; --warmup-state-tokens with the lengths your states have "
+                "captures their graphs when a schema is prepared instead", len(requests), min(lengths), max(lengths),
+                seconds * 1000)
+
+
 @dataclass
 class _Launch:
     """A cycle's batch between the GPU thread, which launched it, and the collector, which reads it."""
@@ -243,11 +253,14 @@ class Scorer:
             requests = [(handle, row) for _, _, handle, row in ready]
             launch = _Launch(outcomes, ready, time.perf_counter())
             if requests:
+                captures = self._se.graph_stats()["captures"]
                 try:
                     launch.pending = self._se.launch_mixed(requests)
                 except Exception as batch_error:
                     launch.results = self._one_by_one(requests, batch_error)
                 metrics.LAUNCH_SECONDS.observe(time.perf_counter() - started)
+                if self._se.graph_stats()["captures"] > captures:
+                    _warn_captured(requests, time.perf_counter() - started)
                 if on_launched is not None:
                     on_launched(time.monotonic())
             self._collector.submit(self._collect, launch, scored)

@@ -1,5 +1,6 @@
 """Engine-path metrics on a CUDA device (run on the GPU machine: pytest -m gpu): batches go through captured
-CUDA graphs, so /metrics counts graph captures and replays (on CPU both stay 0: tests/worker/test_metrics.py)."""
+CUDA graphs, so /metrics counts graph captures and replays (on CPU both stay 0: tests/worker/test_metrics.py), and
+a capture on the stream's path is logged."""
 
 from __future__ import annotations
 
@@ -28,4 +29,6 @@ def test_graph_captures_and_replays_are_exported(stream, model_dir):
     paths = {s.labels["path"]: s.value for f in text_string_to_metric_families(text) for s in f.samples
              if s.name == "decider_engine_batches"}
     assert paths["captures"] >= 1 and paths["replays"] >= 1, paths
+    # no --warmup-state-tokens: the captures happened on the stream's path, and the log says what they cost
+    assert "captured a CUDA graph on the stream's path" in worker.log(), worker.log()
     assert worker.stop() == 0, worker.log()
