@@ -2,7 +2,8 @@
 
 What p50/p99 (record timestamp -> visible) can a budget reach at a given rate, given what a batch costs on the GPU?
 The planner is the real one (`worker.latency_budget.LatencyBudget`: its estimates, `close_by`, the learned launch
-lead); the loop, the GPU and Kafka are modelled, with costs fitted to stream_bench runs' stage means:
+lead); the loop, the GPU and Kafka are modelled, with costs fitted to stream_bench runs' stage means (the defaults:
+run V's, bench/README.md):
 
 - states arrive at `--rate` (Poisson); each is consumable `--kafka-ms` (uniform range) after its timestamp;
 - the loop consumes what is consumable (up to --max-batch), asks the planner whether to close, and closes: the
@@ -13,9 +14,10 @@ lead); the loop, the GPU and Kafka are modelled, with costs fitted to stream_ben
   the planner's close time comes, or after `--poll-ms` (in flight); it commits cycles in order (`--commit-ms` of its
   time) and keeps at most two cycles in flight (it waits for the older one's commit after submitting a new one).
 
-It is a model: use it to compare planner changes side by side, and the GPU to measure them. Example (run R's costs):
+It is a model: use it to compare planner changes side by side, and the GPU to measure them. Example (run V's costs
+and rate):
 
-    python bench/budget_model.py --rate 896 --budgets 25,50,100
+    python bench/budget_model.py --rate 829 --budgets 25,50,100
 """
 from __future__ import annotations
 
@@ -37,12 +39,12 @@ from worker.latency_budget import CycleTimes, LatencyBudget  # noqa: E402
 @dataclass
 class Costs:
     """What the modelled worker's steps take, in ms."""
-    batch_fixed_ms: float = 4.6
-    per_row_ms: float = 0.52
-    kafka_ms: tuple[float, float] = (2.0, 8.0)
-    launch_ms: float = 1.5
+    batch_fixed_ms: float = 2.4
+    per_row_ms: float = 0.5
+    kafka_ms: tuple[float, float] = (0.5, 2.0)
+    launch_ms: float = 1.05
     collect_ms: float = 0.3
-    commit_ms: float = 2.7
+    commit_ms: float = 2.27
     poll_ms: float = 5.0     # the loop's wait for messages while a cycle is in flight (its scores end it sooner)
 
 
@@ -121,7 +123,7 @@ def simulate(rate: float, budget_ms: float, costs: Costs, seconds: float = 20.0,
 
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rate", type=float, default=896.0, help="offered states/s")
+    ap.add_argument("--rate", type=float, default=829.0, help="offered states/s")
     ap.add_argument("--budgets", default="25,50,100", help="comma-separated budgets in ms")
     ap.add_argument("--seconds", type=float, default=20.0, help="modelled seconds of traffic")
     ap.add_argument("--quick", action="store_true", help="2 modelled seconds (a test)")
@@ -129,7 +131,7 @@ def main(argv=None) -> list[dict]:
     defaults = Costs()
     for name in ("batch_fixed_ms", "per_row_ms", "launch_ms", "collect_ms", "commit_ms", "poll_ms"):
         ap.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(defaults, name))
-    ap.add_argument("--kafka-ms", default="2,8", help="min,max ms from a record's timestamp to consumable")
+    ap.add_argument("--kafka-ms", default="0.5,2", help="min,max ms from a record's timestamp to consumable")
     args = ap.parse_args(argv)
     costs = Costs(args.batch_fixed_ms, args.per_row_ms, tuple(float(x) for x in args.kafka_ms.split(",")),
                   args.launch_ms, args.collect_ms, args.commit_ms, args.poll_ms)

@@ -173,10 +173,11 @@ def worker(
     max_wait_ms: int = typer.Option(DEFAULTS["max_wait_ms"], "--max-wait-ms", envvar="DECIDER_MAX_WAIT_MS", help="...or this long after its first state."),
     latency_budget_ms: Optional[int] = typer.Option(
         None, "--latency-budget-ms", envvar="DECIDER_LATENCY_BUDGET_MS", min=1, max=MAX_LATENCY_BUDGET_MS,
-        help="Close each batch early enough that its records are visible to read_committed readers within this many ms "
-             "of its first state's arrival (its record's timestamp; when consumed, if that is missing, ahead of this host's "
-             "clock or already older than the budget), planned from running estimates of scoring "
-             "and commit time per batch size; --max-wait-ms still caps the wait. Default: no budget."),
+        help="Make each state's record visible to read_committed readers within this many ms of its arrival (its "
+             "record's timestamp; when consumed, if that is missing, ahead of this host's clock or already older than "
+             "the budget): a batch never waits for more states while the GPU could score it, and closes when the batch "
+             "ahead of it is expected to finish (running estimates of scoring and commit time per batch size), so "
+             "batches grow with the load; misses are counted. --max-wait-ms still caps the wait. Default: no budget."),
     session_timeout_ms: int = typer.Option(DEFAULTS["session_timeout_ms"], "--session-timeout-ms", envvar="DECIDER_SESSION_TIMEOUT_MS", help="Consumer group session timeout."),
     probabilities_topic: str = ProbabilitiesTopicOpt,
 ) -> None:

@@ -7,7 +7,7 @@ broker's log-append time), so that the time it spent in Kafka before the worker 
 budget, as a reader measuring from the record's timestamp sees it. Where that time cannot count, the state arrives
 when the worker consumed it: a record without a timestamp, one stamped in the future (the producer's clock ahead of
 ours), and one older than the whole budget when consumed (a backlog, a replay): it cannot be on time whatever the
-worker does, and counting from its timestamp would make every cycle a miss and its plans meaningless.
+worker does, and counting from its timestamp would find its --max-wait-ms already spent and close every cycle at once.
 
 The budget is a deadline, not a batching target, so a cycle never waits for more states while the GPU could score
 it: it closes at once when the GPU is idle and, when a cycle is in flight, when that one is expected to finish less
@@ -228,12 +228,12 @@ class CycleBudget:
         if self.state is None:
             return
         metrics.LATENCY_BUDGET_SECONDS.set(self.state.budget_s)
-        log.info("latency budget %d ms: each cycle closes early enough that its first state's record is visible to "
-                 "read_committed readers within %d ms of the state's arrival (its record's timestamp; when this worker "
-                 "consumed it for records without one, stamped ahead of this host's clock, or already older than the "
-                 "budget), planned from running estimates of scoring and commit time per batch size; "
-                 "--max-wait-ms %s caps the wait for more states; until a cycle has been measured, cycles close as "
-                 "soon as they open", self.budget_ms, self.budget_ms, max_wait_ms)
+        log.info("latency budget %d ms: each state's record should be visible to read_committed readers within %d ms "
+                 "of its arrival (its record's timestamp; when this worker consumed it for records without one, stamped "
+                 "ahead of this host's clock, or already older than the budget); a cycle closes as soon as the GPU can "
+                 "take it (at once when idle, else when the batch ahead is expected to finish, from running estimates "
+                 "per batch size), never waiting for more states, and the cycles visible later than the budget are "
+                 "counted; --max-wait-ms %s caps the wait for a busy GPU", self.budget_ms, self.budget_ms, max_wait_ms)
 
     def arrival(self, consumed_at: float, timestamp_ms: int | None) -> float:
         """When a state consumed at ``consumed_at`` (monotonic) arrived, on the same clock: see the module's docstring
