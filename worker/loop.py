@@ -221,8 +221,10 @@ class Worker:
         fetched meanwhile when they are ready. The cycle is then committed at once rather than at the end of a poll
         (a wait of up to its timeout, spent from every record's latency)."""
         scoring = self._inflight[0].future if self._inflight else None
-        if scoring is None or scoring.done() or timeout <= 0:
+        if scoring is None:
             return self._consumer.poll(timeout)
+        if scoring.done() or timeout <= 0:
+            return self._consumer.poll(0)     # scored already: its commit is due now, not after a wait
         message = self._consumer.poll(0)
         if message is None:
             wait([scoring], timeout)

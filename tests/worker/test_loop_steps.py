@@ -42,6 +42,9 @@ def test_the_loop_wakes_when_the_cycle_in_flight_is_scored_not_at_the_end_of_its
         started = time.monotonic()
         assert worker._next_message(2.0) is None
         assert scores.done() and time.monotonic() - started < 1.0     # woken by the scores, not the 2 s timeout
+        started = time.monotonic()
+        assert worker._next_message(2.0) is None                       # scored already: no wait at all
+        assert time.monotonic() - started < 1.0
         worker._inflight = deque()
         started = time.monotonic()
         assert worker._next_message(0.3) is None                       # nothing in flight, nothing to read: the poll
