@@ -253,9 +253,8 @@ class CycleBudget:
 
     def due(self, now: float, cycle: Cycle) -> bool:
         """Whether the budget closes the open ``cycle`` now."""
-        if self.state is None or not len(cycle):
-            return False
-        return now >= self.state.close_by(now, cycle.arrived_at, self._gpu_busy())
+        close = self.close_by(now, cycle)
+        return close is not None and len(cycle) > 0 and now >= close
 
     def submitted(self, closed_at: float, cycle: Cycle) -> float | None:
         """``cycle``, closed at ``closed_at``, goes to the GPU (call before it counts as in flight). -> when the plan

@@ -249,9 +249,8 @@ class Scorer:
         """(GPU thread) Launch the jobs' ready states; hand the rest of the work to the collector."""
         started = time.perf_counter()
         try:
-            outcomes, ready = self._gather(jobs)
-            requests = [(handle, row) for _, _, handle, row in ready]
-            launch = _Launch(outcomes, ready, time.perf_counter())
+            launch = _Launch(*self._gather(jobs), time.perf_counter())
+            requests = launch.requests()
             if requests:
                 captures = self._se.graph_stats()["captures"]
                 try:
