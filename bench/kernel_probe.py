@@ -45,13 +45,15 @@ def gpu_ms(fn, iters: int = 50, warmup: int = 3, flush: torch.Tensor | None = No
     return sorted(times)[len(times) // 2]
 
 
-def conv_launch(x, weight, prev, BT: int, warps: int):
+def conv_launch(x, weight, prev, slots, gates, BT: int, warps: int):
     B, T, C = x.shape
     q, k, v = (torch.empty(B, T, H, D, dtype=x.dtype, device=x.device) for H, D in ((HK, DK), (HK, DK), (HV, DV)))
+    beta, alpha = (torch.empty(B, T, HV, dtype=x.dtype, device=x.device) for _ in range(2))
     tk._conv_qkv_kernel[(triton.cdiv(T, BT), 2 * HK + HV, B)](
-        x, weight, prev, q, k, v, T, x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), *prev.stride(),
-        1e-6, HK=HK, HV=HV, DK=DK, DV=DV, KW=KW, BT=BT, BD=128, HAS_PREV=True, num_warps=warps)
-    return q, k, v
+        x, weight, prev, slots, gates, q, k, v, beta, alpha, T, x.stride(0), x.stride(1), weight.stride(0),
+        weight.stride(1), *prev.stride(), gates.stride(0), gates.stride(1), 1e-6, HK=HK, HV=HV, DK=DK, DV=DV, KW=KW,
+        BT=BT, BD=128, NG=HV, BG=2 * HV, HAS_PREV=True, HAS_INDEX=True, num_warps=warps)
+    return q, k, v, beta, alpha
 
 
 def probe_conv(B: int, T: int) -> dict:
@@ -59,19 +61,22 @@ def probe_conv(B: int, T: int) -> dict:
     proj = torch.randn(B, T, FUSED, device=dev, dtype=torch.bfloat16)
     x = proj[..., :2 * HK * DK + HV * DV]
     weight = torch.randn(x.shape[-1], KW, device=dev, dtype=torch.bfloat16).t().contiguous().t()
-    prev = torch.randn(1, x.shape[-1], KW - 1, device=dev, dtype=torch.bfloat16).expand(B, -1, -1)
-    ref = tk.conv_qkv(x, weight, prev, HK * DK, DK, DV)
+    gates = proj[..., FUSED - 2 * HV:]
+    # the prefix bank's conv states, one live slot read by every row (the suffix pass's case)
+    prev = torch.randn(4, x.shape[-1], KW - 1, device=dev, dtype=torch.bfloat16)
+    slots = torch.full((B,), 1, dtype=torch.int64, device=dev)
+    conv = lambda: tk.conv_qkv(x, weight, prev, HK * DK, DK, DV, gates, slots)  # noqa: E731
+    ref = conv()
     dense = torch.empty(x.shape, dtype=x.dtype, device=dev)
     out = {"shape": [B, T, x.shape[-1]], "bytes_moved_mb": 2 * x.numel() * 2 / 1e6,
-           "copy_floor_ms": gpu_ms(lambda: dense.copy_(x)), "default_ms": gpu_ms(lambda: tk.conv_qkv(x, weight, prev, HK * DK, DK, DV)),
-           "configs": []}
+           "copy_floor_ms": gpu_ms(lambda: dense.copy_(x)), "default_ms": gpu_ms(conv), "configs": []}
     for BT, warps in itertools.product((8, 16, 32, 64, 128), (1, 2, 4, 8)):
         if BT * 128 // (32 * warps) > 512:      # too many elements per thread to be worth compiling
             continue
         try:
-            got = conv_launch(x, weight, prev, BT, warps)
+            got = conv_launch(x, weight, prev, slots, gates, BT, warps)
             same = all(torch.equal(a, b) for a, b in zip(got, ref))
-            ms = gpu_ms(lambda: conv_launch(x, weight, prev, BT, warps))
+            ms = gpu_ms(lambda: conv_launch(x, weight, prev, slots, gates, BT, warps))
             out["configs"].append(dict(BT=BT, warps=warps, ms=round(ms, 4), same=same))
         except Exception as exc:  # report and go on: a config the compiler rejects is an answer too
             out["configs"].append(dict(BT=BT, warps=warps, error=repr(exc)[:200]))

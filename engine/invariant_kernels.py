@@ -63,15 +63,17 @@ def delta_rule(q, k, v, a, b, A_log, dt_bias, initial_state, output_final_state)
 
 
 def conv_qkv(x: torch.Tensor, weight: torch.Tensor, prev: torch.Tensor | None, key_dim: int, head_k_dim: int,
-             head_v_dim: int):
+             head_v_dim: int, gates: torch.Tensor, prev_index: torch.Tensor | None = None):
     B, T, C = x.shape
+    if prev_index is not None:
+        prev = prev.index_select(0, prev_index)
     K = weight.shape[1]
     xt = x.transpose(1, 2)                                                             # [B, C, T]
     full = F.pad(xt, (K - 1, 0)) if prev is None else torch.cat([prev.to(x.dtype), xt], -1)   # [B, C, K-1+T]
     conv = silu(F.conv1d(full, weight[:, None, :], groups=C)).transpose(1, 2)          # [B, T, C]
     q, k, v = conv.split([key_dim, key_dim, C - 2 * key_dim], dim=-1)
     q, k = (l2norm(t.reshape(B, T, -1, head_k_dim).float(), dim=-1, eps=1e-6).to(x.dtype) for t in (q, k))
-    return q, k, v.reshape(B, T, -1, head_v_dim)                                       # [B, T, H, D] each
+    return (q, k, v.reshape(B, T, -1, head_v_dim), *gates.chunk(2, dim=-1))           # [B, T, H, D] each; b, a
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -34,9 +34,11 @@ class Kernels:
         DeltaNet recurrence, q and k already L2-normalised, decay g = -exp(A_log) * softplus(a + dt_bias) and
         beta = sigmoid(b), for q, k [B, T, Hk, Dk], v [B, T, Hv, Dv], a, b [B, T, Hv] and a [B, Hv, Dk, Dv] float32
         state;
-    conv_qkv(x [B, T, C], weight [C, K], prev [B, C, K-1] | None, key_dim, head_k_dim, head_v_dim) -> (q, k, v):
-        silu(causal conv) split into q, k [B, T, Hk, Dk] (each head L2-normalised, transformers' `l2norm`) and
-        v [B, T, Hv, Dv]; prev: the previous K-1 inputs, oldest first;
+    conv_qkv(x [B, T, C], weight [C, K], prev, key_dim, head_k_dim, head_v_dim, gates [B, T, 2H], prev_index) ->
+        (q, k, v, b, a): silu(causal conv) split into q, k [B, T, Hk, Dk] (each head L2-normalised, transformers'
+        `l2norm`) and v [B, T, Hv, Dv], and gates (the delta rule's b | a) split into b, a [B, T, H]; prev: the
+        previous K-1 inputs, oldest first, [B, C, K-1] or None, or with prev_index [B] the prefix bank's [S, C, K-1],
+        row b continuing entry prev_index[b];
     rms_norm(x, weight, eps), weight already 1 + w for Qwen3.5's zero-centred norms, float32;
     gated_rms_norm(x, gate, weight, eps) = norm(x) * weight * silu(gate);
     swiglu(gate, up) = silu(gate) * up;

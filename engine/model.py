@@ -45,7 +45,8 @@ class CausalContext:
     records = False   # whether the pass keeps the layer states (`keep`): only a prefix pass does
 
     def conv_prev(self, i):
-        return None
+        """(the previous conv inputs, an index into them per row or None), as `Kernels.conv_qkv` takes them."""
+        return None, None
 
     def rec_prev(self, i):
         return None
@@ -91,7 +92,7 @@ class SuffixContext:
         self.positions = self.prefix_lengths[:, None].long() + torch.arange(T, device=slots.device)[None, :]  # [B, T]
 
     def conv_prev(self, i):
-        return self.bank.conv[i].index_select(0, self.slots)                                   # [B, C, K-1]
+        return self.bank.conv[i], self.slots              # the bank's [S, C, K-1], read by slot inside the conv kernel
 
     def rec_prev(self, i):
         return self.bank.rec[i].index_select(0, self.slots)                                    # [B, Hv, Dk, Dv]
@@ -244,12 +245,13 @@ class HybridForward:
         K = lin.conv_kernel_size
         H = lin.num_v_heads
         # qkv: [B, T, 2 * key_dim + value_dim] (conv channels C); z: [B, T, value_dim]; b, a: [B, T, Hv]
-        qkv, z, b, a = self.kernels.linear(x, w["in_proj"]).split([lin.conv_dim, lin.value_dim, H, H], dim=-1)
+        qkv, z, gates = self.kernels.linear(x, w["in_proj"]).split([lin.conv_dim, lin.value_dim, 2 * H], dim=-1)
         if ctx.records:
             ctx.keep("conv", i, _last_inputs(qkv, K - 1))                                  # [B, C, K-1]
-        # q, k: [B, T, Hk, Dk] L2-normalised per head; v: [B, T, Hv, Dv]
-        q, k, v = self.kernels.conv_qkv(qkv, w["conv"], ctx.conv_prev(i), lin.key_dim, lin.head_k_dim,
-                                        lin.head_v_dim)
+        # q, k: [B, T, Hk, Dk] L2-normalised per head; v: [B, T, Hv, Dv]; b, a: [B, T, Hv], out of the same pass
+        prev, prev_index = ctx.conv_prev(i)
+        q, k, v, b, a = self.kernels.conv_qkv(qkv, w["conv"], prev, lin.key_dim, lin.head_k_dim, lin.head_v_dim,
+                                              gates, prev_index)
         # out: [B, T, Hv, Dv]; final: [B, Hv, Dk, Dv] float32 when the context records it, else None
         out, final = self.kernels.delta_rule(q, k, v, a, b, lin.A_log, lin.dt_bias, ctx.rec_prev(i), ctx.records)
         if final is not None:

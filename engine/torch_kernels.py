@@ -35,12 +35,14 @@ def torch_causal_conv(x: torch.Tensor, weight: torch.Tensor, prev: torch.Tensor 
 
 
 def torch_conv_qkv(x: torch.Tensor, weight: torch.Tensor, prev: torch.Tensor | None, key_dim: int, head_k_dim: int,
-                   head_v_dim: int):
+                   head_v_dim: int, gates: torch.Tensor, prev_index: torch.Tensor | None = None):
     B, T, _ = x.shape
+    if prev_index is not None:
+        prev = prev.index_select(0, prev_index)
     q, k, v = torch_causal_conv(x, weight, prev).split([key_dim, key_dim, x.shape[-1] - 2 * key_dim], dim=-1)
     # transformers normalises q and k in float32 (inside its delta rule, to match fla): the same numbers
     q, k = (l2norm(t.reshape(B, T, -1, head_k_dim).float(), dim=-1, eps=1e-6).to(x.dtype) for t in (q, k))
-    return q, k, v.reshape(B, T, -1, head_v_dim)                                       # [B, T, H, D] each
+    return (q, k, v.reshape(B, T, -1, head_v_dim), *gates.chunk(2, dim=-1))           # [B, T, H, D] each; b, a
 
 
 def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

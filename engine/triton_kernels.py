@@ -1,8 +1,9 @@
 """Fused Triton kernels of the CUDA forward, each with a fixed launch configuration (no autotuning).
 
 - `row_norm`: RMSNorm and gated RMSNorm of rows; `add_rms_norm`: the residual add fused into the norm after it.
-- `conv_qkv`: the Gated DeltaNet's causal conv + SiLU, continuing a prefix's conv state, with the q/k L2 norms,
-  written as three contiguous tensors (what fla's delta rule reads without copying).
+- `conv_qkv`: the Gated DeltaNet's causal conv + SiLU, continuing a prefix's conv state read from the prefix bank by
+  index, with the q/k L2 norms, written as contiguous tensors with the delta rule's b and a (what fla's delta rule
+  reads without copying).
 - `rms_norm_rope`: the attention's per-head q/k RMSNorm and RoPE, written as [B, H, T, D].
 - `gate_attention`: the log-sum-exp merge of the prefix and suffix halves of the attention and the output gate.
 - `swiglu`: the MLP's silu(gate) * up over the two halves of the fused gate|up projection (fla's kernel addresses
@@ -216,9 +217,10 @@ def gate_attention(a, gate: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit(do_not_specialize=["T"])
-def _conv_qkv_kernel(X, W, PREV, Q, K, V, T, x_b, x_t, w_c, w_k, p_b, p_c, p_k, eps,
-                     HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, KW: tl.constexpr,
-                     BT: tl.constexpr, BD: tl.constexpr, HAS_PREV: tl.constexpr):
+def _conv_qkv_kernel(X, W, PREV, PREV_INDEX, GATES, Q, K, V, BETA, ALPHA, T, x_b, x_t, w_c, w_k, p_b, p_c, p_k,
+                     g_b, g_t, eps, HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                     KW: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, NG: tl.constexpr, BG: tl.constexpr,
+                     HAS_PREV: tl.constexpr, HAS_INDEX: tl.constexpr):
     # one program: BT tokens of one row (b) x one head's channels (seg: q heads, then k heads, then v heads)
     seg = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
@@ -240,11 +242,17 @@ def _conv_qkv_kernel(X, W, PREV, Q, K, V, T, x_b, x_t, w_c, w_k, p_b, p_c, p_k, 
     if HAS_PREV:
         if tl.program_id(0) == 0:
             # times before the row's first token come from the prefix's state, whose columns 0..KW-2 hold the inputs
-            # at times -(KW-1)..-1; only the first KW-1 tokens reach back that far
+            # at times -(KW-1)..-1; only the first KW-1 tokens reach back that far. With an index, row b's state is
+            # entry PREV_INDEX[b] of the prefix bank's (read in place: no per-row gather before the kernel)
+            if HAS_INDEX:
+                state = tl.load(PREV_INDEX + b).to(tl.int64)
+            else:
+                state = b
             for j in tl.static_range(KW - 1):
                 src_t = t - (KW - 1) + j
                 mp = (t_ok & (src_t < 0))[:, None] & col_ok[None, :]
-                x_prev = tl.load(PREV + b * p_b + c[None, :] * p_c + (KW - 1 + src_t)[:, None] * p_k, mask=mp, other=0.0)
+                x_prev = tl.load(PREV + state * p_b + c[None, :] * p_c + (KW - 1 + src_t)[:, None] * p_k, mask=mp,
+                                 other=0.0)
                 w_tap = tl.load(W + c * w_c + j * w_k, mask=col_ok, other=0.0)
                 acc += x_prev.to(tl.float32) * w_tap.to(tl.float32)[None, :]
     ty = Q.dtype.element_ty
@@ -256,6 +264,15 @@ def _conv_qkv_kernel(X, W, PREV, Q, K, V, T, x_b, x_t, w_c, w_k, p_b, p_c, p_k, 
         y = y * (1.0 / tl.sqrt(tl.sum(y * y, axis=1) + eps))[:, None]
     if seg < HK:
         tl.store(Q + (token * HK + seg) * DK + cols[None, :], y.to(ty), mask=mask)
+        if seg == 0:
+            # the delta rule's beta and decay inputs (b | a, NG each), copied contiguous in the same pass: fla makes
+            # its inputs contiguous, which for these views of the fused projection is two more kernels per layer
+            g_cols = tl.arange(0, BG)
+            g_mask = t_ok[:, None] & (g_cols < 2 * NG)[None, :]
+            gates = tl.load(GATES + b * g_b + t[:, None] * g_t + g_cols[None, :], mask=g_mask, other=0.0)
+            is_beta = (g_cols < NG)[None, :]
+            tl.store(BETA + token * NG + g_cols[None, :], gates, mask=g_mask & is_beta)
+            tl.store(ALPHA + token * NG + (g_cols - NG)[None, :], gates, mask=g_mask & (g_cols >= NG)[None, :])
     elif is_qk:
         tl.store(K + (token * HK + seg - HK) * DK + cols[None, :], y.to(ty), mask=mask)
     else:
@@ -263,31 +280,39 @@ def _conv_qkv_kernel(X, W, PREV, Q, K, V, T, x_b, x_t, w_c, w_k, p_b, p_c, p_k, 
 
 
 def conv_qkv(x: torch.Tensor, weight: torch.Tensor, prev: torch.Tensor | None, key_dim: int, head_k_dim: int,
-             head_v_dim: int, eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             head_v_dim: int, gates: torch.Tensor, prev_index: torch.Tensor | None = None, eps: float = 1e-6
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The Gated DeltaNet's conv in one pass: x [B, T, C] (C = q|k|v channels; may be a strided view of the fused
     projection), weight [C, KW] (any strides: `HybridForward` keeps it tap-major, so a tap's weights load as one
-    contiguous vector), prev [B, C, KW-1] (the previous KW-1 inputs, oldest first; any strides, so an expanded
-    prefix state is read in place) or None -> q, k [B, T, Hk, Dk] (L2-normalised per head) and v [B, T, Hv, Dv],
-    contiguous, of silu(causal_conv(x))."""
+    contiguous vector), prev the previous KW-1 inputs, oldest first, or None: [B, C, KW-1] (any strides, so an
+    expanded prefix state is read in place), or with prev_index [B] int64 the prefix bank's [S, C, KW-1], row b
+    continuing entry prev_index[b]; gates [B, T, 2H] (the delta rule's b | a, a strided view) -> q, k [B, T, Hk, Dk]
+    (L2-normalised per head) and v [B, T, Hv, Dv] of silu(causal_conv(x)), and b, a [B, T, H]: all contiguous."""
     B, T, C = x.shape
     KW = weight.shape[1]
     HK, HV = key_dim // head_k_dim, (C - 2 * key_dim) // head_v_dim
-    new = lambda H, D: torch.empty(B, T, H, D, dtype=x.dtype, device=x.device)
-    q, k, v = new(HK, head_k_dim), new(HK, head_k_dim), new(HV, head_v_dim)
+    NG = gates.shape[-1] // 2
+    new = lambda *shape: torch.empty(B, T, *shape, dtype=x.dtype, device=x.device)  # noqa: E731
+    q, k, v, beta, alpha = new(HK, head_k_dim), new(HK, head_k_dim), new(HV, head_v_dim), new(NG), new(NG)
     if B * T == 0:
-        return q, k, v
+        return q, k, v, beta, alpha
     if x.stride(-1) != 1:
         x = x.contiguous()
+    if gates.stride(-1) != 1:
+        gates = gates.contiguous()
     BD = triton.next_power_of_2(max(head_k_dim, head_v_dim))
     # 8 tokens x one head per program, 2 warps: the fastest of 20 launch configurations on the H200 for 32 x 144
     # tokens of the 0.8B shape (bench/kernel_probe.py: 0.097 ms against 0.130 ms for 32 tokens x 4 warps; a copy
     # of the same bytes takes 0.074 ms). The prefix state is read in the first token block only, so BT >= KW - 1.
     BT = max(8, triton.next_power_of_2(KW - 1))
     state, state_strides = (prev, prev.stride()) if prev is not None else (x, (0, 0, 0))
+    index = prev_index if prev_index is not None else x
     _conv_qkv_kernel[(triton.cdiv(T, BT), 2 * HK + HV, B)](
-        x, weight, state, q, k, v, T, x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), *state_strides,
-        eps, HK=HK, HV=HV, DK=head_k_dim, DV=head_v_dim, KW=KW, BT=BT, BD=BD, HAS_PREV=prev is not None, num_warps=2)
-    return q, k, v
+        x, weight, state, index, gates, q, k, v, beta, alpha, T, x.stride(0), x.stride(1), weight.stride(0),
+        weight.stride(1), *state_strides, gates.stride(0), gates.stride(1), eps, HK=HK, HV=HV, DK=head_k_dim,
+        DV=head_v_dim, KW=KW, BT=BT, BD=BD, NG=NG, BG=triton.next_power_of_2(2 * NG), HAS_PREV=prev is not None,
+        HAS_INDEX=prev_index is not None, num_warps=2)
+    return q, k, v, beta, alpha
 
 
 @triton.jit(do_not_specialize=["n_rows"])

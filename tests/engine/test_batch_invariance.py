@@ -143,7 +143,7 @@ def test_norms_conv_and_delta_rule_are_invariant_as_they_are():
     _alone_and_in_batches(lambda x: inv.rms_norm(x, w, 1e-6), lambda B, T, g: [torch.randn(B, T, 64, generator=g)])
     cw = torch.randn(128, 4, generator=torch.Generator().manual_seed(5))
     prev = torch.randn(1, 128, 3, generator=torch.Generator().manual_seed(6))
-    _alone_and_in_batches(lambda x: inv.conv_qkv(x, cw, prev.expand(x.shape[0], -1, -1), 32, 16, 16)[2],
+    _alone_and_in_batches(lambda x: inv.conv_qkv(x, cw, prev.expand(x.shape[0], -1, -1), 32, 16, 16, x[..., :8])[2],
                           lambda B, T, g: [torch.randn(B, T, 128, generator=g)])
     A_log, dt_bias = torch.full((4,), 0.3), torch.full((4,), 0.1)
 

@@ -51,29 +51,39 @@ def test_gated_rms_norm_rounds_like_transformers(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("P", [0, 1, 3], ids=["no-prefix", "packed", "independent"])
-def test_conv_qkv_continues_the_prefix_state_and_l2_normalises_q_and_k(dtype, P):
+@pytest.mark.parametrize("by_slot", [False, True], ids=["per-row", "by-slot"])
+def test_conv_qkv_continues_the_prefix_state_and_l2_normalises_q_and_k(dtype, P, by_slot):
     """The qkv piece of the fused projection (strided) through the causal conv + SiLU, continuing a prefix's conv
-    state as the suffix pass passes it (expanded in place for one prefix, repeated for several), q and k L2-normalised
-    per head: against the PyTorch conv and transformers' l2norm."""
+    state as the suffix pass passes it (the bank's states read by slot inside the kernel, or per row: expanded in place
+    for one prefix, repeated for several), q and k L2-normalised per head, and the delta rule's b and a copied out of
+    the same projection: against the PyTorch conv and transformers' l2norm."""
     from engine.torch_kernels import torch_conv_qkv
     from engine.triton_kernels import conv_qkv
 
     B, T, Hk, Dk, Hv, Dv, KW = 6, 37, 2, 16, 4, 16, 4
     C = 2 * Hk * Dk + Hv * Dv
-    qkv, _z = _fused(B * T, [C, Hv * Dv], dtype, seed=3)
-    qkv = qkv.view(B, T, C)
+    qkv, _z, gates = _fused(B * T, [C, Hv * Dv, 2 * Hv], dtype, seed=3)
+    qkv, gates = qkv.view(B, T, C), gates.view(B, T, 2 * Hv)
     g = torch.Generator().manual_seed(4)
     weight = (torch.randn(C, KW, generator=g) * 0.5).to(DEV, dtype).t().contiguous().t()   # tap-major, as the model
-    prev = None
+    prev, index = None, None
     if P:
         state = torch.randn(P, C, KW - 1, generator=g).to(DEV, dtype)
-        prev = state.expand(B, C, KW - 1) if P == 1 else state.repeat(B // P, 1, 1)
-    got, want = conv_qkv(qkv, weight, prev, Hk * Dk, Dk, Dv), torch_conv_qkv(qkv, weight, prev, Hk * Dk, Dk, Dv)
-    for g_t, w_t, shape in zip(got, want, [(B, T, Hk, Dk), (B, T, Hk, Dk), (B, T, Hv, Dv)]):
+        if by_slot:          # a bank of 5 slots, the prefixes in slots 4, 1, 2
+            prev = torch.randn(5, C, KW - 1, generator=g).to(DEV, dtype)
+            prev[[4, 1, 2][:P]] = state
+            index = torch.tensor([[4, 1, 2][b % P] for b in range(B)], device=DEV)
+        else:
+            prev = state.expand(B, C, KW - 1) if P == 1 else state.repeat(B // P, 1, 1)
+    args = (qkv, weight, prev, Hk * Dk, Dk, Dv, gates, index)
+    got, want = conv_qkv(*args), torch_conv_qkv(*args)
+    shapes = [(B, T, Hk, Dk), (B, T, Hk, Dk), (B, T, Hv, Dv), (B, T, Hv), (B, T, Hv)]
+    for g_t, w_t, shape in zip(got, want, shapes):
         assert g_t.shape == shape and g_t.is_contiguous()
         # bf16: the conv's output is rounded once (then normalised and rounded again): up to 2 ulps apart
         tol = 1e-5 if dtype == torch.float32 else 2 ** -6
         torch.testing.assert_close(g_t, w_t.to(dtype), atol=tol, rtol=tol)
+    assert torch.equal(got[3], gates[..., :Hv]) and torch.equal(got[4], gates[..., Hv:])     # copied, bit for bit
     assert got[0].norm(dim=-1).sub(1).abs().max().item() < (1e-4 if dtype == torch.float32 else 1e-2)
 
 
