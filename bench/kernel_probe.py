@@ -5,9 +5,12 @@ For the 0.8B shape at one batch (default 32 rows of a 144-token suffix), times i
   same bytes (one contiguous copy of the conv channels);
 - the suffix attention's fused flash call on grouped K/V heads directly against `repeat_interleave`d heads
   (does the CUDA op accept Hkv < Hq, and does it give the same numbers);
-- the copy of a prefix's recurrent state expanded to every row (what fla's contiguity check forces).
+- the copy of a prefix's recurrent state expanded to every row (what fla's contiguity check forces);
+- the suffix pass's delta rule: fla's `chunk_gated_delta_rule` from per-row copies of the bank's states (the copy
+  included) against `delta_rule_indexed` at each of fla's candidate state-kernel configurations, with its max |diff|;
+- the prefix half of the attention (`indexed_attention`) at each query-block size, with the block count.
 
-    python bench/kernel_probe.py [--batch 32] [--tokens 144] > probe.txt
+    python bench/kernel_probe.py [--batch 32] [--tokens 144] [--only delta,prefix] > probe.txt
 """
 from __future__ import annotations
 
@@ -111,14 +114,77 @@ def probe_state_copy(B: int) -> dict:
             "expand_contiguous_ms": gpu_ms(lambda: state.expand(B, -1, -1, -1).contiguous())}
 
 
+def probe_delta_rule(B: int, T: int, slots_live: int = 4) -> dict:
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    from engine import indexed_delta_rule as idr
+    from engine.fla_kernels import delta_rule_indexed
+
+    dev, dt = "cuda", torch.bfloat16
+    q, k = (torch.nn.functional.normalize(torch.randn(B, T, HK, DK, device=dev), dim=-1).to(dt) for _ in range(2))
+    v = torch.randn(B, T, HV, DV, device=dev, dtype=dt)
+    a, b = (torch.randn(B, T, HV, device=dev, dtype=dt) for _ in range(2))
+    A_log, dt_bias = torch.randn(HV, device=dev), torch.randn(HV, device=dev)
+    bank = torch.randn(slots_live, HV, DK, DV, device=dev) * 0.5
+    slots = torch.full((B,), 1, dtype=torch.int64, device=dev)     # one schema: every row continues slot 1
+
+    def copied():
+        return chunk_gated_delta_rule(q, k, v, g=a, beta=b, initial_state=bank.index_select(0, slots),
+                                      use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias,
+                                      use_beta_sigmoid_in_kernel=True)[0]
+
+    ref = copied()
+    out = {"rows": B, "tokens": T, "fla_copied_ms": round(gpu_ms(copied), 4), "indexed": []}
+    default = idr.FWD_H_CONFIG
+    try:
+        for cfg in itertools.product((32, 64), (2, 4), (2, 3, 4)):
+            idr.FWD_H_CONFIG = cfg
+            run = lambda: delta_rule_indexed(q, k, v, a, b, A_log, dt_bias, bank, slots)  # noqa: E731
+            try:
+                got = run()
+                out["indexed"].append(dict(config=cfg, ms=round(gpu_ms(run), 4), exact=torch.equal(got, ref),
+                                           max_diff=(got.float() - ref.float()).abs().max().item()))
+            except Exception as exc:  # a config the compiler rejects is an answer too
+                out["indexed"].append(dict(config=cfg, error=repr(exc)[:200]))
+    finally:
+        idr.FWD_H_CONFIG = default
+    return out
+
+
+def probe_prefix_attention(B: int, T: int, prefix: int = 400) -> dict:
+    from engine import batch_invariant as bi
+
+    dev, dt = "cuda", torch.bfloat16
+    G = HQ // HKV
+    q = torch.randn(B, HKV, G * T, DA, device=dev, dtype=dt)
+    bank_k, bank_v = (torch.randn(4, HKV, 512, DA, device=dev, dtype=dt) for _ in range(2))
+    lengths = torch.full((4,), prefix, dtype=torch.int32, device=dev)
+    slots = torch.full((B,), 1, dtype=torch.int64, device=dev)
+    ref = bi.indexed_attention(q, bank_k, bank_v, DA ** -0.5, lengths, slots)
+    out = {"rows": B, "query_rows": G * T, "prefix": prefix, "configs": []}
+    for block_m, warps in ((128, 8), (64, 4), (32, 4), (32, 2)):
+        run = lambda: bi.attention(q, bank_k, bank_v, False, DA ** -0.5, lengths, slots,  # noqa: E731
+                                   block_m=block_m, warps=warps)
+        got = run()
+        out["configs"].append(dict(block_m=block_m, warps=warps, blocks=triton.cdiv(G * T, block_m) * B * HKV,
+                                   ms=round(gpu_ms(run), 4), same=torch.equal(got[0], ref[0])))
+    return out
+
+
+PROBES = {"conv": lambda a: probe_conv(a.batch, a.tokens), "gqa": lambda a: probe_gqa(a.batch, a.tokens),
+          "state_copy": lambda a: probe_state_copy(a.batch), "delta": lambda a: probe_delta_rule(a.batch, a.tokens),
+          "prefix": lambda a: probe_prefix_attention(a.batch, a.tokens)}
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--tokens", type=int, default=144)
+    ap.add_argument("--only", default=",".join(PROBES), help=f"comma-separated probes of {', '.join(PROBES)}")
     args = ap.parse_args(argv)
-    result = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "triton": triton.__version__,
-              "conv": probe_conv(args.batch, args.tokens), "gqa": probe_gqa(args.batch, args.tokens),
-              "state_copy": probe_state_copy(args.batch)}
+    result = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "triton": triton.__version__}
+    for name in args.only.split(","):
+        result[name] = PROBES[name](args)
     print(json.dumps(result, indent=1))
     return result
 

@@ -1,5 +1,6 @@
 """The CUDA kernels (`engine.kernels.fla_kernels` is their table): fla's Triton kernels for the Gated DeltaNet
-recurrence (with the decay gate and beta's sigmoid computed inside it) and, from `engine.triton_kernels` (fixed
+recurrence (with the decay gate and beta's sigmoid computed inside it; a suffix pass's rows start from prefix states
+read from the bank by index: `engine.indexed_delta_rule`) and, from `engine.triton_kernels` (fixed
 launch configuration: no per-shape autotuning, 16-byte loads), SwiGLU, the causal conv fused with the q/k L2 norms
 (continuing the prefix's conv state in place: no per-row concatenation of the prefix's conv inputs, no copies of q,
 k, v), the RMS/gated norms, the residual adds fused into them, q/k norm + RoPE, and the attention's merge with its
@@ -9,21 +10,47 @@ Importing this module imports fla and triton: ImportError where they are not ins
 """
 from __future__ import annotations
 
+import torch
+from fla.ops.common.chunk_o import chunk_fwd_o
+from fla.ops.common.gate import fused_beta_sigmoid
 from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
+from fla.ops.gated_delta_rule.gate import gdn_gate_chunk_cumsum
+from fla.ops.utils.constant import RCP_LN2
 from torch.nn.functional import linear
 
+from engine.indexed_delta_rule import CHUNK, chunk_states_indexed
 from engine.triton_kernels import GATED, add_rms_norm, conv_qkv, gate_attention, rms_norm_rope, row_norm, swiglu
 
-__all__ = ["delta_rule", "conv_qkv", "row_norm", "gated_rms_norm", "swiglu", "add_rms_norm", "qk_norm_rope",
-           "gate_attention", "linear"]
+__all__ = ["delta_rule", "delta_rule_indexed", "conv_qkv", "row_norm", "gated_rms_norm", "swiglu",
+           "add_rms_norm", "qk_norm_rope", "gate_attention", "linear"]
 
 
-def delta_rule(q, k, v, a, b, A_log, dt_bias, initial_state, output_final_state):
+def delta_rule(q, k, v, a, b, A_log, dt_bias, initial_state, output_final_state, initial_index=None):
     # fla reads grouped value heads (Hv > Hk) without repeating q and k; q and k come L2-normalised from conv_qkv
     # (fla's own L2 norm would be one more kernel, specialised on the row-block count per shape)
+    if initial_index is not None and not output_final_state:
+        # rows continuing prefixes of the bank: their states are read in place, not copied per row
+        return delta_rule_indexed(q, k, v, a, b, A_log, dt_bias, initial_state, initial_index), None
+    if initial_index is not None:
+        initial_state = initial_state.index_select(0, initial_index)
     return chunk_gated_delta_rule(q, k, v, g=a, beta=b, initial_state=initial_state,
                                   output_final_state=output_final_state, use_gate_in_kernel=True, A_log=A_log,
                                   dt_bias=dt_bias, use_beta_sigmoid_in_kernel=True)
+
+
+def delta_rule_indexed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                       A_log: torch.Tensor, dt_bias: torch.Tensor, bank: torch.Tensor, index: torch.Tensor
+                       ) -> torch.Tensor:
+    """The output of fla's `chunk_gated_delta_rule(q, k, v, a, b, initial_state=bank[index], use_gate_in_kernel=True,
+    A_log, dt_bias, use_beta_sigmoid_in_kernel=True)` without forming bank[index]: q, k [B, T, H, K] (contiguous,
+    L2-normalised), v [B, T, Hv, V], a, b [B, T, Hv] (contiguous) -> o [B, T, Hv, V]. fla's forward
+    (`chunk_gated_delta_rule_fwd`) step by step, its state kernel replaced by `chunk_states_indexed`."""
+    beta = fused_beta_sigmoid(b)
+    g = gdn_gate_chunk_cumsum(g=a, A_log=A_log, chunk_size=CHUNK, scale=RCP_LN2, dt_bias=dt_bias)
+    w, u, _ = chunk_gated_delta_rule_fwd_intra(k=k, v=v, g=g, beta=beta, chunk_size=CHUNK)
+    h, v_new = chunk_states_indexed(k, w, u, g, bank, index)
+    return chunk_fwd_o(q=q, k=k, v=v_new, h=h, g=g, scale=k.shape[-1] ** -0.5, chunk_size=CHUNK)
 
 
 def gated_rms_norm(x, gate, weight, eps):

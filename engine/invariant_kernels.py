@@ -53,7 +53,9 @@ def softplus(x: torch.Tensor) -> torch.Tensor:
     return torch.where(x > 20.0, x, torch.log1p(torch.exp(x.clamp(max=20.0))))
 
 
-def delta_rule(q, k, v, a, b, A_log, dt_bias, initial_state, output_final_state):
+def delta_rule(q, k, v, a, b, A_log, dt_bias, initial_state, output_final_state, initial_index=None):
+    if initial_index is not None:
+        initial_state = initial_state.index_select(0, initial_index)
     g = -A_log.float().exp() * softplus(a.float() + dt_bias)                            # [B, T, Hv]
     if v.shape[2] > q.shape[2]:
         rep = v.shape[2] // q.shape[2]

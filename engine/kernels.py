@@ -30,10 +30,11 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class Kernels:
     """name;
-    delta_rule(q, k, v, a, b, A_log, dt_bias, initial_state, output_final_state) -> (out, final state | None): the Gated
-        DeltaNet recurrence, q and k already L2-normalised, decay g = -exp(A_log) * softplus(a + dt_bias) and
-        beta = sigmoid(b), for q, k [B, T, Hk, Dk], v [B, T, Hv, Dv], a, b [B, T, Hv] and a [B, Hv, Dk, Dv] float32
-        state;
+    delta_rule(q, k, v, a, b, A_log, dt_bias, initial_state, output_final_state, initial_index) -> (out, final state |
+        None): the Gated DeltaNet recurrence, q and k already L2-normalised, decay g = -exp(A_log) * softplus(a +
+        dt_bias) and beta = sigmoid(b), for q, k [B, T, Hk, Dk], v [B, T, Hv, Dv], a, b [B, T, Hv] and a
+        [B, Hv, Dk, Dv] float32 initial state (or None: zeros), or with initial_index [B] int64 the prefix bank's
+        [S, Hv, Dk, Dv], row b starting from entry initial_index[b];
     conv_qkv(x [B, T, C], weight [C, K], prev, key_dim, head_k_dim, head_v_dim, gates [B, T, 2H], prev_index) ->
         (q, k, v, b, a): silu(causal conv) split into q, k [B, T, Hk, Dk] (each head L2-normalised, transformers'
         `l2norm`) and v [B, T, Hv, Dv], and gates (the delta rule's b | a) split into b, a [B, T, H]; prev: the

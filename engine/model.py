@@ -49,7 +49,8 @@ class CausalContext:
         return None, None
 
     def rec_prev(self, i):
-        return None
+        """(the initial recurrent states, an index into them per row or None), as `Kernels.delta_rule` takes them."""
+        return None, None
 
     def attend(self, i, q, k, v, scale, kernels) -> "AttentionOut":
         return AttentionOut(F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True))
@@ -95,7 +96,7 @@ class SuffixContext:
         return self.bank.conv[i], self.slots              # the bank's [S, C, K-1], read by slot inside the conv kernel
 
     def rec_prev(self, i):
-        return self.bank.rec[i].index_select(0, self.slots)                                    # [B, Hv, Dk, Dv]
+        return self.bank.rec[i], self.slots        # the bank's [S, Hv, Dk, Dv], read by slot inside the delta rule
 
     def attend(self, i, q, k, v, scale, kernels):
         """q: [B, Hq, T, D]; k, v: [B, Hkv, T, D] (this suffix). Softmax over [own prefix keys | causal suffix keys],
@@ -253,7 +254,8 @@ class HybridForward:
         q, k, v, b, a = self.kernels.conv_qkv(qkv, w["conv"], prev, lin.key_dim, lin.head_k_dim, lin.head_v_dim,
                                               gates, prev_index)
         # out: [B, T, Hv, Dv]; final: [B, Hv, Dk, Dv] float32 when the context records it, else None
-        out, final = self.kernels.delta_rule(q, k, v, a, b, lin.A_log, lin.dt_bias, ctx.rec_prev(i), ctx.records)
+        rec, rec_index = ctx.rec_prev(i)
+        out, final = self.kernels.delta_rule(q, k, v, a, b, lin.A_log, lin.dt_bias, rec, ctx.records, rec_index)
         if final is not None:
             ctx.keep("rec", i, final)
         out = self.kernels.gated_rms_norm(out, z.view(B, T, H, lin.head_v_dim), lin.norm.weight,

@@ -16,7 +16,9 @@ from engine.attention import AttentionOut, row_major
 _chunk_gated_delta_rule = getattr(torch_chunk_gated_delta_rule, "__wrapped__", torch_chunk_gated_delta_rule)
 
 
-def torch_delta_rule(q, k, v, a, b, A_log, dt_bias, initial_state, output_final_state):
+def torch_delta_rule(q, k, v, a, b, A_log, dt_bias, initial_state, output_final_state, initial_index=None):
+    if initial_index is not None:
+        initial_state = initial_state.index_select(0, initial_index)
     # transformers' Gated DeltaNet: the gate and beta in float32 / the input dtype, q and k repeated per value head
     g = -A_log.float().exp() * F.softplus(a.float() + dt_bias)                          # [B, T, Hv]
     if v.shape[2] > q.shape[2]:

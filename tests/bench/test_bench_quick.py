@@ -51,3 +51,26 @@ def test_stream_bench_quick_runs_end_to_end_exactly_once():
     # its steady rate (first commit to last) and the startup before its first commit, from its own log
     assert replay["steady_states_per_s"] > 0 and replay["startup_s"] > 0 and replay["commits"] > 1, replay
     assert replay["process_s"] > replay["startup_s"] + replay["first_to_last_commit_s"], replay
+
+
+def test_variant_ab_quick_times_each_variant_with_its_constants_then_restores_them(tmp_path):
+    """bench/variant_ab.py on the CPU: a variant's constants hold while its engine is built and scored, base's
+    probabilities are the reference, and the module is as it was afterwards."""
+    import json
+
+    from bench.variant_ab import main as variant_main
+    from engine import graphs
+
+    before = graphs.B_BUCKETS
+    out = tmp_path / "ab.json"
+    result = variant_main(["--quick", "--batches", "1,3", "--rounds", "2", "--iters", "1",
+                           "--variant", "small-buckets:engine.graphs.B_BUCKETS=(1, 2, 4)", "--out", str(out)])
+    assert graphs.B_BUCKETS is before
+    assert result["variants"] == {"base": [], "small-buckets": ["engine.graphs.B_BUCKETS=(1, 2, 4)"]}
+    for B in (1, 3):
+        row = result["batches"][B]
+        assert set(row) == {"base", "small-buckets"}
+        assert all(len(r["rounds_ms"]) == 2 and r["p50_ms"] > 0 for r in row.values())
+        assert row["base"]["max_diff_vs_base"] == 0
+        assert row["small-buckets"]["max_diff_vs_base"] < 1e-5    # bucket padding does not move a row's scores
+    assert json.loads(out.read_text())["rounds"] == 2

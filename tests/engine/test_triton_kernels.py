@@ -228,3 +228,89 @@ def test_indexed_attention_reads_each_rows_prefix_from_the_bank(dtype):
         torch.testing.assert_close(lse[z], torch.logsumexp(scores, -1), atol=1e-4, rtol=1e-4)
         alone = indexed_attention(q[z:z + 1], bank_k, bank_v, 0.125, lengths, index[z:z + 1])
         assert torch.equal(alone[0], out[z:z + 1]) and torch.equal(alone[1], lse[z:z + 1])
+
+
+def _chunk_states_reference(k, w, u, g, bank, index, chunk):
+    """fla's chunked state recurrence written out in PyTorch, one (row, value head) at a time, with its roundings:
+    the state stored per chunk and multiplied in k's dtype, the new values rounded before the state update."""
+    B, T, H, K = k.shape
+    HV, V = u.shape[2], u.shape[3]
+    NT = -(-T // chunk)
+    h = torch.empty(B, NT, HV, K, V, dtype=k.dtype)
+    v_new = torch.empty(B, T, HV, V, dtype=u.dtype)
+    for b in range(B):
+        for hv in range(HV):
+            state = bank[index[b], hv].float().clone()
+            kh = k[b, :, hv // (HV // H)]
+            for c in range(NT):
+                t = slice(c * chunk, min((c + 1) * chunk, T))
+                h[b, c, hv] = state.to(k.dtype)
+                nv = u[b, t, hv].float() - w[b, t, hv].float() @ state.to(k.dtype).float()
+                v_new[b, t, hv] = nv.to(u.dtype)
+                g_c = g[b, t, hv].float()
+                g_last = g_c[-1]
+                scaled = (nv * torch.exp2(g_last - g_c)[:, None]).to(k.dtype).float()
+                state = state * torch.exp2(g_last) + kh[t].float().T @ scaled
+    return h, v_new
+
+
+@pytest.mark.parametrize("dtype", [
+    torch.float32,
+    pytest.param(torch.bfloat16, marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="Triton 3.6's "
+                 "interpreter multiplies bf16 tiles wrongly (tl.dot of two bf16 16 x 16 tiles is off by 3e10)"))])
+@pytest.mark.parametrize("K", [16, 64, 128])
+def test_chunk_states_indexed_starts_each_row_from_its_bank_entry(K, dtype):
+    """The delta rule's state kernel for a suffix pass: row b starts from prefix bank entry index[b], read in place
+    (rows sharing an entry, entries no row reads), grouped value heads, a last chunk cut short; against the
+    recurrence in PyTorch, and bit for bit against the same kernel given each row's state copied out."""
+    from engine.indexed_delta_rule import CHUNK, chunk_states_indexed
+
+    g = torch.Generator().manual_seed(11)
+    B, T, H, HV, V, S = 3, 70, 2, 4, 64, 4
+    k = torch.nn.functional.normalize(torch.randn(B, T, H, K, generator=g), dim=-1).to(dtype)
+    w = (torch.randn(B, T, HV, K, generator=g) * 0.1).to(dtype)
+    u = torch.randn(B, T, HV, V, generator=g).to(dtype)
+    # the chunked log2 decay: a cumulative sum of negative steps that restarts every chunk
+    steps = -torch.rand(B, T, HV, generator=g) * 0.3
+    decay = torch.cat([c.cumsum(1) for c in steps.split(CHUNK, dim=1)], dim=1)
+    bank = torch.randn(S, HV, K, V, generator=g) * 0.5
+    index = torch.tensor([2, 0, 2])
+    on = lambda *ts: [t.to(DEV) for t in ts]  # noqa: E731
+    h, v_new = chunk_states_indexed(*on(k, w, u, decay, bank, index))
+    want_h, want_v = _chunk_states_reference(k, w, u, decay, bank, index, CHUNK)
+    torch.testing.assert_close(h.cpu().float(), want_h.float(), atol=3e-2, rtol=2e-2)
+    torch.testing.assert_close(v_new.cpu().float(), want_v.float(), atol=3e-2, rtol=2e-2)
+    copied = chunk_states_indexed(*on(k, w, u, decay, bank[index].contiguous(), torch.arange(B)))
+    assert torch.equal(copied[0], h) and torch.equal(copied[1], v_new)
+    # the launch configuration (fla autotunes it) does not change how a column is summed: the same bits
+    for config in ((32, 2, 2), (64, 2, 2), (32, 4, 2)):
+        other = chunk_states_indexed(*on(k, w, u, decay, bank, index), config=config)
+        assert torch.equal(other[0], h) and torch.equal(other[1], v_new), config
+
+
+def test_delta_rule_indexed_is_flas_delta_rule_from_the_copied_states():
+    """The suffix pass's delta rule (fla's forward with the indexed state kernel) against fla's
+    `chunk_gated_delta_rule` given the per-row copies of the bank's states it avoids."""
+    pytest.importorskip("fla")
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    from engine.fla_kernels import delta_rule_indexed
+
+    g = torch.Generator().manual_seed(12)
+    B, T, H, HV, K, V, S = 5, 184, 16, 16, 128, 128, 3
+    dtype = torch.bfloat16
+    q, k = (torch.nn.functional.normalize(torch.randn(B, T, H, K, generator=g), dim=-1).to(DEV, dtype)
+            for _ in range(2))
+    v = torch.randn(B, T, HV, V, generator=g).to(DEV, dtype)
+    a, b = (torch.randn(B, T, HV, generator=g).to(DEV, dtype) for _ in range(2))
+    A_log = torch.randn(HV, generator=g).to(DEV)
+    dt_bias = torch.randn(HV, generator=g).to(DEV)
+    bank = (torch.randn(S, HV, K, V, generator=g) * 0.5).to(DEV)
+    index = torch.tensor([1, 1, 0, 2, 1], device=DEV)
+    got = delta_rule_indexed(q, k, v, a, b, A_log, dt_bias, bank, index)
+    want, _ = chunk_gated_delta_rule(q, k, v, g=a, beta=b, initial_state=bank[index], output_final_state=False,
+                                     use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias,
+                                     use_beta_sigmoid_in_kernel=True)
+    # the same arithmetic in the same order (fla autotunes the state kernel's launch, which does not change a
+    # column's sums): the same bits
+    assert torch.equal(got, want), f"max |diff| {(got.float() - want.float()).abs().max().item():.3g}"
