@@ -17,11 +17,14 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import sys
+from pathlib import Path
 
 import torch
 import triton
 
-from engine import triton_kernels as tk
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))      # this checkout's engine, whatever PYTHONPATH says
+from engine import triton_kernels as tk  # noqa: E402
 
 # Qwen3.5-0.8B: Gated DeltaNet 16 k heads x 128, 16 v heads x 128, conv width 4; attention 8 q heads, 2 kv heads, 256
 HK, DK, HV, DV, KW = 16, 128, 16, 128, 4
