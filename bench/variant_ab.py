@@ -19,7 +19,6 @@ import importlib
 import json
 import statistics
 import sys
-import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -27,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.engine_bench import build_engine, questions, states  # noqa: E402
+from bench.engine_bench import build_engine, questions, states, timed  # noqa: E402
 from engine import SchemaEngine  # noqa: E402
 
 
@@ -58,16 +57,6 @@ def patched(patches):
     finally:
         for mod, attr, value in reversed(saved):
             setattr(mod, attr, value)
-
-
-def p50_step(fn, iters: int, sync) -> float:
-    times = []
-    for _ in range(iters):
-        started = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
 
 
 def main(argv=None) -> dict:
@@ -105,7 +94,7 @@ def main(argv=None) -> dict:
             for name, _ in variants:
                 se, h, per_batch = engines[name]
                 rows = per_batch[B][0]
-                p50s[name][B].append(p50_step(lambda: se.score_rows(h, rows), args.iters, sync))
+                p50s[name][B].append(statistics.median(timed(lambda: se.score_rows(h, rows), args.iters, sync)))
     base = engines["base"][2]
     result = {"model": model_desc, "device": torch.cuda.get_device_name(0) if eng.dev.type == "cuda" else "cpu",
               "state_tokens": args.state_tokens, "rounds": args.rounds, "iters": args.iters,
