@@ -51,7 +51,7 @@ def _fwd_h_indexed_kernel(k, v, w, v_new, g, h, h0, h0_index, T, NT: tl.constexp
     k += (bos * H + i_h // (HV // H)) * K
     w += (bos * HV + i_h) * K
     v_new += (bos * HV + i_h) * V
-    # the only change from fla's kernel: the initial state is bank entry h0_index[row], not entry row
+    # the change from fla's kernel that matters: the initial state is bank entry h0_index[row], not entry row
     h0 += (tl.load(h0_index + i_n).to(tl.int64) * HV + i_h) * K * V
 
     o_v = i_v * BV + tl.arange(0, BV)
