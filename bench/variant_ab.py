@@ -32,14 +32,24 @@ from engine import SchemaEngine  # noqa: E402
 
 def parse_variant(spec: str) -> tuple[str, list[tuple[str, str, object]]]:
     """"NAME:mod.ATTR=literal;..." -> (NAME, [(module, attribute, value)])."""
+    usage = f"variant {spec!r}: expected NAME:module.ATTR=literal[;module.ATTR=literal...]"
     name, _, sets = spec.partition(":")
     patches = []
     for item in filter(None, (s.strip() for s in sets.split(";"))):
         target, _, literal = item.partition("=")
         module, _, attr = target.strip().rpartition(".")
         if not module or not literal:
-            raise argparse.ArgumentTypeError(f"variant {spec!r}: expected NAME:module.ATTR=literal")
-        patches.append((module, attr, ast.literal_eval(literal.strip())))
+            raise argparse.ArgumentTypeError(usage)
+        try:
+            value = ast.literal_eval(literal.strip())
+            known = hasattr(importlib.import_module(module), attr)
+        except (ValueError, SyntaxError, ImportError) as exc:
+            raise argparse.ArgumentTypeError(f"variant {spec!r}: {exc}") from None
+        if not known:
+            raise argparse.ArgumentTypeError(f"variant {spec!r}: {module} has no {attr}")
+        patches.append((module, attr, value))
+    if not name.strip() or name == "base" or not patches:
+        raise argparse.ArgumentTypeError(usage + " (a name other than base, and at least one setting)")
     return name, patches
 
 
@@ -48,9 +58,7 @@ def patched(patches):
     saved = []
     try:
         for module, attr, value in patches:
-            mod = importlib.import_module(module)
-            if not hasattr(mod, attr):
-                raise AttributeError(f"{module} has no {attr}")
+            mod = importlib.import_module(module)           # parse_variant checked that it has attr
             saved.append((mod, attr, getattr(mod, attr)))
             setattr(mod, attr, value)
         yield

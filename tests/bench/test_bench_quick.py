@@ -1,4 +1,6 @@
 """The benchmark stays runnable: `engine_bench.py --quick` on the CPU, tiny model."""
+import pytest
+
 from bench.engine_bench import main
 
 FIELDS = {"method", "batch", "state_tokens", "states_per_s", "tokens_per_s", "gemm_fraction", "p50_ms", "p99_ms"}
@@ -74,3 +76,16 @@ def test_variant_ab_quick_times_each_variant_with_its_constants_then_restores_th
         assert row["base"]["max_diff_vs_base"] == 0
         assert row["small-buckets"]["max_diff_vs_base"] < 1e-5    # bucket padding does not move a row's scores
     assert json.loads(out.read_text())["rounds"] == 2
+
+
+@pytest.mark.parametrize("spec", ["no-settings", "x:engine.graphs.NO_SUCH=1", "x:engine.graphs.B_BUCKETS=(1,",
+                                  "base:engine.graphs.B_BUCKETS=(1,)", "x:no_such_module.A=1"])
+def test_variant_ab_rejects_a_malformed_variant_in_one_line(spec, capsys):
+    from bench.variant_ab import main as variant_main
+
+    with pytest.raises(SystemExit) as exit_:
+        variant_main(["--quick", "--variant", spec])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert ": error: argument --variant: variant " in err.strip().splitlines()[-1], err
