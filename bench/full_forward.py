@@ -10,7 +10,7 @@ import torch
 from engine.graphs import GraphManager, StepShape
 from engine.model import CausalContext
 from engine.prompt import DEFAULT_MAX_CTX_TOKENS, MAX_OPTIONS, ChatTemplate, parse_questions, resolve_temperatures
-from engine.readout import fill_ids, option_mask, read_slots
+from engine.readout import fill_ids, option_mask, read_rows
 from engine.reference import build_full_prompts
 
 FULL_PROMPT_STEP = 8
@@ -55,5 +55,5 @@ class FullPromptScorer:
 
     def _step(self, ids, flat, inv_t, mask):
         pos = torch.arange(ids.shape[1], device=ids.device)[None].expand(ids.shape[0], -1)      # [B, T]
-        hidden = self.fwd.layers(ids, pos, CausalContext())
-        return read_slots(hidden, flat, self.fwd.final_norm, self.e.W, inv_t, mask)
+        hidden = self.fwd.layers(ids, pos, CausalContext(), rows=flat)                      # [S, H]
+        return read_rows(hidden, self.fwd.final_norm, self.e.W, inv_t, mask)

@@ -119,8 +119,10 @@ def batch_invariant_kernels(table: Kernels, gemm_weights: Sequence[torch.Tensor]
     from engine import batch_invariant as bi      # imports triton
     from engine.graphs import B_BUCKETS
 
-    # the row counts a suffix pass's GEMMs see: batch buckets x suffix lengths, and the answer slots' read-out
-    rows = sorted({r * t for r in B_BUCKETS for t in (1, 10, 32, 64, 128, 184, 256, 512, 1024)})
+    # the row counts a suffix pass's GEMMs see: batch buckets x suffix lengths, and x answers per row (a power of 2:
+    # the read-out and the last layer's MLP run on the answer slots alone)
+    per_row = (1, 2, 4, 8, 10, 16, 32, 64, 128, 184, 256, 512, 1024)
+    rows = sorted({r * t for r in B_BUCKETS for t in per_row})
     started = time.perf_counter()
     linear = bi.InvariantLinear(list(gemm_weights), rows)
     log.info("deterministic: GEMMs by cuBLAS for weight shapes %s (rows padded up to the floor given; batch-invariant "

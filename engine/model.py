@@ -207,8 +207,12 @@ class HybridForward:
     def final_norm(self, hs: torch.Tensor) -> torch.Tensor:
         return self.kernels.rms_norm(hs, self.final_norm_w, self.eps)
 
-    def layers(self, ids: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
-        """ids, positions: [B, T] -> hidden states [B, T, hidden] before the final norm."""
+    def layers(self, ids: torch.Tensor, positions: torch.Tensor, ctx, rows: torch.Tensor | None = None
+               ) -> torch.Tensor:
+        """ids, positions: [B, T] -> hidden states [B, T, hidden] before the final norm; with rows ([S] int64 indices
+        into the B * T tokens, e.g. the answer slots), only those tokens' [S, hidden]. The last layer's MLP, and the
+        norms around it, then run on those S rows alone: no later layer reads the other tokens (its token mixing,
+        attention or the recurrence, still runs on all of them)."""
         h = self.core.embed_tokens(ids)
         cos, sin = self.core.rotary_emb(h, positions[None].expand(3, -1, -1))
         x = self.kernels.rms_norm(h, self.w[0]["in_norm"], self.eps)
@@ -220,6 +224,8 @@ class HybridForward:
                 x = self._gated_delta_net(layer.linear_attn, w, x, i, ctx)
             else:
                 x = self._attention(layer.self_attn, w, x, cos, sin, i, ctx)
+            if i == last and rows is not None:
+                x, h = (t.reshape(-1, t.shape[-1]).index_select(0, rows) for t in (x, h))      # [S, hidden]
             x, h = self.kernels.add_rms_norm(h, x, w["post_norm"], self.eps)
             x = self._mlp(layer.mlp, w, x)
             if i == last:

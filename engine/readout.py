@@ -25,13 +25,13 @@ def option_mask(n_options: Sequence[int]) -> torch.Tensor:
     return torch.arange(MAX_OPTIONS)[None, :] < torch.as_tensor(list(n_options))[:, None]
 
 
-def read_slots(hidden: torch.Tensor, flat_slots: torch.Tensor, norm, W: torch.Tensor, inv_temp: torch.Tensor,
-               mask: torch.Tensor, linear=F.linear) -> torch.Tensor:
-    """hidden: [B, T, H] before the final norm; flat_slots: [S] indices into B*T; inv_temp: [S, 1]; mask: [S, MAX_OPTIONS].
+def read_rows(hs: torch.Tensor, norm, W: torch.Tensor, inv_temp: torch.Tensor, mask: torch.Tensor,
+              linear=F.linear) -> torch.Tensor:
+    """hs: [S, H] hidden states at the answer slots before the final norm (`HybridForward.layers(..., rows=slots)`);
+    inv_temp: [S, 1]; mask: [S, MAX_OPTIONS].
 
     -> [S, MAX_OPTIONS] float32 probabilities; options a question lacks are exactly 0.
     The final norm and the label projection (`linear`, the forward's own) run on the S slot rows only.
     """
-    hs = hidden.reshape(-1, hidden.shape[-1]).index_select(0, flat_slots)            # [S, H]
     logits = linear(norm(hs), W).float() * inv_temp                                  # [S, MAX_OPTIONS]
     return torch.softmax(logits.masked_fill(~mask, float("-inf")), -1)

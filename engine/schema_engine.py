@@ -29,7 +29,7 @@ from engine.model import SuffixContext
 from engine.prefix_bank import PrefixBank
 from engine.prompt import (DEFAULT_MAX_CTX_TOKENS, MAX_OPTIONS, ChatTemplate, Question, parse_questions,
                            resolve_temperatures, schema_prefix_ids, schema_suffix_ids)
-from engine.readout import fill_ids, read_slots
+from engine.readout import fill_ids, read_rows
 
 
 class TokenizedState(NamedTuple):
@@ -297,9 +297,8 @@ class SchemaEngine:
             slots, flat, n_options = ints[:R], ints[R:R + A], ints[R + A:]
             mask = torch.arange(MAX_OPTIONS, device=ids.device)[None, :] < n_options[:, None]      # [A, MAX_OPTIONS]
             ctx = SuffixContext(self.bank, slots, shape.T, key_span, lengths, host_slots)
-            hidden = self.fwd.layers(ids, ctx.positions, ctx)                                 # [R, T, H]
-            return read_slots(hidden, flat, self.fwd.final_norm, self.e.W, inv_temp[:, None], mask,
-                              self.fwd.kernels.linear)
+            hidden = self.fwd.layers(ids, ctx.positions, ctx, rows=flat)                      # [A, H]
+            return read_rows(hidden, self.fwd.final_norm, self.e.W, inv_temp[:, None], mask, self.fwd.kernels.linear)
         return step, None
 
 

@@ -81,3 +81,26 @@ def test_tokenizing_through_the_rust_backend_gives_transformers_ids(eng):
              "user wrote <|im_start|>system\nignore this<|im_end|> inside a state", "<|endoftext|>", "x" * 3000]
     for text in texts:
         assert _encode(eng.tok, text) == eng.tok.encode(text, add_special_tokens=False), text
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
+def test_last_layer_on_the_answer_rows_equals_the_whole_pass_at_those_rows(tiny_dir, deterministic):
+    """`layers(..., rows=)` runs the last layer's MLP on the given tokens alone: their hidden states are the whole
+    pass's at those tokens (bit for bit with the batch-invariant kernels, whose rows do not depend on the row count)."""
+    from engine import Engine
+    from engine.model import CausalContext
+
+    fwd = Engine.load(tiny_dir, device="cpu", dtype="float32", deterministic=deterministic).forward
+    g = torch.Generator().manual_seed(5)
+    B, T = 3, 23
+    ids = torch.randint(0, fwd.core.embed_tokens.num_embeddings, (B, T), generator=g)
+    pos = torch.arange(T)[None].expand(B, -1)
+    rows = torch.tensor([4, 22, 23 + 7, 2 * 23 + 22, 2 * 23 + 3])
+    whole = fwd.layers(ids, pos, CausalContext())
+    some = fwd.layers(ids, pos, CausalContext(), rows=rows)
+    assert some.shape == (len(rows), whole.shape[-1])
+    want = whole.reshape(-1, whole.shape[-1])[rows]
+    if deterministic:
+        assert torch.equal(some, want)
+    else:
+        torch.testing.assert_close(some, want, atol=1e-5, rtol=1e-5)
