@@ -28,6 +28,11 @@ import torch.nn.functional as F
 from engine.attention import AttentionOut
 from engine.kernels import select_kernels
 
+ANSWER_ROWS_ONLY = True
+"""With `layers(..., rows=)`, run the last layer's MLP and norms on those rows alone (False: on every token, then
+select, as before; kept so that `bench/variant_ab.py` can time the two in one process). Read when a step is traced,
+so a CUDA graph keeps the setting it was captured under."""
+
 
 @dataclass
 class PrefixState:
@@ -224,12 +229,15 @@ class HybridForward:
                 x = self._gated_delta_net(layer.linear_attn, w, x, i, ctx)
             else:
                 x = self._attention(layer.self_attn, w, x, cos, sin, i, ctx)
-            if i == last and rows is not None:
+            if i == last and rows is not None and ANSWER_ROWS_ONLY:
                 x, h = (t.reshape(-1, t.shape[-1]).index_select(0, rows) for t in (x, h))      # [S, hidden]
             x, h = self.kernels.add_rms_norm(h, x, w["post_norm"], self.eps)
             x = self._mlp(layer.mlp, w, x)
             if i == last:
-                return h + x
+                out = h + x
+                if rows is not None and not ANSWER_ROWS_ONLY:
+                    out = out.reshape(-1, out.shape[-1]).index_select(0, rows)
+                return out
             x, h = self.kernels.add_rms_norm(h, x, self.w[i + 1]["in_norm"], self.eps)
 
     def _mlp(self, mlp, w, x):

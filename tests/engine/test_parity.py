@@ -83,13 +83,16 @@ def test_tokenizing_through_the_rust_backend_gives_transformers_ids(eng):
         assert _encode(eng.tok, text) == eng.tok.encode(text, add_special_tokens=False), text
 
 
+@pytest.mark.parametrize("answer_rows_only", [True, False], ids=["answer-rows", "every-token"])
 @pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
-def test_last_layer_on_the_answer_rows_equals_the_whole_pass_at_those_rows(tiny_dir, deterministic):
+def test_last_layer_on_the_answer_rows_equals_the_whole_pass_at_those_rows(tiny_dir, deterministic, answer_rows_only,
+                                                                           monkeypatch):
     """`layers(..., rows=)` runs the last layer's MLP on the given tokens alone: their hidden states are the whole
     pass's at those tokens (bit for bit with the batch-invariant kernels, whose rows do not depend on the row count)."""
-    from engine import Engine
+    from engine import Engine, model
     from engine.model import CausalContext
 
+    monkeypatch.setattr(model, "ANSWER_ROWS_ONLY", answer_rows_only)
     fwd = Engine.load(tiny_dir, device="cpu", dtype="float32", deterministic=deterministic).forward
     g = torch.Generator().manual_seed(5)
     B, T = 3, 23
