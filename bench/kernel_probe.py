@@ -7,7 +7,8 @@ For the 0.8B shape at one batch (default 32 rows of a 144-token suffix), times i
   (does the CUDA op accept Hkv < Hq, and does it give the same numbers);
 - the copy of a prefix's recurrent state expanded to every row (what fla's contiguity check forces);
 - the suffix pass's delta rule: fla's `chunk_gated_delta_rule` from per-row copies of the bank's states (the copy
-  included) against `delta_rule_indexed` at each of fla's candidate state-kernel configurations, with its max |diff|;
+  included) against `delta_rule_indexed` at each of fla's candidate state-kernel configurations, with its max |diff|,
+  and with its output computed by fla's kernel or in the state kernel's pass (`FUSED_OUTPUT`);
 - the prefix half of the attention (`indexed_attention`) at each query-block size, with the block count.
 
     python bench/kernel_probe.py [--batch 32] [--tokens 144] [--only delta,prefix] > probe.txt
@@ -120,6 +121,7 @@ def probe_state_copy(B: int) -> dict:
 def probe_delta_rule(B: int, T: int, slots_live: int = 4) -> dict:
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
+    from engine import fla_kernels
     from engine import indexed_delta_rule as idr
     from engine.fla_kernels import delta_rule_indexed
 
@@ -138,7 +140,8 @@ def probe_delta_rule(B: int, T: int, slots_live: int = 4) -> dict:
 
     ref = copied()
     out = {"rows": B, "tokens": T, "fla_copied_ms": round(gpu_ms(copied), 4), "indexed": []}
-    default = idr.FWD_H_CONFIG
+    default, fused = idr.FWD_H_CONFIG, fla_kernels.FUSED_OUTPUT
+    fla_kernels.FUSED_OUTPUT = False                # the sweep is of the separate state kernel
     try:
         for cfg in itertools.product((32, 64), (2, 4), (2, 3, 4)):
             idr.FWD_H_CONFIG = cfg
@@ -151,6 +154,15 @@ def probe_delta_rule(B: int, T: int, slots_live: int = 4) -> dict:
                 out["indexed"].append(dict(config=cfg, error=repr(exc)[:200]))
     finally:
         idr.FWD_H_CONFIG = default
+    try:
+        for on in (False, True):
+            fla_kernels.FUSED_OUTPUT = on
+            run = lambda: delta_rule_indexed(q, k, v, a, b, A_log, dt_bias, bank, slots)  # noqa: E731
+            got = run()
+            out["fused_output" if on else "separate_output"] = dict(
+                ms=round(gpu_ms(run), 4), max_diff=(got.float() - ref.float()).abs().max().item())
+    finally:
+        fla_kernels.FUSED_OUTPUT = fused
     return out
 
 

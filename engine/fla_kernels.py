@@ -19,7 +19,7 @@ from fla.ops.gated_delta_rule.gate import gdn_gate_chunk_cumsum
 from fla.ops.utils.constant import RCP_LN2
 from torch.nn.functional import linear
 
-from engine.indexed_delta_rule import CHUNK, chunk_states_indexed
+from engine.indexed_delta_rule import CHUNK, chunk_outputs_indexed, chunk_states_indexed
 from engine.triton_kernels import GATED, add_rms_norm, conv_qkv, gate_attention, rms_norm_rope, row_norm, swiglu
 
 __all__ = ["delta_rule", "delta_rule_indexed", "conv_qkv", "row_norm", "gated_rms_norm", "swiglu",
@@ -39,16 +39,24 @@ def delta_rule(q, k, v, a, b, A_log, dt_bias, initial_state, output_final_state,
                                   dt_bias=dt_bias, use_beta_sigmoid_in_kernel=True)
 
 
+FUSED_OUTPUT = True
+"""Whether a suffix pass's delta rule computes its output in the state kernel's pass (`chunk_outputs_indexed`) rather
+than by fla's output kernel over stored states (read at each call: `bench/variant_ab.py` can time both)."""
+
+
 def delta_rule_indexed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                        A_log: torch.Tensor, dt_bias: torch.Tensor, bank: torch.Tensor, index: torch.Tensor
                        ) -> torch.Tensor:
     """The output of fla's `chunk_gated_delta_rule(q, k, v, a, b, initial_state=bank[index], use_gate_in_kernel=True,
     A_log, dt_bias, use_beta_sigmoid_in_kernel=True)` without forming bank[index]: q, k [B, T, H, K] (contiguous,
     L2-normalised), v [B, T, Hv, V], a, b [B, T, Hv] (contiguous) -> o [B, T, Hv, V]. fla's forward
-    (`chunk_gated_delta_rule_fwd`) step by step, its state kernel replaced by `chunk_states_indexed`."""
+    (`chunk_gated_delta_rule_fwd`) step by step, its state kernel replaced by `chunk_states_indexed`, or with
+    `FUSED_OUTPUT` its state and output kernels by `chunk_outputs_indexed`."""
     beta = fused_beta_sigmoid(b)
     g = gdn_gate_chunk_cumsum(g=a, A_log=A_log, chunk_size=CHUNK, scale=RCP_LN2, dt_bias=dt_bias)
     w, u, _ = chunk_gated_delta_rule_fwd_intra(k=k, v=v, g=g, beta=beta, chunk_size=CHUNK)
+    if FUSED_OUTPUT:
+        return chunk_outputs_indexed(q, k, w, u, g, bank, index, k.shape[-1] ** -0.5)
     h, v_new = chunk_states_indexed(k, w, u, g, bank, index)
     return chunk_fwd_o(q=q, k=k, v=v_new, h=h, g=g, scale=k.shape[-1] ** -0.5, chunk_size=CHUNK)
 

@@ -33,40 +33,57 @@ columns a program holds do not change how a column is summed: other candidates g
 and 32 columns (twice the programs) for batches 1 and 2 were no faster."""
 
 
+@triton.jit
+def _program(HV: tl.constexpr, V: tl.constexpr, BV: tl.constexpr):
+    # this program's row, value head and value columns (with their mask): value blocks fastest, as fla numbers them
+    pid = tl.program_id(0).to(tl.int64)
+    NV = tl.cdiv(V, BV)
+    i_v, i_nh = pid % NV, pid // NV
+    o_v = i_v * BV + tl.arange(0, BV)
+    return i_nh // HV, i_nh % HV, o_v, o_v < V
+
+
+@triton.jit
+def _key_blocks(K: tl.constexpr):
+    # the state's key rows in two blocks of 64, with their masks (the second empty where K <= 64)
+    o_k1 = tl.arange(0, 64)
+    o_k2 = 64 + o_k1
+    return o_k1, o_k1 < K, o_k2, o_k2 < K
+
+
+@triton.jit
+def _initial_state(h0, h0_index, i_n, i_h, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
+                   o_v, m_v):
+    # the change from fla's kernel that matters: row i_n's initial state is bank entry h0_index[i_n], not entry i_n.
+    # Keys in two blocks of 64 (the second all zeros where K <= 64), value columns o_v, float32
+    h0 += (tl.load(h0_index + i_n).to(tl.int64) * HV + i_h) * K * V
+    o_k1 = tl.arange(0, 64)
+    o_k2 = 64 + o_k1
+    b_h1 = tl.zeros([64, BV], dtype=tl.float32)
+    b_h1 += tl.load(h0 + o_k1[:, None] * V + o_v[None, :], mask=(o_k1 < K)[:, None] & m_v[None, :],
+                    other=0.0).to(tl.float32)
+    b_h2 = tl.zeros([64, BV], dtype=tl.float32)
+    if K > 64:
+        b_h2 += tl.load(h0 + o_k2[:, None] * V + o_v[None, :], mask=(o_k2 < K)[:, None] & m_v[None, :],
+                        other=0.0).to(tl.float32)
+    return b_h1, b_h2
+
+
 @triton.jit(do_not_specialize=["T"])
 def _fwd_h_indexed_kernel(k, v, w, v_new, g, h, h0, h0_index, T, NT: tl.constexpr, H: tl.constexpr, HV: tl.constexpr,
                           K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr):
     # one program: BV value columns of one (row, value head)'s state, carried through the row's chunks in order. The
     # chunk count is a constant (fla's is not): one compile per length bucket's count, and Triton's interpreter, which
     # cannot loop to a run-time bound, runs it
-    pid = tl.program_id(0).to(tl.int64)
-    NV = tl.cdiv(V, BV)
-    i_v, i_nh = pid % NV, pid // NV
-    i_n, i_h = i_nh // HV, i_nh % HV
+    i_n, i_h, o_v, m_v = _program(HV, V, BV)
     bos = i_n * T
-    boh = i_n * NT
-
-    h += (boh * HV + i_h) * K * V
+    h += (i_n * NT * HV + i_h) * K * V
     v += (bos * HV + i_h) * V
     k += (bos * H + i_h // (HV // H)) * K
     w += (bos * HV + i_h) * K
     v_new += (bos * HV + i_h) * V
-    # the change from fla's kernel that matters: the initial state is bank entry h0_index[row], not entry row
-    h0 += (tl.load(h0_index + i_n).to(tl.int64) * HV + i_h) * K * V
-
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_v = o_v < V
-    o_k1 = tl.arange(0, 64)
-    m_k1 = o_k1 < K
-    o_k2 = 64 + o_k1
-    m_k2 = o_k2 < K
-    b_h1 = tl.zeros([64, BV], dtype=tl.float32)
-    b_h1 += tl.load(h0 + o_k1[:, None] * V + o_v[None, :], mask=m_k1[:, None] & m_v[None, :],
-                    other=0.0).to(tl.float32)
-    if K > 64:
-        b_h2 = tl.zeros([64, BV], dtype=tl.float32)
-        b_h2 += tl.load(h0 + o_k2[:, None] * V + o_v[None, :], mask=m_k2[:, None] & m_v[None, :],
-                        other=0.0).to(tl.float32)
+    o_k1, m_k1, o_k2, m_k2 = _key_blocks(K)
+    b_h1, b_h2 = _initial_state(h0, h0_index, i_n, i_h, HV, K, V, BV, o_v, m_v)
 
     for i_t in range(NT):
         o_t = i_t * BT + tl.arange(0, BT)
@@ -104,6 +121,99 @@ def _fwd_h_indexed_kernel(k, v, w, v_new, g, h, h0, h0_index, T, NT: tl.constexp
             b_h2 = tl.dot(b_k, b_v, b_h2)
 
 
+FUSED_CONFIG = (32, 4, 2)
+"""(value columns per program, warps, stages) of the fused state-and-output kernel: 32 columns keep the state, its
+rounded copy, the output tile and the chunk's attention matrix in registers at 4 warps."""
+
+
+@triton.jit(do_not_specialize=["T"])
+def _fwd_h_o_indexed_kernel(q, k, v, w, g, o, h0, h0_index, scale, T, NT: tl.constexpr, H: tl.constexpr,
+                            HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr):
+    # `_fwd_h_indexed_kernel` with fla's output kernel (`chunk_fwd_kernel_o`) computed in the same pass: the state
+    # entering each chunk and the chunk's new values stay in registers instead of going through memory (at batch 128,
+    # 200 MB of states and 100 MB of values a layer, written once and read back). Each program recomputes its chunk's
+    # q k^T, which fla's output kernel computes once per value block too.
+    i_n, i_h, o_v, m_v = _program(HV, V, BV)
+    bos = i_n * T
+    q += (bos * H + i_h // (HV // H)) * K
+    k += (bos * H + i_h // (HV // H)) * K
+    v += (bos * HV + i_h) * V
+    w += (bos * HV + i_h) * K
+    o += (bos * HV + i_h) * V
+    o_k1, m_k1, o_k2, m_k2 = _key_blocks(K)
+    b_h1, b_h2 = _initial_state(h0, h0_index, i_n, i_h, HV, K, V, BV, o_v, m_v)
+
+    for i_t in range(NT):
+        o_t = i_t * BT + tl.arange(0, BT)
+        m_t = o_t < T
+        # the state entering the chunk, rounded as fla stores it for its output kernel
+        b_hr1 = b_h1.to(k.dtype.element_ty)
+        b_w = tl.load(w + o_t[:, None] * (HV * K) + o_k1[None, :], mask=m_t[:, None] & m_k1[None, :], other=0.0)
+        b_v = tl.dot(b_w, b_hr1)
+        b_q = tl.load(q + o_t[:, None] * (H * K) + o_k1[None, :], mask=m_t[:, None] & m_k1[None, :], other=0.0)
+        b_k1 = tl.load(k + o_k1[:, None] + o_t[None, :] * (H * K), mask=m_k1[:, None] & m_t[None, :], other=0.0)
+        b_o = tl.dot(b_q, b_hr1)
+        b_A = tl.dot(b_q, b_k1)
+        if K > 64:
+            b_hr2 = b_h2.to(k.dtype.element_ty)
+            b_w = tl.load(w + o_t[:, None] * (HV * K) + o_k2[None, :], mask=m_t[:, None] & m_k2[None, :], other=0.0)
+            b_v = tl.dot(b_w, b_hr2, b_v)
+            b_q = tl.load(q + o_t[:, None] * (H * K) + o_k2[None, :], mask=m_t[:, None] & m_k2[None, :], other=0.0)
+            b_k2 = tl.load(k + o_k2[:, None] + o_t[None, :] * (H * K), mask=m_k2[:, None] & m_t[None, :], other=0.0)
+            b_o = tl.dot(b_q, b_hr2, b_o)
+            b_A = tl.dot(b_q, b_k2, b_A)
+        b_v = tl.load(v + o_t[:, None] * (HV * V) + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0) - b_v
+        b_vn = b_v.to(k.dtype.element_ty)        # the new values as fla stores them for its output kernel
+
+        # the chunk's output: fla's output kernel on the state entering the chunk and the new values
+        b_g = tl.load(g + bos * HV + i_h + o_t * HV, mask=m_t, other=0.0).to(tl.float32)
+        b_o = b_o * tl.math.exp2(b_g)[:, None]
+        b_A = b_A * tl.math.exp2(b_g[:, None] - b_g[None, :])
+        b_A = tl.where((o_t[:, None] >= o_t[None, :]) & (m_t[:, None] & m_t), b_A, 0)
+        b_o = b_o * scale + tl.dot(b_A.to(b_vn.dtype), b_vn) * scale
+        tl.store(o + o_t[:, None] * (HV * V) + o_v[None, :], b_o.to(o.dtype.element_ty),
+                 mask=m_t[:, None] & m_v[None, :])
+
+        # the state leaving the chunk, as `_fwd_h_indexed_kernel` carries it
+        last_idx = tl.minimum((i_t + 1) * BT, T) - 1
+        b_g_last = tl.load(g + bos * HV + last_idx * HV + i_h).to(tl.float32)
+        b_v = b_v * tl.where(m_t, tl.math.exp2(b_g_last - b_g), 0)[:, None]
+        b_g_last = tl.math.exp2(b_g_last)
+        b_h1 *= b_g_last
+        b_v = b_v.to(k.dtype.element_ty)
+        b_h1 = tl.dot(b_k1, b_v, b_h1)
+        if K > 64:
+            b_h2 *= b_g_last
+            b_h2 = tl.dot(b_k2, b_v, b_h2)
+
+
+def chunk_outputs_indexed(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, g: torch.Tensor,
+                          bank: torch.Tensor, index: torch.Tensor, scale: float,
+                          config: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """fla's `chunk_gated_delta_rule_fwd_h` (as `chunk_states_indexed`, row b from bank[index[b]]) and `chunk_fwd_o`
+    in one pass, without materialising the per-chunk states or the new values: q, k [B, T, H, K], w [B, T, Hv, K],
+    u [B, T, Hv, V], g [B, T, Hv] float32 (the chunked log2 decay), bank [S, Hv, K, V] float32 -> o [B, T, Hv, V].
+    config: (BV, warps, stages), `FUSED_CONFIG` (read at the call) by default."""
+    B, T, H, K = k.shape
+    HV, V = u.shape[2], u.shape[3]
+    _check(K, HV, V, bank)
+    BV, warps, stages = config or FUSED_CONFIG
+    o = torch.empty_like(u)
+    if B:
+        _fwd_h_o_indexed_kernel[(triton.cdiv(V, BV) * B * HV,)](q, k, u, w, g, o, bank, index, scale, T,
+                                                                NT=triton.cdiv(T, CHUNK), H=H, HV=HV, K=K, V=V,
+                                                                BT=CHUNK, BV=BV, num_warps=warps, num_stages=stages)
+    return o
+
+
+def _check(K: int, HV: int, V: int, bank: torch.Tensor) -> None:
+    if K > 128:
+        raise ValueError(f"indexed delta rule: key head size {K} (up to 128 supported)")
+    if not bank.is_contiguous() or bank.shape[1:] != (HV, K, V):
+        raise ValueError(f"indexed delta rule: the bank must be contiguous [S, {HV}, {K}, {V}], got "
+                         f"{tuple(bank.shape)}")
+
+
 def chunk_states_indexed(k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, g: torch.Tensor, bank: torch.Tensor,
                          index: torch.Tensor, config: tuple[int, int, int] | None = None
                          ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -113,11 +223,7 @@ def chunk_states_indexed(k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, g: t
     each chunk, v_new [B, T, Hv, V]). config: (BV, warps, stages), `FWD_H_CONFIG` (read at the call) by default."""
     B, T, H, K = k.shape
     HV, V = u.shape[2], u.shape[3]
-    if K > 128:
-        raise ValueError(f"indexed delta rule: key head size {K} (up to 128 supported)")
-    if not bank.is_contiguous() or bank.shape[1:] != (HV, K, V):
-        raise ValueError(f"indexed delta rule: the bank must be contiguous [S, {HV}, {K}, {V}], got "
-                         f"{tuple(bank.shape)}")
+    _check(K, HV, V, bank)
     BV, warps, stages = config or FWD_H_CONFIG
     NT = triton.cdiv(T, CHUNK)
     h = k.new_empty(B, NT, HV, K, V)

@@ -254,6 +254,21 @@ def _chunk_states_reference(k, w, u, g, bank, index, chunk):
     return h, v_new
 
 
+def _wy_inputs(B, K, dtype, seed, T=70, H=2, HV=4, V=64, S=4):
+    """Random inputs of the delta rule's state kernel, on the CPU: q, k [B, T, H, K] (L2-normalised), the WY
+    representation w [B, T, HV, K] and u [B, T, HV, V], the chunked log2 decay [B, T, HV] (a cumulative sum of
+    negative steps restarting every chunk; T = 70: a last chunk cut short) and a bank of S float32 states."""
+    from engine.indexed_delta_rule import CHUNK
+
+    g = torch.Generator().manual_seed(seed)
+    q, k = (torch.nn.functional.normalize(torch.randn(B, T, H, K, generator=g), dim=-1).to(dtype) for _ in range(2))
+    w = (torch.randn(B, T, HV, K, generator=g) * 0.1).to(dtype)
+    u = torch.randn(B, T, HV, V, generator=g).to(dtype)
+    steps = -torch.rand(B, T, HV, generator=g) * 0.3
+    decay = torch.cat([c.cumsum(1) for c in steps.split(CHUNK, dim=1)], dim=1)
+    return q, k, w, u, decay, torch.randn(S, HV, K, V, generator=g) * 0.5
+
+
 @pytest.mark.parametrize("dtype", [
     torch.float32,
     pytest.param(torch.bfloat16, marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="Triton 3.6's "
@@ -265,15 +280,8 @@ def test_chunk_states_indexed_starts_each_row_from_its_bank_entry(K, dtype):
     recurrence in PyTorch, and bit for bit against the same kernel given each row's state copied out."""
     from engine.indexed_delta_rule import CHUNK, chunk_states_indexed
 
-    g = torch.Generator().manual_seed(11)
-    B, T, H, HV, V, S = 3, 70, 2, 4, 64, 4
-    k = torch.nn.functional.normalize(torch.randn(B, T, H, K, generator=g), dim=-1).to(dtype)
-    w = (torch.randn(B, T, HV, K, generator=g) * 0.1).to(dtype)
-    u = torch.randn(B, T, HV, V, generator=g).to(dtype)
-    # the chunked log2 decay: a cumulative sum of negative steps that restarts every chunk
-    steps = -torch.rand(B, T, HV, generator=g) * 0.3
-    decay = torch.cat([c.cumsum(1) for c in steps.split(CHUNK, dim=1)], dim=1)
-    bank = torch.randn(S, HV, K, V, generator=g) * 0.5
+    B = 3
+    _, k, w, u, decay, bank = _wy_inputs(B, K, dtype, seed=11)
     index = torch.tensor([2, 0, 2])
     on = lambda *ts: [t.to(DEV) for t in ts]  # noqa: E731
     h, v_new = chunk_states_indexed(*on(k, w, u, decay, bank, index))
@@ -307,10 +315,65 @@ def test_delta_rule_indexed_is_flas_delta_rule_from_the_copied_states():
     dt_bias = torch.randn(HV, generator=g).to(DEV)
     bank = (torch.randn(S, HV, K, V, generator=g) * 0.5).to(DEV)
     index = torch.tensor([1, 1, 0, 2, 1], device=DEV)
-    got = delta_rule_indexed(q, k, v, a, b, A_log, dt_bias, bank, index)
+    from engine import fla_kernels
+
     want, _ = chunk_gated_delta_rule(q, k, v, g=a, beta=b, initial_state=bank[index], output_final_state=False,
                                      use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias,
                                      use_beta_sigmoid_in_kernel=True)
+    fused = fla_kernels.FUSED_OUTPUT
+    try:
+        fla_kernels.FUSED_OUTPUT = False
+        got = delta_rule_indexed(q, k, v, a, b, A_log, dt_bias, bank, index)
+        fla_kernels.FUSED_OUTPUT = True
+        got_fused = delta_rule_indexed(q, k, v, a, b, A_log, dt_bias, bank, index)
+    finally:
+        fla_kernels.FUSED_OUTPUT = fused
     # the same arithmetic in the same order (fla autotunes the state kernel's launch, which does not change a
     # column's sums): the same bits
     assert torch.equal(got, want), f"max |diff| {(got.float() - want.float()).abs().max().item():.3g}"
+    # fused, the output's sums over the key dimension run in 64-wide steps (fla's output kernel may take 128 at once)
+    print(f"fused state and output against fla: max |diff| {(got_fused.float() - want.float()).abs().max():.3g}")
+    torch.testing.assert_close(got_fused.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+def _chunk_outputs_reference(q, k, h, v_new, g, scale, chunk):
+    """fla's output kernel written out in PyTorch: per chunk, q h (the state entering it) and the chunk's own causal
+    q k^T applied to its new values, both decayed by the gate."""
+    B, T, H, K = q.shape
+    HV, V = v_new.shape[2], v_new.shape[3]
+    o = torch.empty(B, T, HV, V, dtype=v_new.dtype)
+    for b in range(B):
+        for hv in range(HV):
+            qh, kh = q[b, :, hv // (HV // H)].float(), k[b, :, hv // (HV // H)].float()
+            for c in range(-(-T // chunk)):
+                t = slice(c * chunk, min((c + 1) * chunk, T))
+                g_c = g[b, t, hv].float()
+                inter = (qh[t] @ h[b, c, hv].float()) * torch.exp2(g_c)[:, None]
+                A = (qh[t] @ kh[t].T) * torch.exp2(g_c[:, None] - g_c[None, :])
+                A = torch.tril(A).to(v_new.dtype).float()
+                o[b, t, hv] = (inter * scale + (A @ v_new[b, t, hv].float()) * scale).to(v_new.dtype)
+    return o
+
+
+@pytest.mark.parametrize("dtype", [
+    torch.float32,
+    pytest.param(torch.bfloat16, marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="Triton 3.6's "
+                 "interpreter multiplies bf16 tiles wrongly"))])
+@pytest.mark.parametrize("K", [16, 128])
+def test_chunk_outputs_indexed_fuses_the_state_and_output_kernels(K, dtype):
+    """The delta rule's fused state-and-output kernel: the output of the state kernel followed by fla's output
+    kernel (written out in PyTorch), rows starting from their bank entries."""
+    from engine.indexed_delta_rule import CHUNK, chunk_outputs_indexed, chunk_states_indexed
+
+    q, k, w, u, decay, bank = _wy_inputs(3, K, dtype, seed=13)
+    index = torch.tensor([3, 0, 3])
+    on = lambda *ts: [t.to(DEV) for t in ts]  # noqa: E731
+    scale = K ** -0.5
+    got = chunk_outputs_indexed(*on(q, k, w, u, decay, bank, index), scale).cpu()
+    h, v_new = (t.cpu() for t in chunk_states_indexed(*on(k, w, u, decay, bank, index)))
+    want = _chunk_outputs_reference(q, k, h, v_new, decay, scale, CHUNK)
+    tol = 1e-4 if dtype == torch.float32 and DEV == "cpu" else 3e-2
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+    for config in ((64, 4, 2), (32, 2, 2)):
+        assert torch.equal(chunk_outputs_indexed(*on(q, k, w, u, decay, bank, index), scale, config=config).cpu(),
+                           got), config
