@@ -30,6 +30,12 @@ import triton
 import triton.language as tl
 
 RMS, GATED = 0, 1
+CONV_CONFIG = (8, 2)
+"""`conv_qkv`'s launch: (tokens per program, warps); one program takes one head's channels. Read at each call, so
+`bench/variant_ab.py` can time others in one process. (8, 2) was the fastest of 20 configurations on the H200 for
+32 x 144 tokens of the 0.8B shape (bench/kernel_probe.py: 0.097 ms against 0.130 ms for 32 tokens x 4 warps; a copy
+of the same bytes takes 0.074 ms)."""
+
 _BLOCK_ELEMENTS = 4096          # elements per program: 4 rows of 1024, 32 rows of 128
 
 
@@ -301,17 +307,16 @@ def conv_qkv(x: torch.Tensor, weight: torch.Tensor, prev: torch.Tensor | None, k
     if gates.stride(-1) != 1:
         gates = gates.contiguous()
     BD = triton.next_power_of_2(max(head_k_dim, head_v_dim))
-    # 8 tokens x one head per program, 2 warps: the fastest of 20 launch configurations on the H200 for 32 x 144
-    # tokens of the 0.8B shape (bench/kernel_probe.py: 0.097 ms against 0.130 ms for 32 tokens x 4 warps; a copy
-    # of the same bytes takes 0.074 ms). The prefix state is read in the first token block only, so BT >= KW - 1.
-    BT = max(8, triton.next_power_of_2(KW - 1))
+    tokens, warps = CONV_CONFIG
+    # the prefix state is read in the first token block only, so BT >= KW - 1
+    BT = max(tokens, triton.next_power_of_2(KW - 1))
     state, state_strides = (prev, prev.stride()) if prev is not None else (x, (0, 0, 0))
     index = prev_index if prev_index is not None else x
     _conv_qkv_kernel[(triton.cdiv(T, BT), 2 * HK + HV, B)](
         x, weight, state, index, gates, q, k, v, beta, alpha, T, x.stride(0), x.stride(1), weight.stride(0),
         weight.stride(1), *state_strides, gates.stride(0), gates.stride(1), eps, HK=HK, HV=HV, DK=head_k_dim,
         DV=head_v_dim, KW=KW, BT=BT, BD=BD, NG=NG, BG=triton.next_power_of_2(2 * NG), HAS_PREV=prev is not None,
-        HAS_INDEX=prev_index is not None, num_warps=2)
+        HAS_INDEX=prev_index is not None, num_warps=warps)
     return q, k, v, beta, alpha
 
 
