@@ -11,17 +11,15 @@ Importing this module imports fla and triton: ImportError where they are not ins
 from __future__ import annotations
 
 import torch
-import triton
 from fla.ops.common.chunk_o import chunk_fwd_o
 from fla.ops.common.gate import fused_beta_sigmoid
 from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-from fla.ops.gated_delta_rule.chunk_fwd import (chunk_gated_delta_rule_fwd_intra,
-                                               chunk_gated_delta_rule_fwd_kkt_solve_kernel)
+from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
 from fla.ops.gated_delta_rule.gate import gdn_gate_chunk_cumsum
 from fla.ops.utils.constant import RCP_LN2
 from torch.nn.functional import linear
 
-from engine.indexed_delta_rule import CHUNK, chunk_outputs_from_a, chunk_outputs_indexed, chunk_states_indexed
+from engine.indexed_delta_rule import CHUNK, chunk_outputs_indexed, chunk_states_indexed
 from engine.triton_kernels import GATED, add_rms_norm, conv_qkv, gate_attention, rms_norm_rope, row_norm, swiglu
 
 __all__ = ["delta_rule", "delta_rule_indexed", "conv_qkv", "row_norm", "gated_rms_norm", "swiglu",
@@ -45,10 +43,6 @@ FUSED_OUTPUT = True
 """Whether a suffix pass's delta rule computes its output in the state kernel's pass (`chunk_outputs_indexed`) rather
 than by fla's output kernel over stored states (read at each call: `bench/variant_ab.py` can time both)."""
 
-FUSED_WY = True
-"""With `FUSED_OUTPUT`, whether that pass also computes each chunk's WY representation (w, u) from fla's solved
-matrix (`chunk_outputs_from_a`) rather than reading fla's `recompute_w_u` output (read at each call)."""
-
 
 def delta_rule_indexed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                        A_log: torch.Tensor, dt_bias: torch.Tensor, bank: torch.Tensor, index: torch.Tensor
@@ -57,29 +51,14 @@ def delta_rule_indexed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: tor
     A_log, dt_bias, use_beta_sigmoid_in_kernel=True)` without forming bank[index]: q, k [B, T, H, K] (contiguous,
     L2-normalised), v [B, T, Hv, V], a, b [B, T, Hv] (contiguous) -> o [B, T, Hv, V]. fla's forward
     (`chunk_gated_delta_rule_fwd`) step by step, its state kernel replaced by `chunk_states_indexed`, or with
-    `FUSED_OUTPUT` its state and output kernels by `chunk_outputs_indexed` (and with `FUSED_WY` its recompute_w_u
-    kernel too, by `chunk_outputs_from_a`)."""
+    `FUSED_OUTPUT` its state and output kernels by `chunk_outputs_indexed`."""
     beta = fused_beta_sigmoid(b)
     g = gdn_gate_chunk_cumsum(g=a, A_log=A_log, chunk_size=CHUNK, scale=RCP_LN2, dt_bias=dt_bias)
-    scale = k.shape[-1] ** -0.5
-    if FUSED_OUTPUT and FUSED_WY:
-        return chunk_outputs_from_a(q, k, v, beta, _solved_kkt(k, g, beta), g, bank, index, scale)
     w, u, _ = chunk_gated_delta_rule_fwd_intra(k=k, v=v, g=g, beta=beta, chunk_size=CHUNK)
     if FUSED_OUTPUT:
-        return chunk_outputs_indexed(q, k, w, u, g, bank, index, scale)
+        return chunk_outputs_indexed(q, k, w, u, g, bank, index, k.shape[-1] ** -0.5)
     h, v_new = chunk_states_indexed(k, w, u, g, bank, index)
-    return chunk_fwd_o(q=q, k=k, v=v_new, h=h, g=g, scale=scale, chunk_size=CHUNK)
-
-
-def _solved_kkt(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
-    # step 1 of fla's `chunk_gated_delta_rule_fwd_intra` (64-token chunks, equal-length rows), as it calls it: A, the
-    # inverse of (I + the chunk's beta- and decay-weighted k k^T), [B, T, Hv, 64]; its upper blocks stay the zeros
-    B, T, H, K = k.shape
-    HV = beta.shape[2]
-    A = torch.zeros(B, T, HV, CHUNK, device=k.device, dtype=k.dtype)
-    chunk_gated_delta_rule_fwd_kkt_solve_kernel[(triton.cdiv(T, CHUNK), B * HV)](
-        k=k, g=g, beta=beta, A=A, cu_seqlens=None, chunk_indices=None, T=T, H=H, HV=HV, K=K, BT=CHUNK, BC=16)
-    return A
+    return chunk_fwd_o(q=q, k=k, v=v_new, h=h, g=g, scale=k.shape[-1] ** -0.5, chunk_size=CHUNK)
 
 
 def gated_rms_norm(x, gate, weight, eps):

@@ -124,61 +124,33 @@ def _fwd_h_indexed_kernel(k, v, w, v_new, g, h, h0, h0_index, T, NT: tl.constexp
 FUSED_CONFIG = (64, 4, 2)
 """(value columns per program, warps, stages) of the fused state-and-output kernel. The columns a program holds do not
 change a column's sums: other configurations give the same bits (`tests/engine/test_triton_kernels.py`). On the H200
-in one process (`bench/variant_ab.py`, run AB) (64, 4, 2) ran batch 32 in 16.6 ms and batch 128 in 63.6 ms against
+in one process (`bench/variant_ab.py`, run AD) (64, 4, 2) ran batch 32 in 16.6 ms and batch 128 in 63.6 ms against
 (32, 4, 2)'s 17.2 and 65.7; (64, 8, 2), (32, 2, 2), (32, 8, 2) and (16, 2, 2) were slower at both."""
 
 
-@triton.jit
-def _wy_block(A, beta, x, b_ge, o_t, m_t, m_cols, HV: tl.constexpr, BT: tl.constexpr, USE_G: tl.constexpr):
-    # fla's `recompute_w_u_fwd_kernel` for one chunk (rows o_t) and one block of columns (pointers x), in its order and
-    # roundings: A (x * beta [* exp2(g)]) rounded to x's dtype; u is a block of the values', w (USE_G) of the keys'
-    b_A = tl.load(A + o_t[:, None] * (HV * BT) + tl.arange(0, BT)[None, :], mask=m_t[:, None], other=0.0)
-    b_b = tl.load(beta + o_t * HV, mask=m_t, other=0.0)
-    b_x = tl.load(x, mask=m_t[:, None] & m_cols[None, :], other=0.0)
-    b_xb = b_x * b_b[:, None]
-    if USE_G:
-        b_xb *= b_ge[:, None]
-    return tl.dot(b_A, b_xb.to(b_x.dtype), allow_tf32=False).to(b_x.dtype)
-
-
 @triton.jit(do_not_specialize=["T"])
-def _fwd_h_o_indexed_kernel(q, k, v, w, g, o, h0, h0_index, beta, scale, T, NT: tl.constexpr, H: tl.constexpr,
-                            HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
-                            FROM_A: tl.constexpr):
+def _fwd_h_o_indexed_kernel(q, k, v, w, g, o, h0, h0_index, scale, T, NT: tl.constexpr, H: tl.constexpr,
+                            HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr):
     # `_fwd_h_indexed_kernel` with fla's output kernel (`chunk_fwd_kernel_o`) computed in the same pass: the state
     # entering each chunk and the chunk's new values stay in registers instead of going through memory (at batch 128,
     # 200 MB of states and 100 MB of values a layer, written once and read back). Each program recomputes its chunk's
     # q k^T, which fla's output kernel computes once per value block too.
-    # FROM_A: v holds the values and w the solved [B, T, Hv, BT] matrix A (fla's kkt_solve output), and each chunk's
-    # WY representation (w, u) is computed here from A, beta and the keys and values, as fla's recompute_w_u kernel
-    # computes it, instead of being read back from memory.
     i_n, i_h, o_v, m_v = _program(HV, V, BV)
     bos = i_n * T
     q += (bos * H + i_h // (HV // H)) * K
     k += (bos * H + i_h // (HV // H)) * K
     v += (bos * HV + i_h) * V
+    w += (bos * HV + i_h) * K
     o += (bos * HV + i_h) * V
-    if FROM_A:
-        w += (bos * HV + i_h) * BT
-        beta += bos * HV + i_h
-    else:
-        w += (bos * HV + i_h) * K
     o_k1, m_k1, o_k2, m_k2 = _key_blocks(K)
     b_h1, b_h2 = _initial_state(h0, h0_index, i_n, i_h, HV, K, V, BV, o_v, m_v)
 
     for i_t in range(NT):
         o_t = i_t * BT + tl.arange(0, BT)
         m_t = o_t < T
-        b_g = tl.load(g + bos * HV + i_h + o_t * HV, mask=m_t, other=0.0).to(tl.float32)
-        if FROM_A:
-            b_ge = tl.math.exp2(b_g)
-            b_u = _wy_block(w, beta, v + o_t[:, None] * (HV * V) + o_v[None, :], b_ge, o_t, m_t, m_v, HV, BT, False)
-            b_w = _wy_block(w, beta, k + o_t[:, None] * (H * K) + o_k1[None, :], b_ge, o_t, m_t, m_k1, HV, BT,
-                            True)
-        else:
-            b_w = tl.load(w + o_t[:, None] * (HV * K) + o_k1[None, :], mask=m_t[:, None] & m_k1[None, :], other=0.0)
         # the state entering the chunk, rounded as fla stores it for its output kernel
         b_hr1 = b_h1.to(k.dtype.element_ty)
+        b_w = tl.load(w + o_t[:, None] * (HV * K) + o_k1[None, :], mask=m_t[:, None] & m_k1[None, :], other=0.0)
         b_v = tl.dot(b_w, b_hr1)
         b_q = tl.load(q + o_t[:, None] * (H * K) + o_k1[None, :], mask=m_t[:, None] & m_k1[None, :], other=0.0)
         b_k1 = tl.load(k + o_k1[:, None] + o_t[None, :] * (H * K), mask=m_k1[:, None] & m_t[None, :], other=0.0)
@@ -186,23 +158,17 @@ def _fwd_h_o_indexed_kernel(q, k, v, w, g, o, h0, h0_index, beta, scale, T, NT: 
         b_A = tl.dot(b_q, b_k1)
         if K > 64:
             b_hr2 = b_h2.to(k.dtype.element_ty)
-            if FROM_A:
-                b_w = _wy_block(w, beta, k + o_t[:, None] * (H * K) + o_k2[None, :], b_ge, o_t, m_t, m_k2, HV,
-                                BT, True)
-            else:
-                b_w = tl.load(w + o_t[:, None] * (HV * K) + o_k2[None, :], mask=m_t[:, None] & m_k2[None, :],
-                              other=0.0)
+            b_w = tl.load(w + o_t[:, None] * (HV * K) + o_k2[None, :], mask=m_t[:, None] & m_k2[None, :], other=0.0)
             b_v = tl.dot(b_w, b_hr2, b_v)
             b_q = tl.load(q + o_t[:, None] * (H * K) + o_k2[None, :], mask=m_t[:, None] & m_k2[None, :], other=0.0)
             b_k2 = tl.load(k + o_k2[:, None] + o_t[None, :] * (H * K), mask=m_k2[:, None] & m_t[None, :], other=0.0)
             b_o = tl.dot(b_q, b_hr2, b_o)
             b_A = tl.dot(b_q, b_k2, b_A)
-        if not FROM_A:
-            b_u = tl.load(v + o_t[:, None] * (HV * V) + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
-        b_v = b_u - b_v
+        b_v = tl.load(v + o_t[:, None] * (HV * V) + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0) - b_v
         b_vn = b_v.to(k.dtype.element_ty)        # the new values as fla stores them for its output kernel
 
         # the chunk's output: fla's output kernel on the state entering the chunk and the new values
+        b_g = tl.load(g + bos * HV + i_h + o_t * HV, mask=m_t, other=0.0).to(tl.float32)
         b_o = b_o * tl.math.exp2(b_g)[:, None]
         b_A = b_A * tl.math.exp2(b_g[:, None] - b_g[None, :])
         b_A = tl.where((o_t[:, None] >= o_t[None, :]) & (m_t[:, None] & m_t), b_A, 0)
@@ -230,29 +196,15 @@ def chunk_outputs_indexed(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: 
     in one pass, without materialising the per-chunk states or the new values: q, k [B, T, H, K], w [B, T, Hv, K],
     u [B, T, Hv, V], g [B, T, Hv] float32 (the chunked log2 decay), bank [S, Hv, K, V] float32 -> o [B, T, Hv, V].
     config: (BV, warps, stages), `FUSED_CONFIG` (read at the call) by default."""
-    return _outputs(q, k, u, w, None, g, bank, index, scale, config)
-
-
-def chunk_outputs_from_a(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, A: torch.Tensor,
-                         g: torch.Tensor, bank: torch.Tensor, index: torch.Tensor, scale: float,
-                         config: tuple[int, int, int] | None = None) -> torch.Tensor:
-    """`chunk_outputs_indexed` with fla's `recompute_w_u_fwd` done in the same pass: each chunk's w and u are computed
-    from A [B, T, Hv, 64] (fla's solved kkt matrix, k's dtype), beta [B, T, Hv] float32 and the keys and values
-    v [B, T, Hv, V] where they are needed, not written out and read back (at batch 128, about 190 MB a layer)."""
-    return _outputs(q, k, v, A, beta, g, bank, index, scale, config)
-
-
-def _outputs(q, k, values, wy, beta, g, bank, index, scale, config):
     B, T, H, K = k.shape
-    HV, V = values.shape[2], values.shape[3]
+    HV, V = u.shape[2], u.shape[3]
     _check(K, HV, V, bank)
     BV, warps, stages = config or FUSED_CONFIG
-    o = torch.empty_like(values)
+    o = torch.empty_like(u)
     if B:
-        from_a = beta is not None
-        _fwd_h_o_indexed_kernel[(triton.cdiv(V, BV) * B * HV,)](
-            q, k, values, wy, g, o, bank, index, beta if from_a else g, scale, T, NT=triton.cdiv(T, CHUNK), H=H,
-            HV=HV, K=K, V=V, BT=CHUNK, BV=BV, FROM_A=from_a, num_warps=warps, num_stages=stages)
+        _fwd_h_o_indexed_kernel[(triton.cdiv(V, BV) * B * HV,)](q, k, u, w, g, o, bank, index, scale, T,
+                                                                NT=triton.cdiv(T, CHUNK), H=H, HV=HV, K=K, V=V,
+                                                                BT=CHUNK, BV=BV, num_warps=warps, num_stages=stages)
     return o
 
 
