@@ -34,7 +34,8 @@ CONV_CONFIG = (8, 2)
 """`conv_qkv`'s launch: (tokens per program, warps); one program takes one head's channels. Read at each call, so
 `bench/variant_ab.py` can time others in one process. (8, 2) was the fastest of 20 configurations on the H200 for
 32 x 144 tokens of the 0.8B shape (bench/kernel_probe.py: 0.097 ms against 0.130 ms for 32 tokens x 4 warps; a copy
-of the same bytes takes 0.074 ms)."""
+of the same bytes takes 0.074 ms). In whole steps at batches 32 and 128 (run AD, `variant_ab.py`), (16, 2), (16, 4),
+(32, 4), (4, 1) and (8, 1) were all slower."""
 
 _BLOCK_ELEMENTS = 4096          # elements per program: 4 rows of 1024, 32 rows of 128
 
