@@ -3,9 +3,10 @@ its own SchemaEngine and CUDA graphs (captured while its constants hold, so its 
 are timed in turns, round after round. Timing two checkouts in two processes (`bench/gpu_session.sh ab`) moves batch
 1 by +-0.15 ms from one process to the next; in turns, in one process, such drifts fall on every variant alike.
 
-    python bench/variant_ab.py --batches 1,2,8,32 \\
-        --variant "attention-128:engine.fla_kernels.SMALL_GRID_BLOCK=(128, 8)" \\
-        --variant "delta-64:engine.indexed_delta_rule.SMALL_GRID_CONFIG=(64, 4, 2)"
+    python bench/variant_ab.py --batches 1,32,128 \\
+        --variant "separate:engine.fla_kernels.FUSED_OUTPUT=False" \\
+        --variant "conv-16:engine.triton_kernels.CONV_CONFIG=(16, 2)" \\
+        --variant "fused-128:engine.indexed_delta_rule.FUSED_CONFIG=(128, 8, 2)"
 
 A variant is NAME:module.ATTR=python literal[;module.ATTR=literal...]; the variant "base" (the code as it is) always
 runs first. Prints per batch size each variant's median over rounds of its p50 step, and the largest difference of

@@ -20,6 +20,7 @@ from fla.ops.utils.constant import RCP_LN2
 from torch.nn.functional import linear
 
 from engine.indexed_delta_rule import CHUNK, chunk_outputs_indexed, chunk_states_indexed
+from engine.torch_kernels import by_index
 from engine.triton_kernels import GATED, add_rms_norm, conv_qkv, gate_attention, rms_norm_rope, row_norm, swiglu
 
 __all__ = ["delta_rule", "delta_rule_indexed", "conv_qkv", "row_norm", "gated_rms_norm", "swiglu",
@@ -32,9 +33,7 @@ def delta_rule(q, k, v, a, b, A_log, dt_bias, initial_state, output_final_state,
     if initial_index is not None and not output_final_state:
         # rows continuing prefixes of the bank: their states are read in place, not copied per row
         return delta_rule_indexed(q, k, v, a, b, A_log, dt_bias, initial_state, initial_index), None
-    if initial_index is not None:
-        initial_state = initial_state.index_select(0, initial_index)
-    return chunk_gated_delta_rule(q, k, v, g=a, beta=b, initial_state=initial_state,
+    return chunk_gated_delta_rule(q, k, v, g=a, beta=b, initial_state=by_index(initial_state, initial_index),
                                   output_final_state=output_final_state, use_gate_in_kernel=True, A_log=A_log,
                                   dt_bias=dt_bias, use_beta_sigmoid_in_kernel=True)
 
@@ -55,10 +54,11 @@ def delta_rule_indexed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: tor
     beta = fused_beta_sigmoid(b)
     g = gdn_gate_chunk_cumsum(g=a, A_log=A_log, chunk_size=CHUNK, scale=RCP_LN2, dt_bias=dt_bias)
     w, u, _ = chunk_gated_delta_rule_fwd_intra(k=k, v=v, g=g, beta=beta, chunk_size=CHUNK)
+    scale = k.shape[-1] ** -0.5
     if FUSED_OUTPUT:
-        return chunk_outputs_indexed(q, k, w, u, g, bank, index, k.shape[-1] ** -0.5)
+        return chunk_outputs_indexed(q, k, w, u, g, bank, index, scale)
     h, v_new = chunk_states_indexed(k, w, u, g, bank, index)
-    return chunk_fwd_o(q=q, k=k, v=v_new, h=h, g=g, scale=k.shape[-1] ** -0.5, chunk_size=CHUNK)
+    return chunk_fwd_o(q=q, k=k, v=v_new, h=h, g=g, scale=scale, chunk_size=CHUNK)
 
 
 def gated_rms_norm(x, gate, weight, eps):

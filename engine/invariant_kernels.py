@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from transformers.models.qwen3_5.modeling_qwen3_5 import l2norm
 
 from engine.attention import AttentionOut
-from engine.torch_kernels import _chunk_gated_delta_rule, torch_gate_attention, torch_rms_norm
+from engine.torch_kernels import _chunk_gated_delta_rule, by_index, torch_gate_attention, torch_rms_norm
 
 ROW_BLOCK = 64
 """Rows per GEMM block: a fixed M, so every row goes through one kernel and one blocking whatever the batch."""
@@ -54,8 +54,7 @@ def softplus(x: torch.Tensor) -> torch.Tensor:
 
 
 def delta_rule(q, k, v, a, b, A_log, dt_bias, initial_state, output_final_state, initial_index=None):
-    if initial_index is not None:
-        initial_state = initial_state.index_select(0, initial_index)
+    initial_state = by_index(initial_state, initial_index)
     g = -A_log.float().exp() * softplus(a.float() + dt_bias)                            # [B, T, Hv]
     if v.shape[2] > q.shape[2]:
         rep = v.shape[2] // q.shape[2]
@@ -67,8 +66,7 @@ def delta_rule(q, k, v, a, b, A_log, dt_bias, initial_state, output_final_state,
 def conv_qkv(x: torch.Tensor, weight: torch.Tensor, prev: torch.Tensor | None, key_dim: int, head_k_dim: int,
              head_v_dim: int, gates: torch.Tensor, prev_index: torch.Tensor | None = None):
     B, T, C = x.shape
-    if prev_index is not None:
-        prev = prev.index_select(0, prev_index)
+    prev = by_index(prev, prev_index)
     K = weight.shape[1]
     xt = x.transpose(1, 2)                                                             # [B, C, T]
     full = F.pad(xt, (K - 1, 0)) if prev is None else torch.cat([prev.to(x.dtype), xt], -1)   # [B, C, K-1+T]

@@ -230,14 +230,12 @@ class HybridForward:
             else:
                 x = self._attention(layer.self_attn, w, x, cos, sin, i, ctx)
             if i == last and rows is not None and ANSWER_ROWS_ONLY:
-                x, h = (t.reshape(-1, t.shape[-1]).index_select(0, rows) for t in (x, h))      # [S, hidden]
+                x, h = _at_rows(x, rows), _at_rows(h, rows)                                   # [S, hidden]
             x, h = self.kernels.add_rms_norm(h, x, w["post_norm"], self.eps)
             x = self._mlp(layer.mlp, w, x)
             if i == last:
                 out = h + x
-                if rows is not None and not ANSWER_ROWS_ONLY:
-                    out = out.reshape(-1, out.shape[-1]).index_select(0, rows)
-                return out
+                return out if rows is None or ANSWER_ROWS_ONLY else _at_rows(out, rows)
             x, h = self.kernels.add_rms_norm(h, x, self.w[i + 1]["in_norm"], self.eps)
 
     def _mlp(self, mlp, w, x):
@@ -292,3 +290,8 @@ def _last_inputs(x: torch.Tensor, n: int) -> torch.Tensor:
     """[B, T, C] -> [B, C, n]: the last n time steps (zero-padded on the left when T < n), the conv's carried state."""
     tail = x[:, -n:, :].transpose(1, 2)
     return F.pad(tail, (n - tail.shape[-1], 0))
+
+
+def _at_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """[B, T, C] -> [S, C]: the tokens at rows ([S] indices into the B * T tokens)."""
+    return x.reshape(-1, x.shape[-1]).index_select(0, rows)

@@ -16,9 +16,14 @@ from engine.attention import AttentionOut, row_major
 _chunk_gated_delta_rule = getattr(torch_chunk_gated_delta_rule, "__wrapped__", torch_chunk_gated_delta_rule)
 
 
+def by_index(states: torch.Tensor | None, index: torch.Tensor | None) -> torch.Tensor | None:
+    """Row b's entry of ``states`` (e.g. the prefix bank's [S, ...]) for each b of ``index`` [B], gathered as
+    [B, ...]; ``states`` itself where there is no index (already one entry per row, or None)."""
+    return states if index is None else states.index_select(0, index)
+
+
 def torch_delta_rule(q, k, v, a, b, A_log, dt_bias, initial_state, output_final_state, initial_index=None):
-    if initial_index is not None:
-        initial_state = initial_state.index_select(0, initial_index)
+    initial_state = by_index(initial_state, initial_index)
     # transformers' Gated DeltaNet: the gate and beta in float32 / the input dtype, q and k repeated per value head
     g = -A_log.float().exp() * F.softplus(a.float() + dt_bias)                          # [B, T, Hv]
     if v.shape[2] > q.shape[2]:
@@ -39,8 +44,7 @@ def torch_causal_conv(x: torch.Tensor, weight: torch.Tensor, prev: torch.Tensor 
 def torch_conv_qkv(x: torch.Tensor, weight: torch.Tensor, prev: torch.Tensor | None, key_dim: int, head_k_dim: int,
                    head_v_dim: int, gates: torch.Tensor, prev_index: torch.Tensor | None = None):
     B, T, _ = x.shape
-    if prev_index is not None:
-        prev = prev.index_select(0, prev_index)
+    prev = by_index(prev, prev_index)
     q, k, v = torch_causal_conv(x, weight, prev).split([key_dim, key_dim, x.shape[-1] - 2 * key_dim], dim=-1)
     # transformers normalises q and k in float32 (inside its delta rule, to match fla): the same numbers
     q, k = (l2norm(t.reshape(B, T, -1, head_k_dim).float(), dim=-1, eps=1e-6).to(x.dtype) for t in (q, k))
