@@ -9,7 +9,8 @@ For the 0.8B shape at one batch (default 32 rows of a 144-token suffix), times i
 - the suffix pass's delta rule: fla's `chunk_gated_delta_rule` from per-row copies of the bank's states (the copy
   included) against `delta_rule_indexed` at each of fla's candidate state-kernel configurations, with its max |diff|,
   and with its output computed by fla's kernel or in the state kernel's pass (`FUSED_OUTPUT`);
-- the prefix half of the attention (`indexed_attention`) at each query-block size, with the block count.
+- the prefix half of the attention (`indexed_attention`) at each query-block size, with the block count;
+- the suffix pass's whole attention: the split path's three launches against the one-kernel `suffix_attention`.
 
     python bench/kernel_probe.py [--batch 32] [--tokens 144] [--only delta,prefix] > probe.txt
 """
@@ -33,12 +34,21 @@ FUSED = 2 * HK * DK + 2 * HV * DV + 2 * HV          # qkv | z | b | a: the in_pr
 HQ, HKV, DA = 8, 2, 256
 
 
-def gpu_ms(fn, iters: int = 50, warmup: int = 3, flush: torch.Tensor | None = None) -> float:
+def gpu_ms(fn, iters: int = 50, warmup: int = 3, flush: torch.Tensor | None = None, graph: bool = False) -> float:
     """Median GPU milliseconds of fn() over `iters` runs, after `warmup` calls (compilation); flush: a buffer zeroed
-    before each run (one larger than L2 evicts what the last run left there)."""
+    before each run (one larger than L2 evicts what the last run left there). graph: fn captured in a CUDA graph and
+    its replays timed, so that the launches' CPU time (tens of microseconds each, from Python) is not counted where
+    the kernels are shorter, as a scoring step's replay does not count it."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
+    if graph:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        fn = g.replay
+        fn()
+        torch.cuda.synchronize()
     times = []
     for _ in range(iters):
         if flush is not None:
@@ -186,9 +196,67 @@ def probe_prefix_attention(B: int, T: int, prefix: int = 400) -> dict:
     return out
 
 
+def probe_suffix_attention(B: int, T: int, prefix: int = 400) -> dict:
+    """The suffix pass's attention: the split path's three launches (prefix half from the bank, causal half by torch's
+    flash op, their merge with the output gate) against `engine.suffix_attention` at several launch configurations,
+    each with its max |diff| from the split path."""
+    from engine import batch_invariant as bi
+    from engine import suffix_attention as sa
+    from engine.attention import AttentionOut, sdpa_with_lse
+
+    dev, dt = "cuda", torch.bfloat16
+    G = HQ // HKV
+    scale = DA ** -0.5
+    q = torch.randn(B, HQ, T, DA, device=dev, dtype=dt)
+    k = torch.randn(B, HKV, T, DA, device=dev, dtype=dt)
+    v = torch.randn(B, T, HKV, 2 * DA, device=dev, dtype=dt)[..., DA:].transpose(1, 2)     # a strided view
+    gate = torch.chunk(torch.randn(B, T, HQ, 2 * DA, device=dev, dtype=dt), 2, dim=-1)[1]
+    bank_k, bank_v = (torch.randn(4, HKV, 512, DA, device=dev, dtype=dt) for _ in range(2))
+    lengths = torch.full((4,), prefix, dtype=torch.int32, device=dev)
+    slots = torch.full((B,), 1, dtype=torch.int64, device=dev)
+    halves = {}
+
+    def prefix_half():
+        halves["pre"] = bi.indexed_attention(q.reshape(B, HKV, G * T, DA), bank_k, bank_v, scale, lengths, slots)
+
+    def causal_half():
+        halves["self"] = sdpa_with_lse(q, k, v, True, scale)
+
+    def merge_gate():
+        o, lse = halves["self"]
+        return tk.gate_attention(AttentionOut(o, lse, *halves["pre"], 1, B), gate)
+
+    prefix_half(), causal_half()
+    ref = merge_gate()
+    launches = (("prefix_half", prefix_half), ("causal_half", causal_half), ("merge_gate", merge_gate))
+    split_ms = {name: round(gpu_ms(fn, graph=True), 4) for name, fn in launches}
+    out = {"rows": B, "tokens": T, "prefix": prefix, "split_ms": split_ms, "configs": []}
+    print(json.dumps(out), file=sys.stderr, flush=True)
+    saved = sa.CONFIG, sa.FILL_PROGRAMS, sa.ONE_LOOP
+    try:
+        sa.FILL_PROGRAMS = 0
+        configs = ((64, 64, 8, 2), (128, 64, 8, 2), (128, 32, 8, 2), (128, 32, 8, 3), (64, 32, 4, 2), (32, 64, 4, 2),
+                   (16, 64, 4, 2), (16, 32, 2, 2))
+        for one_loop, config in itertools.product((False, True), configs):
+            sa.CONFIG, sa.ONE_LOOP = config, one_loop
+            run = lambda: sa.suffix_attention(q, k, v, bank_k, bank_v, lengths, slots, gate, scale)  # noqa: E731
+            try:
+                got = run()
+                row = dict(config=config, one_loop=one_loop, ms=round(gpu_ms(run, graph=True), 4),
+                           max_diff=(got - ref).abs().max().item())
+            except Exception as exc:  # noqa: BLE001 - a configuration the GPU refuses
+                row = dict(config=config, one_loop=one_loop, error=f"{type(exc).__name__}: {str(exc)[:200]}")
+            print(json.dumps(row), file=sys.stderr, flush=True)
+            out["configs"].append(row)
+    finally:
+        sa.CONFIG, sa.FILL_PROGRAMS, sa.ONE_LOOP = saved
+    return out
+
+
 PROBES = {"conv": lambda a: probe_conv(a.batch, a.tokens), "gqa": lambda a: probe_gqa(a.batch, a.tokens),
           "state_copy": lambda a: probe_state_copy(a.batch), "delta": lambda a: probe_delta_rule(a.batch, a.tokens),
-          "prefix": lambda a: probe_prefix_attention(a.batch, a.tokens)}
+          "prefix": lambda a: probe_prefix_attention(a.batch, a.tokens),
+          "suffix": lambda a: probe_suffix_attention(a.batch, a.tokens)}
 
 
 def main(argv=None) -> dict:

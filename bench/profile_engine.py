@@ -1,8 +1,10 @@
 """Where the cached path spends GPU time (torch profiler table), at one batch size and state length.
 
-    python bench/profile_engine.py --batch 1,32 --state-tokens 128 [--graphs]
+    python bench/profile_engine.py --batch 1,32 --state-tokens 128 [--graphs] \
+        [--variant "split:engine.model.FUSED_ATTENTION=False"]
 
-One model build serves every batch size (building the 0.8B-shaped model takes about a minute).
+One model build serves every batch size (building the 0.8B-shaped model takes about a minute). Each --variant (the
+format of `bench/variant_ab.py`) is profiled after the code as it is, with its settings held while it runs.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.engine_bench import build_engine, questions, states  # noqa: E402
+from bench.variant_ab import parse_variant, patched  # noqa: E402
 from engine import SchemaEngine  # noqa: E402
 
 
@@ -24,14 +27,17 @@ def main():
     ap.add_argument("--state-tokens", type=int, default=128)
     ap.add_argument("--graphs", action="store_true")
     ap.add_argument("--rows", type=int, default=30)
+    ap.add_argument("--variant", action="append", default=[], type=parse_variant)
     args = ap.parse_args()
     args.quick, args.device, args.dtype = False, "cuda", "bfloat16"
     eng, _ = build_engine(args)
-    se = SchemaEngine(eng, use_graphs=args.graphs)
-    h = se.prepare(questions(eng.tok, 10, 4, 400))
-    for batch in (int(b) for b in args.batch.split(",")):
-        print(f"=== batch {batch}, {args.state_tokens}-token states, graphs={args.graphs}")
-        profile_batch(se, h, states(eng.tok, batch, args.state_tokens, 0), args.rows)
+    for name, patches in [("base", [])] + args.variant:
+        with patched(patches):
+            se = SchemaEngine(eng, use_graphs=args.graphs)
+            h = se.prepare(questions(eng.tok, 10, 4, 400))
+            for batch in (int(b) for b in args.batch.split(",")):
+                print(f"=== {name}: batch {batch}, {args.state_tokens}-token states, graphs={args.graphs}")
+                profile_batch(se, h, states(eng.tok, batch, args.state_tokens, 0), args.rows)
 
 
 def profile_batch(se: SchemaEngine, handle, texts: list[str], n_rows: int) -> None:

@@ -20,6 +20,7 @@ import importlib
 import json
 import statistics
 import sys
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -86,24 +87,28 @@ def main(argv=None) -> dict:
     qs = questions(eng.tok, 10, 4, 60 if args.quick else 400)
     variants = [("base", [])] + args.variant
     engines = {}
-    for name, patches in variants:
-        with patched(patches):
-            se = SchemaEngine(eng, use_graphs=not args.quick)
-            h = se.prepare(qs)
-            per_batch = {}
-            for B in batches:
-                rows = [se.tokenize(h, s) for s in states(eng.tok, B, args.state_tokens, seed=B)]
-                probs = se.score_rows(h, rows)             # captures this variant's graph for the batch
-                sync()
-                per_batch[B] = (rows, probs)
-            engines[name] = (se, h, per_batch)
+    for name, patches in list(variants):
+        started = time.perf_counter()
+        try:
+            with patched(patches):
+                engines[name] = _prepare(eng, qs, batches, args, sync)
+        except Exception as exc:  # noqa: BLE001 - a launch the GPU refuses (too much shared memory) drops its variant
+            if name == "base":
+                raise
+            print(f"{name}: dropped, it failed to run: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+            variants.remove((name, patches))
+            continue
+        print(f"{name}: prepared and captured in {time.perf_counter() - started:.1f} s", flush=True)
     p50s = {name: {B: [] for B in batches} for name, _ in variants}
-    for _ in range(args.rounds):
+    for r in range(args.rounds):
         for B in batches:
             for name, _ in variants:
                 se, h, per_batch = engines[name]
                 rows = per_batch[B][0]
                 p50s[name][B].append(statistics.median(timed(lambda: se.score_rows(h, rows), args.iters, sync)))
+            # as it goes, so that a run cut short by its time limit still shows the rounds it finished
+            print(f"round {r} batch {B}: " + ", ".join(f"{n} {p50s[n][B][-1] * 1e3:.3f}" for n, _ in variants),
+                  flush=True)
     base = engines["base"][2]
     result = {"model": model_desc, "device": torch.cuda.get_device_name(0) if eng.dev.type == "cuda" else "cpu",
               "state_tokens": args.state_tokens, "rounds": args.rounds, "iters": args.iters,
@@ -123,6 +128,20 @@ def main(argv=None) -> dict:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=1))
     return result
+
+
+def _prepare(eng, qs, batches, args, sync):
+    """A SchemaEngine under the current settings, its schema prepared and each batch's graph captured: (se, handle,
+    {batch: (rows, probabilities)})."""
+    se = SchemaEngine(eng, use_graphs=not args.quick)
+    h = se.prepare(qs)
+    per_batch = {}
+    for B in batches:
+        rows = [se.tokenize(h, s) for s in states(eng.tok, B, args.state_tokens, seed=B)]
+        probs = se.score_rows(h, rows)             # captures this variant's graph for the batch
+        sync()
+        per_batch[B] = (rows, probs)
+    return se, h, per_batch
 
 
 def _flat(probs) -> list[torch.Tensor]:

@@ -55,6 +55,10 @@ class Kernels:
     indexed_attention(q [Z, Hkv, M, D], k, v [S, Hkv, N, D], scale, key_lengths [S] int32, kv_index [Z] int64) ->
         (out, lse) as `attention`, non-causal, entry z reading K/V entry kv_index[z] up to its length: the prefix half
         read straight from the prefix bank (`engine.prefix_bank`); None: the prefix keys are gathered per row;
+    suffix_attention(q [B, Hq, T, D], k, v [B, Hkv, T, D], bank_k, bank_v [S, Hkv, N, D], key_lengths [S] int32,
+        slots [B] int64, gate [B, T, Hq, D], scale) -> [B, T, Hq * D]: a suffix pass's whole attention (row b's prefix
+        keys from bank entry slots[b], then its causal suffix keys, one softmax) and the output gate, in one kernel;
+        None: the split path (`indexed_attention` or gathered keys, `attention`, `gate_attention`);
     attend_by_request: the suffix pass runs attention one row at a time on its own lengths (eager only: a graph
         cannot capture per-batch lengths), for tables whose attention kernel depends on the batch's padded length."""
     name: str
@@ -69,6 +73,7 @@ class Kernels:
     linear: Callable = F.linear
     attention: Callable = sdpa_with_lse
     indexed_attention: Callable | None = None
+    suffix_attention: Callable | None = None
     attend_by_request: bool = False
 
 
@@ -108,10 +113,13 @@ def fla_kernels() -> Kernels:
     """`engine.fla_kernels` (CUDA only): ImportError where fla or triton is not installed."""
     from engine import batch_invariant as bi
     from engine import fla_kernels as f      # imports fla and triton, which CPU machines may lack
-    # the prefix half by the Triton kernel that reads the prefix bank by index (torch's flash op takes no index; on
-    # the H200 the Triton kernel also ran a shared prefix faster than flash did: engine.batch_invariant)
+    from engine.suffix_attention import suffix_attention
+    # the prefix half, where the attention is split (`engine.model.FUSED_ATTENTION` off), by the Triton
+    # kernel that reads the prefix bank by index (torch's flash op takes no index; on the H200 the Triton kernel
+    # also ran a shared prefix faster than flash did: engine.batch_invariant)
     return Kernels("fla", f.delta_rule, f.conv_qkv, f.row_norm, f.gated_rms_norm, f.swiglu, f.add_rms_norm,
-                   f.qk_norm_rope, f.gate_attention, f.linear, indexed_attention=bi.indexed_attention)
+                   f.qk_norm_rope, f.gate_attention, f.linear, indexed_attention=bi.indexed_attention,
+                   suffix_attention=suffix_attention)
 
 
 def batch_invariant_kernels(table: Kernels, gemm_weights: Sequence[torch.Tensor]) -> Kernels:
@@ -134,4 +142,5 @@ def batch_invariant_kernels(table: Kernels, gemm_weights: Sequence[torch.Tensor]
                               f"small tile {sorted(linear.small)})",
                    linear=linear,
                    attention=bi.attention,
-                   indexed_attention=bi.indexed_attention)
+                   indexed_attention=bi.indexed_attention,
+                   suffix_attention=None)        # the split path, whose batch-invariance the GPU tests check

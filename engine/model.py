@@ -32,6 +32,9 @@ ANSWER_ROWS_ONLY = True
 """With `layers(..., rows=)`, run the last layer's MLP and norms on those rows alone (False: on every token, then
 select, as before; kept so that `bench/variant_ab.py` can time the two in one process). Read when a step is traced,
 so a CUDA graph keeps the setting it was captured under."""
+FUSED_ATTENTION = True
+"""Whether a suffix pass takes the kernel table's one-kernel attention (`Kernels.suffix_attention`) where it has one
+(False: the split path; read when a step is traced, like `ANSWER_ROWS_ONLY`)."""
 
 
 @dataclass
@@ -59,6 +62,10 @@ class CausalContext:
 
     def attend(self, i, q, k, v, scale, kernels) -> "AttentionOut":
         return AttentionOut(F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True))
+
+    def attend_gated(self, i, q, k, v, scale, kernels, gate) -> torch.Tensor:
+        """`attend`, then the output gate [B, T, Hq, D]: -> [B, T, Hq * D]."""
+        return kernels.gate_attention(self.attend(i, q, k, v, scale, kernels), gate)
 
 
 class _PrefixRecorder(CausalContext):
@@ -102,6 +109,13 @@ class SuffixContext:
 
     def rec_prev(self, i):
         return self.bank.rec[i], self.slots        # the bank's [S, Hv, Dk, Dv], read by slot inside the delta rule
+
+    def attend_gated(self, i, q, k, v, scale, kernels, gate) -> torch.Tensor:
+        """`attend`, then the output gate [B, T, Hq, D]: -> [B, T, Hq * D]; in one kernel where the table has it."""
+        if kernels.suffix_attention is not None and self.lengths is None and FUSED_ATTENTION:
+            return kernels.suffix_attention(q, k, v, self.bank.k[i], self.bank.v[i], self.bank.lengths, self.slots,
+                                            gate, scale)
+        return kernels.gate_attention(self.attend(i, q, k, v, scale, kernels), gate)
 
     def attend(self, i, q, k, v, scale, kernels):
         """q: [B, Hq, T, D]; k, v: [B, Hkv, T, D] (this suffix). Softmax over [own prefix keys | causal suffix keys],
@@ -250,7 +264,7 @@ class HybridForward:
         q, gate = torch.chunk(qg.view(B, T, -1, 2 * D), 2, dim=-1)                         # [B, T, Hq, D] each
         q, k = self.kernels.qk_norm_rope(q, k.view(B, T, -1, D), w["q_norm"], w["k_norm"], cos, sin, self.eps)
         v = v.reshape(B, T, -1, D).transpose(1, 2)                                         # q, k, v: [B, H, T, D]
-        out = self.kernels.gate_attention(ctx.attend(i, q, k, v, attn.scaling, self.kernels), gate)       # [B, T, Hq * D]
+        out = ctx.attend_gated(i, q, k, v, attn.scaling, self.kernels, gate)              # [B, T, Hq * D]
         return self.kernels.linear(out, attn.o_proj.weight)
 
     def _gated_delta_net(self, lin, w, x, i, ctx):

@@ -1,0 +1,133 @@
+"""A suffix pass's whole attention in one Triton kernel (CUDA): each row's queries against its own prefix's keys, read
+from the prefix bank by slot, then against its own causal suffix keys, under one online softmax, with transformers'
+sigmoid output gate applied before the store.
+
+It replaces three launches of the split path (`engine.model.SuffixContext.attend`: the prefix half by
+`engine.batch_invariant.indexed_attention`, the causal half by torch's flash op, their log-sum-exp merge and the
+gate by `engine.triton_kernels.gate_attention`): neither half is written out and read back, and the G query heads
+of a kv head share every key tile a program loads. One softmax over all the keys is also what transformers computes:
+the split path rounds each half to the model's dtype before merging them.
+
+A program takes BM query rows of one (row, kv head), ordered (position, query head of the group), so a block spans
+BM / G consecutive positions and its causal bound is its last position. Keys are read in blocks of BN from the
+first, whatever the batch: a row's result does not depend on the rows around it.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+CONFIG = (128, 64, 8, 2)
+"""(query rows, keys, warps, stages) of a launch with enough programs to fill the GPU. Read at each call, so
+`bench/variant_ab.py` can time others in one process. On the H200 at 128 rows of 184 tokens after a 400-token prefix
+(the 0.8B shape, `bench/kernel_probe.py --only suffix`, CUDA-graph replays): 0.423 ms, against 0.535 ms for the split
+path's three launches and 0.679 ms for 64 query rows; 128 rows x 64 keys x 3 stages needs more shared memory than
+the H200 has."""
+SMALL_CONFIG = (16, 64, 4, 2)
+"""The launch where `CONFIG` would give fewer programs than `FILL_PROGRAMS` (batch 1: 2 kv heads x 6 blocks of 128
+rows for 4 query heads x 184 positions, on 132 SMs). At batch 1 on the H200: 0.025 ms, against 0.064 ms split and
+0.038 ms for `CONFIG`."""
+FILL_PROGRAMS = 264
+
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+"""Triton 3.6's interpreter cannot loop to a bound that is not a compile-time constant: interpreted, the loops run to
+the bank's token capacity and the suffix length passed as constants instead, the keys past the real bounds masked
+(they add exact zeros: the same result). Compiled, neither is a constant (no compile per length)."""
+
+
+@triton.jit(do_not_specialize=["T"])
+def _suffix_attention_kernel(Q, K, V, KP, VP, PLENS, SLOTS, GATE, Y, T,
+                             sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,
+                             skp_s, skp_h, skp_n, svp_s, svp_h, svp_n, g_token, g_head, scale,
+                             G: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                             PRECISION: tl.constexpr, KEY_CAP: tl.constexpr, T_CAP: tl.constexpr):
+    b = tl.program_id(2).to(tl.int64)
+    kvh = tl.program_id(1)
+    m = tl.program_id(0) * BM + tl.arange(0, BM)
+    t = m // G                                       # each query row's position, and its query head
+    h = kvh * G + m % G
+    row_ok = t < T
+    d = tl.arange(0, D)
+    q = tl.load(Q + b * sq_b + (h * sq_h + t.to(tl.int64) * sq_t)[:, None] + d[None, :], mask=row_ok[:, None],
+                other=0.0)
+    qk_scale = scale * 1.4426950408889634           # exp2 instead of exp
+    m_i = tl.full((BM,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BM,), dtype=tl.float32)
+    acc = tl.zeros((BM, D), dtype=tl.float32)
+
+    # the prefix's keys, from the bank entry of this row's slot, up to the prefix's length; then the suffix's own
+    # keys, causal: up to the last position of this block
+    slot = tl.load(SLOTS + b).to(tl.int64)
+    n_prefix = tl.load(PLENS + slot)
+    kp = KP + slot * skp_s + kvh * skp_h
+    vp = VP + slot * svp_s + kvh * svp_h
+    for start in range(0, KEY_CAP if KEY_CAP else n_prefix, BN):
+        n = start + tl.arange(0, BN)
+        key_ok = n < n_prefix
+        k = tl.load(kp + n[None, :].to(tl.int64) * skp_n + d[:, None], mask=key_ok[None, :], other=0.0)
+        v = tl.load(vp + n[:, None].to(tl.int64) * svp_n + d[None, :], mask=key_ok[:, None], other=0.0)
+        m_i, l_i, acc = _online_softmax_step(q, k, v, key_ok[None, :], m_i, l_i, acc, qk_scale, PRECISION)
+    last = tl.minimum((tl.program_id(0) * BM + BM - 1) // G, T - 1)      # this block's last position
+    ks = K + b * sk_b + kvh * sk_h
+    vs = V + b * sv_b + kvh * sv_h
+    for start in range(0, T_CAP if T_CAP else last + 1, BN):
+        n = start + tl.arange(0, BN)
+        key_ok = n <= last
+        k = tl.load(ks + n[None, :].to(tl.int64) * sk_t + d[:, None], mask=key_ok[None, :], other=0.0)
+        v = tl.load(vs + n[:, None].to(tl.int64) * sv_t + d[None, :], mask=key_ok[:, None], other=0.0)
+        m_i, l_i, acc = _online_softmax_step(q, k, v, n[None, :] <= t[:, None], m_i, l_i, acc, qk_scale, PRECISION)
+
+    # transformers: the attention output in the model's dtype, times sigmoid(gate) rounded to it
+    ty = Y.dtype.element_ty
+    o = (acc / l_i[:, None]).to(ty).to(tl.float32)
+    token = b * T + t
+    g = tl.load(GATE + (token * g_token + h * g_head)[:, None] + d[None, :], mask=row_ok[:, None], other=0.0)
+    y = o * tl.sigmoid(g.to(tl.float32)).to(ty).to(tl.float32)
+    Hq = G * tl.num_programs(1)
+    tl.store(Y + (token * Hq + h)[:, None] * D + d[None, :], y.to(ty), mask=row_ok[:, None])
+
+
+@triton.jit
+def _online_softmax_step(q, k, v, keep, m_i, l_i, acc, qk_scale, PRECISION: tl.constexpr):
+    # one key block into the running max, sum and output; masked keys add exact zeros (the max is never -inf after
+    # the first block: a prefix has a first key, and position 0 of the suffix is every row's)
+    s = tl.dot(q, k, input_precision=PRECISION) * qk_scale
+    s = tl.where(keep, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, l_i, acc
+
+
+def suffix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bank_k: torch.Tensor, bank_v: torch.Tensor,
+                     key_lengths: torch.Tensor, slots: torch.Tensor, gate: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [B, Hq, T, D], k, v [B, Hkv, T, D] (the suffix's, after RoPE; any strides with the last dimension
+    contiguous), bank_k, bank_v [S, Hkv, N, D] (the prefix bank's), key_lengths [S] int32 (each entry's prefix
+    length), slots [B] int64 (row b continues entry slots[b]), gate [B, T, Hq, D] (a strided view) -> the gated
+    attention output [B, T, Hq * D]: `Kernels.suffix_attention`."""
+    B, Hq, T, D = q.shape
+    Hkv = k.shape[1]
+    G = Hq // Hkv
+    if any(t.stride(-1) != 1 for t in (q, k, v, bank_k, bank_v, gate)):
+        raise ValueError("suffix_attention: the last dimension of every input must be contiguous")
+    if gate.stride(0) != T * gate.stride(1):
+        gate = gate.contiguous()                       # rows are addressed by token (b * T + t): one stride
+    out = torch.empty(B, T, Hq * D, dtype=q.dtype, device=q.device)
+    if B * T == 0:
+        return out
+    BM, BN, warps, stages = CONFIG
+    if triton.cdiv(G * T, BM) * Hkv * B < FILL_PROGRAMS:
+        BM, BN, warps, stages = SMALL_CONFIG
+    grid = (triton.cdiv(G * T, BM), Hkv, B)
+    _suffix_attention_kernel[grid](
+        q, k, v, bank_k, bank_v, key_lengths, slots, gate, out, T, *q.stride()[:3],
+        *k.stride()[:3], *v.stride()[:3], *bank_k.stride()[:3], *bank_v.stride()[:3], gate.stride(1),
+        gate.stride(2), scale, G=G, D=D, BM=BM, BN=BN, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        KEY_CAP=bank_k.shape[2] if _INTERPRETED else 0, T_CAP=T if _INTERPRETED else 0, num_warps=warps,
+        num_stages=stages)
+    return out
