@@ -475,6 +475,10 @@ def main(argv=None) -> dict:
     args.max_wait_ms = [int(x) for x in (args.max_wait_ms or ("20" if args.quick else "5,20,50")).split(",")]
     budgets = args.latency_budget_ms if args.latency_budget_ms is not None else ("" if args.quick else "25,50,100")
     args.latency_budget_ms = [int(x) for x in budgets.split(",") if x.strip()]
+    for flag, values in (("--max-wait-ms", args.max_wait_ms), ("--latency-budget-ms", args.latency_budget_ms)):
+        if len(set(values)) != len(values):
+            # a phase's topics and consumer group are named by its value: a repeat would read the earlier phase's
+            ap.error(f"{flag}: each value at most once ({values}); run the bench again for another sample")
     args.latency_seconds = args.latency_seconds or (3 if args.quick else 15)
     args.latency_warmup_seconds = (args.latency_warmup_seconds if args.latency_warmup_seconds is not None
                                    else (1 if args.quick else 5))

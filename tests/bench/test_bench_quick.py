@@ -89,3 +89,14 @@ def test_variant_ab_rejects_a_malformed_variant_in_one_line(spec, capsys):
     err = capsys.readouterr().err
     assert "Traceback" not in err
     assert ": error: argument --variant: variant " in err.strip().splitlines()[-1], err
+
+
+@pytest.mark.parametrize("flag", ["--max-wait-ms", "--latency-budget-ms"])
+def test_stream_bench_refuses_a_repeated_phase_value(flag, capsys):
+    """Phases are named by their value (their topics and group): a repeated value would read the earlier phase's
+    states and report its records as duplicates, so the bench refuses it before starting anything."""
+    from bench.stream_bench import main as stream_main
+
+    with pytest.raises(SystemExit):
+        stream_main(["--quick", flag, "25,25"])
+    assert "each value at most once" in capsys.readouterr().err
