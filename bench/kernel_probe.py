@@ -232,24 +232,22 @@ def probe_suffix_attention(B: int, T: int, prefix: int = 400) -> dict:
     split_ms = {name: round(gpu_ms(fn, graph=True), 4) for name, fn in launches}
     out = {"rows": B, "tokens": T, "prefix": prefix, "split_ms": split_ms, "configs": []}
     print(json.dumps(out), file=sys.stderr, flush=True)
-    saved = sa.CONFIG, sa.FILL_PROGRAMS, sa.ONE_LOOP
+    saved = sa.CONFIG, sa.FILL_PROGRAMS
     try:
         sa.FILL_PROGRAMS = 0
-        configs = ((64, 64, 8, 2), (128, 64, 8, 2), (128, 32, 8, 2), (128, 32, 8, 3), (64, 32, 4, 2), (32, 64, 4, 2),
-                   (16, 64, 4, 2), (16, 32, 2, 2))
-        for one_loop, config in itertools.product((False, True), configs):
-            sa.CONFIG, sa.ONE_LOOP = config, one_loop
+        for config in ((64, 64, 8, 2), (128, 64, 8, 2), (128, 32, 8, 2), (128, 32, 8, 3), (64, 32, 4, 2),
+                       (32, 64, 4, 2), (16, 64, 4, 2), (16, 32, 2, 2)):
+            sa.CONFIG = config
             run = lambda: sa.suffix_attention(q, k, v, bank_k, bank_v, lengths, slots, gate, scale)  # noqa: E731
             try:
                 got = run()
-                row = dict(config=config, one_loop=one_loop, ms=round(gpu_ms(run, graph=True), 4),
-                           max_diff=(got - ref).abs().max().item())
+                row = dict(config=config, ms=round(gpu_ms(run, graph=True), 4), max_diff=(got - ref).abs().max().item())
             except Exception as exc:  # noqa: BLE001 - a configuration the GPU refuses
-                row = dict(config=config, one_loop=one_loop, error=f"{type(exc).__name__}: {str(exc)[:200]}")
+                row = dict(config=config, error=f"{type(exc).__name__}: {str(exc)[:200]}")
             print(json.dumps(row), file=sys.stderr, flush=True)
             out["configs"].append(row)
     finally:
-        sa.CONFIG, sa.FILL_PROGRAMS, sa.ONE_LOOP = saved
+        sa.CONFIG, sa.FILL_PROGRAMS = saved
     return out
 
 
