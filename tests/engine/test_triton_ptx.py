@@ -91,3 +91,22 @@ def test_swiglu_kernel_loads_and_stores_in_16_byte_vectors():
     ptx = _ptx(tk._swiglu_kernel, sig, dict(D=3584, BLOCK=1024), _ints(["n_rows", "g_row", "u_row"], n_rows=5888,
                                                                         g_row=7168, u_row=7168))
     assert _scalar_bf16_loads(ptx) == 0 and "st.global.v4.b32" in ptx
+
+
+def test_suffix_attention_kernel_loads_queries_keys_values_and_gate_in_16_byte_vectors():
+    # the 0.8B shape at batch 128: q, k [B, H, 184, 256] contiguous, v and the gate strided views of the fused q|k|v
+    # projection (5120 wide), the bank's K/V [S, 2, 512, 256]
+    from engine import suffix_attention as sa
+
+    names = ["T", "sq_b", "sq_h", "sq_t", "sk_b", "sk_h", "sk_t", "sv_b", "sv_h", "sv_t", "skp_s", "skp_h", "skp_n",
+             "svp_s", "svp_h", "svp_n", "g_token", "g_head"]
+    sig = {**{n: "*bf16" for n in ("Q", "K", "V", "KP", "VP")}, "PLENS": "*i32", "SLOTS": "*i64", "GATE": "*bf16",
+           "Y": "*bf16", **{n: "i32" for n in names}, "scale": "fp32",
+           **{n: "constexpr" for n in ("G", "D", "BM", "BN", "PRECISION", "KEY_CAP", "T_CAP")}}
+    ints = _ints(names, T=184, sq_b=8 * 184 * 256, sq_h=184 * 256, sq_t=256, sk_b=2 * 184 * 256, sk_h=184 * 256,
+                 sk_t=256, sv_b=184 * 5120, sv_h=256, sv_t=5120, skp_s=2 * 512 * 256, skp_h=512 * 256, skp_n=256,
+                 svp_s=2 * 512 * 256, svp_h=512 * 256, svp_n=256, g_token=5120, g_head=512)
+    BM, BN, warps, _stages = sa.CONFIG
+    ptx = _ptx(sa._suffix_attention_kernel, sig, dict(G=4, D=256, BM=BM, BN=BN, PRECISION="tf32", KEY_CAP=0, T_CAP=0),
+               ints, num_warps=warps)
+    assert _scalar_bf16_loads(ptx) == 0 and "ld.global.v4.b32" in ptx
