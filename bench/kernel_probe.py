@@ -26,6 +26,7 @@ import torch
 import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))      # this checkout's engine, whatever PYTHONPATH says
+from bench.variant_ab import patched  # noqa: E402
 from engine import triton_kernels as tk  # noqa: E402
 
 # Qwen3.5-0.8B: Gated DeltaNet 16 k heads x 128, 16 v heads x 128, conv width 4; attention 8 q heads, 2 kv heads, 256
@@ -131,8 +132,6 @@ def probe_state_copy(B: int) -> dict:
 def probe_delta_rule(B: int, T: int, slots_live: int = 4) -> dict:
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
-    from engine import fla_kernels
-    from engine import indexed_delta_rule as idr
     from engine.fla_kernels import delta_rule_indexed
 
     dev, dt = "cuda", torch.bfloat16
@@ -150,29 +149,22 @@ def probe_delta_rule(B: int, T: int, slots_live: int = 4) -> dict:
 
     ref = copied()
     out = {"rows": B, "tokens": T, "fla_copied_ms": round(gpu_ms(copied), 4), "indexed": []}
-    default, fused = idr.FWD_H_CONFIG, fla_kernels.FUSED_OUTPUT
-    fla_kernels.FUSED_OUTPUT = False                # the sweep is of the separate state kernel
-    try:
-        for cfg in itertools.product((32, 64), (2, 4), (2, 3, 4)):
-            idr.FWD_H_CONFIG = cfg
-            run = lambda: delta_rule_indexed(q, k, v, a, b, A_log, dt_bias, bank, slots)  # noqa: E731
+    run = lambda: delta_rule_indexed(q, k, v, a, b, A_log, dt_bias, bank, slots)  # noqa: E731
+    for cfg in itertools.product((32, 64), (2, 4), (2, 3, 4)):
+        # the sweep is of the separate state kernel
+        settings = [("engine.fla_kernels", "FUSED_OUTPUT", False), ("engine.indexed_delta_rule", "FWD_H_CONFIG", cfg)]
+        with patched(settings):
             try:
                 got = run()
                 out["indexed"].append(dict(config=cfg, ms=round(gpu_ms(run), 4), exact=torch.equal(got, ref),
                                            max_diff=(got.float() - ref.float()).abs().max().item()))
             except Exception as exc:  # a config the compiler rejects is an answer too
                 out["indexed"].append(dict(config=cfg, error=repr(exc)[:200]))
-    finally:
-        idr.FWD_H_CONFIG = default
-    try:
-        for on in (False, True):
-            fla_kernels.FUSED_OUTPUT = on
-            run = lambda: delta_rule_indexed(q, k, v, a, b, A_log, dt_bias, bank, slots)  # noqa: E731
+    for on in (False, True):
+        with patched([("engine.fla_kernels", "FUSED_OUTPUT", on)]):
             got = run()
             out["fused_output" if on else "separate_output"] = dict(
                 ms=round(gpu_ms(run), 4), max_diff=(got.float() - ref.float()).abs().max().item())
-    finally:
-        fla_kernels.FUSED_OUTPUT = fused
     return out
 
 
@@ -232,22 +224,18 @@ def probe_suffix_attention(B: int, T: int, prefix: int = 400) -> dict:
     split_ms = {name: round(gpu_ms(fn, graph=True), 4) for name, fn in launches}
     out = {"rows": B, "tokens": T, "prefix": prefix, "split_ms": split_ms, "configs": []}
     print(json.dumps(out), file=sys.stderr, flush=True)
-    saved = sa.CONFIG, sa.FILL_PROGRAMS
-    try:
-        sa.FILL_PROGRAMS = 0
-        for config in ((64, 64, 8, 2), (128, 64, 8, 2), (128, 32, 8, 2), (128, 32, 8, 3), (64, 32, 4, 2),
-                       (32, 64, 4, 2), (16, 64, 4, 2), (16, 32, 2, 2)):
-            sa.CONFIG = config
-            run = lambda: sa.suffix_attention(q, k, v, bank_k, bank_v, lengths, slots, gate, scale)  # noqa: E731
+    run = lambda: sa.suffix_attention(q, k, v, bank_k, bank_v, lengths, slots, gate, scale)  # noqa: E731
+    for config in ((64, 64, 8, 2), (128, 64, 8, 2), (128, 32, 8, 2), (128, 32, 8, 3), (64, 32, 4, 2), (32, 64, 4, 2),
+                   (16, 64, 4, 2), (16, 32, 2, 2)):
+        # FILL_PROGRAMS 0: this launch at every batch size
+        with patched([("engine.suffix_attention", "CONFIG", config), ("engine.suffix_attention", "FILL_PROGRAMS", 0)]):
             try:
                 got = run()
                 row = dict(config=config, ms=round(gpu_ms(run, graph=True), 4), max_diff=(got - ref).abs().max().item())
             except Exception as exc:  # noqa: BLE001 - a configuration the GPU refuses
                 row = dict(config=config, error=f"{type(exc).__name__}: {str(exc)[:200]}")
-            print(json.dumps(row), file=sys.stderr, flush=True)
-            out["configs"].append(row)
-    finally:
-        sa.CONFIG, sa.FILL_PROGRAMS = saved
+        print(json.dumps(row), file=sys.stderr, flush=True)
+        out["configs"].append(row)
     return out
 
 

@@ -478,6 +478,7 @@ def main(argv=None) -> dict:
     for flag, values in (("--max-wait-ms", args.max_wait_ms), ("--latency-budget-ms", args.latency_budget_ms)):
         if len(set(values)) != len(values):
             # a phase's topics and consumer group are named by its value: a repeat would read the earlier phase's
+            # topics and count its records as duplicates
             ap.error(f"{flag}: each value at most once ({values}); run the bench again for another sample")
     args.latency_seconds = args.latency_seconds or (3 if args.quick else 15)
     args.latency_warmup_seconds = (args.latency_warmup_seconds if args.latency_warmup_seconds is not None
