@@ -10,7 +10,8 @@ For the 0.8B shape at one batch (default 32 rows of a 144-token suffix), times i
   included) against `delta_rule_indexed` at each of fla's candidate state-kernel configurations, with its max |diff|,
   and with its output computed by fla's kernel or in the state kernel's pass (`FUSED_OUTPUT`);
 - the prefix half of the attention (`indexed_attention`) at each query-block size, with the block count;
-- the suffix pass's whole attention: the split path's three launches against the one-kernel `suffix_attention`.
+- the suffix pass's whole attention: the split path's three launches against the one-kernel `suffix_attention`;
+- fla's autotuned WY kernels (K K^T + solve, w/u) at each candidate configuration, beside the one fla tuned.
 
     python bench/kernel_probe.py [--batch 32] [--tokens 144] [--only delta,prefix] > probe.txt
 """
@@ -239,10 +240,60 @@ def probe_suffix_attention(B: int, T: int, prefix: int = 400) -> dict:
     return out
 
 
+def probe_wy(B: int, T: int, prefix: int = 400) -> dict:
+    """fla's two autotuned WY kernels (the fused K K^T + triangular solve, and w/u) at each of their candidate
+    configurations, at this batch. fla's autotune key holds neither the batch nor the length, so the configuration
+    it keeps is the one it tuned at its first call: in the engine, a prefix pass (1 row of about `prefix` tokens),
+    emulated here before the timings; whether that one suits batch 1 and batch 128 steps is the question."""
+    from fla.ops.gated_delta_rule import chunk_fwd, wy_fast
+    from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
+    from fla.ops.gated_delta_rule.gate import gdn_gate_chunk_cumsum
+    from fla.ops.utils.constant import RCP_LN2
+
+    dev, dt = "cuda", torch.bfloat16
+
+    def inputs(rows, tokens):
+        k = torch.nn.functional.normalize(torch.randn(rows, tokens, HK, DK, device=dev), dim=-1).to(dt)
+        v = torch.randn(rows, tokens, HV, DV, device=dev, dtype=dt)
+        a = torch.randn(rows, tokens, HV, device=dev, dtype=dt)
+        beta = torch.rand(rows, tokens, HV, device=dev, dtype=dt)
+        g = gdn_gate_chunk_cumsum(g=a, A_log=torch.randn(HV, device=dev), chunk_size=64, scale=RCP_LN2,
+                                  dt_bias=torch.randn(HV, device=dev))
+        return k, v, beta, g
+
+    chunk_gated_delta_rule_fwd_intra(*[inputs(1, prefix)[i] for i in (0, 1)], g=inputs(1, prefix)[3],
+                                     beta=inputs(1, prefix)[2], chunk_size=64)          # fla tunes here
+    kkt, wu = chunk_fwd.chunk_gated_delta_rule_fwd_kkt_solve_kernel, wy_fast.recompute_w_u_fwd_kernel
+    out = {"rows": B, "tokens": T, "tuned_at": [1, prefix],
+           "tuned": {name: {str(key): str(cfg) for key, cfg in getattr(k_.fn, "cache", {}).items()}
+                     for name, k_ in (("kkt_solve", kkt), ("recompute_w_u", wu))}, "kkt_solve": [], "recompute_w_u": []}
+    print(json.dumps(out["tuned"]), file=sys.stderr, flush=True)
+    k, v, beta, g = inputs(B, T)
+    NT = triton.cdiv(T, 64)
+    A = torch.zeros(B, T, HV, 64, device=dev, dtype=dt)
+    for BK, warps in itertools.product((32, 64), (1, 2, 4)):
+        run = lambda: kkt.fn.fn[(NT, B * HV)](k=k, g=g, beta=beta, A=A, cu_seqlens=None, chunk_indices=None,  # noqa
+                                              T=T, H=HK, HV=HV, K=DK, BT=64, BC=16, BK=BK, USE_G=True,
+                                              IS_VARLEN=False, num_warps=warps)
+        row = dict(BK=BK, warps=warps, ms=round(gpu_ms(run, graph=True), 4))
+        print(json.dumps({"kkt_solve": row}), file=sys.stderr, flush=True)
+        out["kkt_solve"].append(row)
+    w = torch.empty(B, T, HV, DK, device=dev, dtype=dt)
+    u = torch.empty(B, T, HV, DV, device=dev, dtype=dt)
+    for warps, stages in itertools.product((2, 4, 8), (2, 3, 4)):
+        run = lambda: wu.fn.fn[(NT, B * HV)](k=k, v=v, beta=beta, w=w, u=u, A=A, g=g, cu_seqlens=None,  # noqa
+                                             chunk_indices=None, T=T, H=HK, HV=HV, K=DK, V=DV, BT=64, BK=64, BV=64,
+                                             USE_G=True, IS_VARLEN=False, num_warps=warps, num_stages=stages)
+        row = dict(warps=warps, stages=stages, ms=round(gpu_ms(run, graph=True), 4))
+        print(json.dumps({"recompute_w_u": row}), file=sys.stderr, flush=True)
+        out["recompute_w_u"].append(row)
+    return out
+
+
 PROBES = {"conv": lambda a: probe_conv(a.batch, a.tokens), "gqa": lambda a: probe_gqa(a.batch, a.tokens),
           "state_copy": lambda a: probe_state_copy(a.batch), "delta": lambda a: probe_delta_rule(a.batch, a.tokens),
           "prefix": lambda a: probe_prefix_attention(a.batch, a.tokens),
-          "suffix": lambda a: probe_suffix_attention(a.batch, a.tokens)}
+          "suffix": lambda a: probe_suffix_attention(a.batch, a.tokens), "wy": lambda a: probe_wy(a.batch, a.tokens)}
 
 
 def main(argv=None) -> dict:

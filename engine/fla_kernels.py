@@ -11,10 +11,13 @@ Importing this module imports fla and triton: ImportError where they are not ins
 from __future__ import annotations
 
 import torch
+import triton
 from fla.ops.common.chunk_o import chunk_fwd_o
 from fla.ops.common.gate import fused_beta_sigmoid
 from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
+from fla.ops.gated_delta_rule.chunk_fwd import (chunk_gated_delta_rule_fwd_intra,
+                                                chunk_gated_delta_rule_fwd_kkt_solve_kernel)
+from fla.ops.gated_delta_rule.wy_fast import recompute_w_u_fwd_kernel
 from fla.ops.gated_delta_rule.gate import gdn_gate_chunk_cumsum
 from fla.ops.utils.constant import RCP_LN2
 from torch.nn.functional import linear
@@ -53,12 +56,40 @@ def delta_rule_indexed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: tor
     `FUSED_OUTPUT` its state and output kernels by `chunk_outputs_indexed`."""
     beta = fused_beta_sigmoid(b)
     g = gdn_gate_chunk_cumsum(g=a, A_log=A_log, chunk_size=CHUNK, scale=RCP_LN2, dt_bias=dt_bias)
-    w, u, _ = chunk_gated_delta_rule_fwd_intra(k=k, v=v, g=g, beta=beta, chunk_size=CHUNK)
+    w, u = _wy_representation(k, v, g, beta)
     scale = k.shape[-1] ** -0.5
     if FUSED_OUTPUT:
         return chunk_outputs_indexed(q, k, w, u, g, bank, index, scale)
     h, v_new = chunk_states_indexed(k, w, u, g, bank, index)
     return chunk_fwd_o(q=q, k=k, v=v_new, h=h, g=g, scale=scale, chunk_size=CHUNK)
+
+
+WY_LAUNCH: tuple[tuple[int, int], tuple[int, int]] | None = None
+"""Fixed launches of fla's two WY kernels in a suffix pass: ((BK, warps) of the fused K K^T + triangular solve,
+(warps, stages) of w/u); None: fla's autotuned ones. fla's autotune key holds neither the batch nor the length, so it
+keeps, for every batch, the configuration it tuned at the engine's first call, a one-row prefix pass
+(`bench/kernel_probe.py --only wy` times the candidates). Read at each call, for `bench/variant_ab.py`."""
+
+
+def _wy_representation(k, v, g, beta):
+    """fla's `chunk_gated_delta_rule_fwd_intra` -> (w, u), its two kernels launched at `WY_LAUNCH` when set."""
+    if WY_LAUNCH is None:
+        w, u, _ = chunk_gated_delta_rule_fwd_intra(k=k, v=v, g=g, beta=beta, chunk_size=CHUNK)
+        return w, u
+    (block_k, solve_warps), (wu_warps, wu_stages) = WY_LAUNCH
+    B, T, H, K = k.shape
+    HV, V = v.shape[2], v.shape[3]
+    grid = (triton.cdiv(T, CHUNK), B * HV)
+    A = torch.zeros(B, T, HV, CHUNK, device=k.device, dtype=k.dtype)     # the kernel writes the lower blocks only
+    # .fn.fn: the jitted kernels under fla's heuristics and autotuner, which would pick the launch themselves
+    chunk_gated_delta_rule_fwd_kkt_solve_kernel.fn.fn[grid](
+        k=k, g=g, beta=beta, A=A, cu_seqlens=None, chunk_indices=None, T=T, H=H, HV=HV, K=K, BT=CHUNK, BC=16,
+        BK=block_k, USE_G=True, IS_VARLEN=False, num_warps=solve_warps)
+    w, u = k.new_empty(B, T, HV, K), torch.empty_like(v)
+    recompute_w_u_fwd_kernel.fn.fn[grid](
+        k=k, v=v, beta=beta, w=w, u=u, A=A, g=g, cu_seqlens=None, chunk_indices=None, T=T, H=H, HV=HV, K=K, V=V,
+        BT=CHUNK, BK=64, BV=64, USE_G=True, IS_VARLEN=False, num_warps=wu_warps, num_stages=wu_stages)
+    return w, u
 
 
 def gated_rms_norm(x, gate, weight, eps):
