@@ -36,7 +36,7 @@ class PrefixBank:
         self.generation = 0
         self.k: dict[int, torch.Tensor] = {}          # layer -> [S, Hkv, capacity_tokens, D]
         self.v: dict[int, torch.Tensor] = {}          # layer -> [S, Hkv, capacity_tokens, D]
-        self.conv: dict[int, torch.Tensor] = {}       # layer -> [S, C, K-1]
+        self.conv: dict[int, torch.Tensor] = {}       # layer -> [S, C, K-1] (a view of [S, K-1, C])
         self.rec: dict[int, torch.Tensor] = {}        # layer -> [S, Hv, Dk, Dv] float32
         self.lengths = torch.zeros(0, dtype=torch.int32, device=self.device)   # [S]: each slot's prefix length
         self.host_lengths: list[int] = []                                     # the same, on the host
@@ -99,9 +99,9 @@ class PrefixBank:
         for name in ("k", "v"):
             grown[name] = {i: self._resized(getattr(self, name).get(i), (slots, t.shape[1], tokens, t.shape[3]), t)
                            for i, t in getattr(prefix, name).items()}
-        for name in ("conv", "rec"):
-            grown[name] = {i: self._resized(getattr(self, name).get(i), (slots, *t.shape[1:]), t)
-                           for i, t in getattr(prefix, name).items()}
+        grown["conv"] = {i: self._resized(self.conv.get(i), (slots, *t.shape[1:]), t, time_major=True)
+                         for i, t in prefix.conv.items()}
+        grown["rec"] = {i: self._resized(self.rec.get(i), (slots, *t.shape[1:]), t) for i, t in prefix.rec.items()}
         for name, tensors in grown.items():
             setattr(self, name, tensors)
         lengths = torch.zeros(slots, dtype=torch.int32, device=self.device)
@@ -115,8 +115,16 @@ class PrefixBank:
             log.info("prefix bank grown to %d slots x %d tokens (%.1f MiB); graphs captured on the old buffers are "
                      "dropped", slots, tokens, self.nbytes / 2**20)
 
-    def _resized(self, old: torch.Tensor | None, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
-        new = torch.zeros(shape, dtype=like.dtype, device=self.device)
+    def _resized(self, old: torch.Tensor | None, shape: tuple[int, ...], like: torch.Tensor,
+                 time_major: bool = False) -> torch.Tensor:
+        if time_major:
+            # [S, C, K-1] stored as [S, K-1, C]: a state's inputs at one time are contiguous across channels, so the
+            # conv kernel reads a head's slice of them in 16-byte vectors as it reads the projection's rows (stored
+            # channel-major, the reads were 2-byte gathers 3 values apart, and they held the kernel's registers:
+            # ptxas, sm_90, 8 tokens x 2 warps: 92 registers a thread against 62)
+            new = torch.zeros(shape[0], shape[2], shape[1], dtype=like.dtype, device=self.device).transpose(1, 2)
+        else:
+            new = torch.zeros(shape, dtype=like.dtype, device=self.device)
         if old is not None:
             new[tuple(slice(0, n) for n in old.shape)] = old
         return new

@@ -74,6 +74,8 @@ def test_the_bank_grows_and_reuses_released_slots(eng):
     before = se.score_lists(first, [se.tokenize(first, s) for s in states])
     more = _schemas(se, 6, seed=10)                     # past 2 slots: the bank doubles, copying what it holds
     assert se.memory()["slots"] >= 1 + sum(h.P for h in more) and se.bank.generation > 1
+    # the conv states stay time-major through the copy ([S, C, K-1] views of [S, K-1, C]: the conv kernel's vector reads)
+    assert se.bank.conv and all(t.transpose(1, 2).is_contiguous() for t in se.bank.conv.values())
     assert se.score_lists(first, [se.tokenize(first, s) for s in states]) == before
     live = se.memory()["live_slots"]
     se.release(more[0])
