@@ -24,6 +24,9 @@ TOKEN_STEP = 256
 """Prefix token capacity grows in steps of this: a longer prefix costs a reallocation (and the graphs) only when it
 crosses a step."""
 FIRST_SLOTS = 8
+CONV_TIME_MAJOR = True
+"""Conv states stored time-major (`_resized`); False: channel-major, as before. Read when the bank grows, so
+`bench/variant_ab.py` can time both (each variant's engine has its own bank)."""
 
 
 class PrefixBank:
@@ -99,7 +102,7 @@ class PrefixBank:
         for name in ("k", "v"):
             grown[name] = {i: self._resized(getattr(self, name).get(i), (slots, t.shape[1], tokens, t.shape[3]), t)
                            for i, t in getattr(prefix, name).items()}
-        grown["conv"] = {i: self._resized(self.conv.get(i), (slots, *t.shape[1:]), t, time_major=True)
+        grown["conv"] = {i: self._resized(self.conv.get(i), (slots, *t.shape[1:]), t, time_major=CONV_TIME_MAJOR)
                          for i, t in prefix.conv.items()}
         grown["rec"] = {i: self._resized(self.rec.get(i), (slots, *t.shape[1:]), t) for i, t in prefix.rec.items()}
         for name, tensors in grown.items():
