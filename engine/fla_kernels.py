@@ -64,22 +64,31 @@ def delta_rule_indexed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: tor
     return chunk_fwd_o(q=q, k=k, v=v_new, h=h, g=g, scale=scale, chunk_size=CHUNK)
 
 
-WY_LAUNCH: tuple[tuple[int, int], tuple[int, int]] | None = None
+WY_LAUNCH: tuple[tuple[int, int], tuple[int, int]] | None = ((64, 1), (4, 3))
 """Fixed launches of fla's two WY kernels in a suffix pass: ((BK, warps) of the fused K K^T + triangular solve,
 (warps, stages) of w/u); None: fla's autotuned ones. fla's autotune key holds neither the batch nor the length, so it
-keeps, for every batch, the configuration it tuned at the engine's first call, a one-row prefix pass
-(`bench/kernel_probe.py --only wy` times the candidates). Read at each call, for `bench/variant_ab.py`."""
+keeps, for every batch, the configuration it tuned at the process's first call (a prefix pass), and that choice, made
+by timing, can differ from one process to the next. On the H200 (`bench/kernel_probe.py --only wy`, batch 128, 184
+tokens) the solve took 0.145 ms a layer at this launch against 0.246 at the (64, 2) fla had tuned, and whole batch-128
+steps 60.5 ms against 65.6 (`bench/variant_ab.py`, session 10). Read at each call, for `bench/variant_ab.py`."""
+
+WY_SMALL_LAUNCH: tuple[tuple[int, int], tuple[int, int]] = ((64, 2), (2, 4))
+"""The launch where the solve would start fewer than `WY_FILL_PROGRAMS` programs (batch 1: 3 chunks x 16 heads): with
+so few programs, 2 warps a program ran the solve in 18.9 us a layer against 20.9 at 1 warp (H200, batch 1)."""
+WY_FILL_PROGRAMS = 264                  # two programs an SM on the H200's 132
 
 
 def _wy_representation(k, v, g, beta):
-    """fla's `chunk_gated_delta_rule_fwd_intra` -> (w, u), its two kernels launched at `WY_LAUNCH` when set."""
+    """fla's `chunk_gated_delta_rule_fwd_intra` -> (w, u), its two kernels launched at `WY_LAUNCH` (or
+    `WY_SMALL_LAUNCH` for a small grid) unless it is None."""
     if WY_LAUNCH is None:
         w, u, _ = chunk_gated_delta_rule_fwd_intra(k=k, v=v, g=g, beta=beta, chunk_size=CHUNK)
         return w, u
-    (block_k, solve_warps), (wu_warps, wu_stages) = WY_LAUNCH
     B, T, H, K = k.shape
     HV, V = v.shape[2], v.shape[3]
     grid = (triton.cdiv(T, CHUNK), B * HV)
+    launch = WY_LAUNCH if grid[0] * grid[1] >= WY_FILL_PROGRAMS else WY_SMALL_LAUNCH
+    (block_k, solve_warps), (wu_warps, wu_stages) = launch
     A = torch.zeros(B, T, HV, CHUNK, device=k.device, dtype=k.dtype)     # the kernel writes the lower blocks only
     # .fn.fn: the jitted kernels under fla's heuristics and autotuner, which would pick the launch themselves
     chunk_gated_delta_rule_fwd_kkt_solve_kernel.fn.fn[grid](

@@ -298,13 +298,13 @@ def test_chunk_states_indexed_starts_each_row_from_its_bank_entry(K, dtype):
         assert torch.equal(other[0], h) and torch.equal(other[1], v_new), config
 
 
-def test_delta_rule_indexed_is_flas_delta_rule_from_the_copied_states():
+def test_delta_rule_indexed_is_flas_delta_rule_from_the_copied_states(monkeypatch):
     """The suffix pass's delta rule (fla's forward with the indexed state kernel) against fla's
     `chunk_gated_delta_rule` given the per-row copies of the bank's states it avoids."""
     pytest.importorskip("fla")
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
-    from engine.fla_kernels import delta_rule_indexed
+    from engine import fla_kernels
 
     g = torch.Generator().manual_seed(12)
     B, T, H, HV, K, V, S = 5, 184, 16, 16, 128, 128, 3
@@ -317,25 +317,54 @@ def test_delta_rule_indexed_is_flas_delta_rule_from_the_copied_states():
     dt_bias = torch.randn(HV, generator=g).to(DEV)
     bank = (torch.randn(S, HV, K, V, generator=g) * 0.5).to(DEV)
     index = torch.tensor([1, 1, 0, 2, 1], device=DEV)
-    from engine import fla_kernels
 
     want, _ = chunk_gated_delta_rule(q, k, v, g=a, beta=b, initial_state=bank[index], output_final_state=False,
                                      use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias,
                                      use_beta_sigmoid_in_kernel=True)
-    fused = fla_kernels.FUSED_OUTPUT
-    try:
-        fla_kernels.FUSED_OUTPUT = False
-        got = delta_rule_indexed(q, k, v, a, b, A_log, dt_bias, bank, index)
-        fla_kernels.FUSED_OUTPUT = True
-        got_fused = delta_rule_indexed(q, k, v, a, b, A_log, dt_bias, bank, index)
-    finally:
-        fla_kernels.FUSED_OUTPUT = fused
-    # the same arithmetic in the same order (fla autotunes the state kernel's launch, which does not change a
-    # column's sums): the same bits
+
+    def indexed(fused_output, wy_launch):
+        monkeypatch.setattr(fla_kernels, "FUSED_OUTPUT", fused_output)
+        monkeypatch.setattr(fla_kernels, "WY_LAUNCH", wy_launch)
+        return fla_kernels.delta_rule_indexed(q, k, v, a, b, A_log, dt_bias, bank, index)
+
+    # fla's WY launches and its output kernel: the same arithmetic in the same order as fla's whole forward (fla
+    # autotunes the state kernel's launch, which does not change a column's sums), so the same bits
+    got = indexed(False, None)
     assert torch.equal(got, want), f"max |diff| {(got.float() - want.float()).abs().max().item():.3g}"
-    # fused, the output's sums over the key dimension run in 64-wide steps (fla's output kernel may take 128 at once)
-    print(f"fused state and output against fla: max |diff| {(got_fused.float() - want.float()).abs().max():.3g}")
-    torch.testing.assert_close(got_fused.float(), want.float(), atol=2e-2, rtol=2e-2)
+    # fused, the output's sums over the key dimension run in 64-wide steps (fla's output kernel may take 128 at once);
+    # the fixed WY launches may split K K^T's sums otherwise than the launch fla tuned
+    for name, fused_output, wy_launch in (("fused", True, None), ("fixed WY", False, fla_kernels.WY_LAUNCH),
+                                          ("as run", True, fla_kernels.WY_LAUNCH)):
+        other = indexed(fused_output, wy_launch)
+        print(f"{name} against fla: max |diff| {(other.float() - want.float()).abs().max():.3g}")
+        torch.testing.assert_close(other.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("rows", [1, 8], ids=["small-grid", "large-grid"])
+def test_fixed_wy_launches_give_flas_w_and_u(rows):
+    """`fla_kernels.WY_LAUNCH` / `WY_SMALL_LAUNCH` (batch 1 starts 48 solve programs, batch 8 384) against fla's
+    autotuned `chunk_gated_delta_rule_fwd_intra`; and the same bits from one call to the next."""
+    pytest.importorskip("fla")
+    from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
+    from fla.ops.gated_delta_rule.gate import gdn_gate_chunk_cumsum
+    from fla.ops.utils.constant import RCP_LN2
+
+    from engine import fla_kernels
+
+    g = torch.Generator().manual_seed(5)
+    T, H, HV, K, V = 184, 16, 16, 128, 128
+    k = torch.nn.functional.normalize(torch.randn(rows, T, H, K, generator=g), dim=-1).to(DEV, torch.bfloat16)
+    v = torch.randn(rows, T, HV, V, generator=g).to(DEV, torch.bfloat16)
+    beta = torch.rand(rows, T, HV, generator=g).to(DEV, torch.bfloat16)
+    a = torch.randn(rows, T, HV, generator=g).to(DEV, torch.bfloat16)
+    decay = gdn_gate_chunk_cumsum(g=a, A_log=torch.randn(HV, generator=g).to(DEV), chunk_size=64, scale=RCP_LN2,
+                                  dt_bias=torch.randn(HV, generator=g).to(DEV))
+    want_w, want_u, _ = chunk_gated_delta_rule_fwd_intra(k=k, v=v, g=decay, beta=beta, chunk_size=64)
+    w, u = fla_kernels._wy_representation(k, v, decay, beta)
+    for got, want in ((w, want_w), (u, want_u)):
+        torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+    again = fla_kernels._wy_representation(k, v, decay, beta)
+    assert torch.equal(again[0], w) and torch.equal(again[1], u)
 
 
 def _chunk_outputs_reference(q, k, h, v_new, g, scale, chunk):

@@ -74,12 +74,11 @@ def test_conv_kernel_loads_the_projection_and_the_prefix_state_in_16_byte_vector
            "K": "*bf16", "V": "*bf16", "BETA": "*bf16", "ALPHA": "*bf16", "T": "i32", "x_b": "i32", "x_t": "i32",
            "w_c": "constexpr", "w_k": "i32", "p_b": "i32", "p_c": "constexpr", "p_k": "i32", "g_b": "i32",
            "g_t": "i32", "eps": "fp32", **{n: "constexpr" for n in ("HK", "HV", "DK", "DV", "KW", "BT", "BD", "NG",
-                                                                     "BG", "HAS_PREV", "HAS_INDEX", "HEADS_FIRST",
-                                                                     "CHUNKS")}}
+                                                                     "BG", "HAS_PREV", "HAS_INDEX")}}
     ints = _ints(["T", "x_b", "x_t", "w_k", "p_b", "p_k", "g_b", "g_t"], T=184, x_b=184 * 8224, x_t=8224, w_k=6144,
                  p_b=3 * 6144, p_k=6144, g_b=184 * 8224, g_t=8224)
     ptx = _ptx(tk._conv_qkv_kernel, sig, dict(w_c=1, p_c=1, HK=16, HV=16, DK=128, DV=128, KW=4, BT=8, BD=128, NG=16,
-                                              BG=32, HAS_PREV=True, HAS_INDEX=True, HEADS_FIRST=False, CHUNKS=1),
+                                              BG=32, HAS_PREV=True, HAS_INDEX=True),
                ints, num_warps=2)
     assert "ld.global.v4.b32" in ptx and _scalar_bf16_loads(ptx) == 0
 
