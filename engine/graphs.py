@@ -15,16 +15,12 @@ import torch
 TS_BUCKETS = (*range(32, 257, 8), *range(288, 1025, 32), 1280, 1536, 2048)
 """Suffix lengths graphs are captured for: steps of 8 tokens where states usually fall (a 182-token suffix runs as
 184, not 192: padding is wasted compute), coarser above; longer suffixes run eagerly."""
-B_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 28, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224,
-             256)
+B_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 28, 32, 40, 48, 56, 64, 80, 96, 112, 128)
 """Requests per graph; larger batches are split into chunks of the largest. A padded row costs as much as a real one
 (on the H200, 0.8B shape: ~2.4 ms per batch plus ~0.5 ms per row), and a stream's batches take whatever size its
 rate and its deadlines give: under --latency-budget-ms at half load they hold 4 to 10 states, where a padded row
 is a tenth of the batch's time, so every size up to 8 has its graph, and above it at most 20% of a graph's rows are
-padding (33 states in 40), where powers of two would run a stream's batch of ~19 states as 32 rows. Above 128 (for a
-replay's --max-batch): a 256-row step scored 2.4% more states a second than two of 128 on the H200 (run AO in
-bench/README.md), the per-step costs that do not grow with the rows (launch gaps, the last wave of each kernel)
-being spread over twice the rows."""
+padding (33 states in 40), where powers of two would run a stream's batch of ~19 states as 32 rows."""
 
 
 def bucket(n: int, buckets: tuple[int, ...]) -> int | None:

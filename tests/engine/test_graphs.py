@@ -10,7 +10,7 @@ def test_batch_buckets_cover_every_batch_up_to_max_batch():
     assert batch_buckets(1) == [1]
     assert batch_buckets(32) == [1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 28, 32]
     assert batch_buckets(44) == [*batch_buckets(32), 40, 48]     # 41-48 states run in the 48 graph
-    assert batch_buckets(1000) == list(B_BUCKETS)            # chunks of 256 and any remainder
+    assert batch_buckets(1000) == list(B_BUCKETS)            # chunks of 128 and any remainder
 
 
 def test_shapes_pad_to_buckets_and_fall_back_to_eager_past_them():
