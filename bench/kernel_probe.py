@@ -290,10 +290,45 @@ def probe_wy(B: int, T: int, prefix: int = 400) -> dict:
     return out
 
 
+def probe_fla_launches(B: int, T: int) -> dict:
+    """fla's whole Gated DeltaNet forward (a prefix pass; `full_fast`'s layers) at B rows of T tokens: the launches
+    fla's autotuner picks for the kernels `engine.fla_kernels` pins, and the forward's time autotuned and pinned."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    from engine import fla_kernels
+
+    dev, dt = "cuda", torch.bfloat16
+    q, k = (torch.nn.functional.normalize(torch.randn(B, T, HK, DK, device=dev), dim=-1).to(dt) for _ in range(2))
+    v = torch.randn(B, T, HV, DV, device=dev, dtype=dt)
+    a, b = (torch.randn(B, T, HV, device=dev, dtype=dt) for _ in range(2))
+    A_log, dt_bias = torch.randn(HV, device=dev), torch.randn(HV, device=dev)
+    h0 = torch.randn(B, HV, DK, DV, device=dev) * 0.1
+    run = lambda: chunk_gated_delta_rule(q, k, v, g=a, beta=b, initial_state=h0, output_final_state=True,  # noqa
+                                         use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias,
+                                         use_beta_sigmoid_in_kernel=True)
+    tuners = [kernel.fn for kernel, _ in fla_kernels.PINNED_LAUNCHES]
+    saved = [(t.configs, dict(t.cache)) for t in tuners]
+    try:
+        for t in tuners:
+            t.cache.clear()
+        tuned_out = run()[0]
+        out = {"rows": B, "tokens": T, "tuned": {t.base_fn.__name__: [str(c) for c in t.cache.values()] for t in tuners},
+               "tuned_ms": round(gpu_ms(run), 4)}
+        out["pinned"] = fla_kernels.pin_autotuned_launches()
+        out["pinned_ms"] = round(gpu_ms(run), 4)
+        out["max_diff"] = (run()[0].float() - tuned_out.float()).abs().max().item()
+    finally:
+        for t, (configs, cache) in zip(tuners, saved):
+            t.configs, t.cache = configs, cache
+    print(json.dumps(out), file=sys.stderr, flush=True)
+    return out
+
+
 PROBES = {"conv": lambda a: probe_conv(a.batch, a.tokens), "gqa": lambda a: probe_gqa(a.batch, a.tokens),
           "state_copy": lambda a: probe_state_copy(a.batch), "delta": lambda a: probe_delta_rule(a.batch, a.tokens),
           "prefix": lambda a: probe_prefix_attention(a.batch, a.tokens),
-          "suffix": lambda a: probe_suffix_attention(a.batch, a.tokens), "wy": lambda a: probe_wy(a.batch, a.tokens)}
+          "suffix": lambda a: probe_suffix_attention(a.batch, a.tokens), "wy": lambda a: probe_wy(a.batch, a.tokens),
+          "fla_launches": lambda a: probe_fla_launches(a.batch, a.tokens)}
 
 
 def main(argv=None) -> dict:

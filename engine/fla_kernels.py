@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import torch
 import triton
-from fla.ops.common.chunk_o import chunk_fwd_o
+from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_kernel_h_blockdim64
+from fla.ops.common.chunk_o import chunk_fwd_kernel_o, chunk_fwd_o
 from fla.ops.common.gate import fused_beta_sigmoid
 from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 from fla.ops.gated_delta_rule.chunk_fwd import (chunk_gated_delta_rule_fwd_intra,
                                                 chunk_gated_delta_rule_fwd_kkt_solve_kernel)
 from fla.ops.gated_delta_rule.wy_fast import recompute_w_u_fwd_kernel
-from fla.ops.gated_delta_rule.gate import gdn_gate_chunk_cumsum
+from fla.ops.gated_delta_rule.gate import gdn_gate_chunk_cumsum, gdn_gate_chunk_cumsum_scalar_kernel
 from fla.ops.utils.constant import RCP_LN2
 from torch.nn.functional import linear
 
@@ -99,6 +100,41 @@ def _wy_representation(k, v, g, beta):
         k=k, v=v, beta=beta, w=w, u=u, A=A, g=g, cu_seqlens=None, chunk_indices=None, T=T, H=H, HV=HV, K=K, V=V,
         BT=CHUNK, BK=64, BV=64, USE_G=True, IS_VARLEN=False, num_warps=wu_warps, num_stages=wu_stages)
     return w, u
+
+
+PINNED_LAUNCHES = (
+    (chunk_gated_delta_rule_fwd_kkt_solve_kernel, {"BK": 64, "num_warps": 1}),
+    (recompute_w_u_fwd_kernel, {"num_warps": 4, "num_stages": 3}),
+    (chunk_fwd_kernel_o, {"BK": 64, "BV": 64, "num_warps": 4, "num_stages": 3}),
+    (chunk_gated_delta_rule_fwd_kernel_h_blockdim64, {}),
+    (gdn_gate_chunk_cumsum_scalar_kernel, {}),
+)
+"""fla's autotuned kernels on the engine's paths (a prefix pass runs fla's whole forward; a suffix pass its gate and,
+with `WY_LAUNCH` None or `FUSED_OUTPUT` False, its WY and output kernels), each with the launch it is pinned to: the
+candidate of fla's own list with these settings, else its first. fla picks a launch by timing its candidates at the
+first call of a process, and the block over the key dimension (BK) splits the kernel's sums: two processes could
+then compute a schema's prefix, and every answer read from it, with different bits, and a replay would not reproduce
+the live records (DESIGN.md, determinism). Pinned, every process runs the same launches, and none is timed."""
+
+
+def _pin(kernel, settings: dict) -> triton.Config:
+    """Restrict `kernel`'s autotuner (under fla's heuristics) to one candidate: Triton's autotuner runs a single
+    candidate without timing it."""
+    tuner = kernel.fn
+    launch_keys = ("num_warps", "num_stages")
+
+    def matches(config: triton.Config) -> bool:
+        return all((getattr(config, k) if k in launch_keys else config.kwargs.get(k)) == v for k, v in settings.items())
+
+    chosen = next((c for c in tuner.configs if matches(c)), tuner.configs[0])
+    tuner.configs = [chosen]
+    tuner.cache.clear()
+    return chosen
+
+
+def pin_autotuned_launches() -> dict[str, str]:
+    """Pin `PINNED_LAUNCHES` (idempotent) -> each kernel's launch, for the log."""
+    return {kernel.fn.base_fn.__name__: str(_pin(kernel, settings)) for kernel, settings in PINNED_LAUNCHES}
 
 
 def gated_rms_norm(x, gate, weight, eps):

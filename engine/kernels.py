@@ -114,6 +114,8 @@ def fla_kernels() -> Kernels:
     from engine import batch_invariant as bi
     from engine import fla_kernels as f      # imports fla and triton, which CPU machines may lack
     from engine.suffix_attention import suffix_attention
+    log.info("fla's autotuned kernels pinned to one launch each (the same in every process): %s",
+             f.pin_autotuned_launches())
     # the prefix half, where the attention is split (`engine.model.FUSED_ATTENTION` off), by the Triton
     # kernel that reads the prefix bank by index (torch's flash op takes no index; on the H200 the Triton kernel
     # also ran a shared prefix faster than flash did: engine.batch_invariant)

@@ -367,6 +367,35 @@ def test_fixed_wy_launches_give_flas_w_and_u(rows):
     assert torch.equal(again[0], w) and torch.equal(again[1], u)
 
 
+def test_flas_autotuned_kernels_run_one_pinned_launch_untimed():
+    """`fla_kernels.pin_autotuned_launches`: each autotuned fla kernel on the engine's paths keeps one candidate, the
+    one asked for where fla offers it, and fla's whole forward then runs without timing any (what makes two
+    processes compute a prefix with the same bits)."""
+    pytest.importorskip("fla")
+    from engine import fla_kernels
+
+    launches = fla_kernels.pin_autotuned_launches()
+    assert launches == fla_kernels.pin_autotuned_launches()            # idempotent
+    for kernel, settings in fla_kernels.PINNED_LAUNCHES:
+        (config,) = kernel.fn.configs
+        assert launches[kernel.fn.base_fn.__name__] == str(config)
+        for key, value in settings.items():
+            assert (getattr(config, key) if key.startswith("num_") else config.kwargs[key]) == value, kernel
+    if DEV != "cuda":
+        return          # Triton's interpreter cannot run fla's loops
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    g = torch.Generator().manual_seed(3)
+    q, k = (torch.nn.functional.normalize(torch.randn(2, 130, 4, 64, generator=g), dim=-1).to(DEV, torch.bfloat16)
+            for _ in range(2))
+    v = torch.randn(2, 130, 8, 64, generator=g).to(DEV, torch.bfloat16)
+    a, b = (torch.randn(2, 130, 8, generator=g).to(DEV, torch.bfloat16) for _ in range(2))
+    chunk_gated_delta_rule(q, k, v, g=a, beta=b, output_final_state=True, use_gate_in_kernel=True,
+                           A_log=torch.randn(8, device=DEV), dt_bias=torch.randn(8, device=DEV),
+                           use_beta_sigmoid_in_kernel=True)
+    assert all(not kernel.fn.cache for kernel, _ in fla_kernels.PINNED_LAUNCHES)
+
+
 def _chunk_outputs_reference(q, k, h, v_new, g, scale, chunk):
     """fla's output kernel written out in PyTorch: per chunk, q h (the state entering it) and the chunk's own causal
     q k^T applied to its new values, both decayed by the gate."""
