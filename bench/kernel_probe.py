@@ -312,8 +312,8 @@ def probe_fla_launches(B: int, T: int) -> dict:
         for t in tuners:
             t.cache.clear()
         tuned_out = run()[0]
-        out = {"rows": B, "tokens": T, "tuned": {t.base_fn.__name__: [str(c) for c in t.cache.values()] for t in tuners},
-               "tuned_ms": round(gpu_ms(run), 4)}
+        tuned = {t.base_fn.__name__: [str(c) for c in t.cache.values()] for t in tuners}
+        out = {"rows": B, "tokens": T, "tuned": tuned, "tuned_ms": round(gpu_ms(run), 4)}
         out["pinned"] = fla_kernels.pin_autotuned_launches()
         out["pinned_ms"] = round(gpu_ms(run), 4)
         out["max_diff"] = (run()[0].float() - tuned_out.float()).abs().max().item()

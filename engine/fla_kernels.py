@@ -106,7 +106,7 @@ PINNED_LAUNCHES = (
     (chunk_gated_delta_rule_fwd_kkt_solve_kernel, {"BK": 64, "num_warps": 1}),
     (recompute_w_u_fwd_kernel, {"num_warps": 4, "num_stages": 3}),
     (chunk_fwd_kernel_o, {"BK": 64, "BV": 64, "num_warps": 4, "num_stages": 3}),
-    (chunk_gated_delta_rule_fwd_kernel_h_blockdim64, {}),
+    (chunk_gated_delta_rule_fwd_kernel_h_blockdim64, {"BV": 64, "num_warps": 4, "num_stages": 2}),
     (gdn_gate_chunk_cumsum_scalar_kernel, {}),
 )
 """fla's autotuned kernels on the engine's paths (a prefix pass runs fla's whole forward; a suffix pass its gate and,
@@ -114,19 +114,31 @@ with `WY_LAUNCH` None or `FUSED_OUTPUT` False, its WY and output kernels), each 
 candidate of fla's own list with these settings, else its first. fla picks a launch by timing its candidates at the
 first call of a process, and the block over the key dimension (BK) splits the kernel's sums: two processes could
 then compute a schema's prefix, and every answer read from it, with different bits, and a replay would not reproduce
-the live records (DESIGN.md, determinism). Pinned, every process runs the same launches, and none is timed."""
+the live records (DESIGN.md, determinism). Pinned, every process runs the same launches, and none is timed. The
+settings are the launches fla's autotuner picked on the H200 at 32 rows of 582 tokens (`full_fast`'s shape;
+`bench/kernel_probe.py --only fla_launches`, run AQ); the state kernel's BV splits no sum (its first candidate, BV
+32, gave the same bits there)."""
+
+
+_CANDIDATES: dict = {}      # kernel -> fla's candidate launches, as its autotuner held them before pinning
+
+
+def pinned_launch(kernel, settings: dict) -> triton.Config:
+    """The candidate of fla's list for `kernel` with `settings` (num_warps, num_stages or a block size), else its
+    first."""
+    candidates = _CANDIDATES.setdefault(kernel, list(kernel.fn.configs))
+
+    def matches(config: triton.Config) -> bool:
+        return all((getattr(config, k) if k.startswith("num_") else config.kwargs.get(k)) == v
+                   for k, v in settings.items())
+
+    return next((c for c in candidates if matches(c)), candidates[0])
 
 
 def _pin(kernel, settings: dict) -> triton.Config:
     """Restrict `kernel`'s autotuner (under fla's heuristics) to one candidate: Triton's autotuner runs a single
     candidate without timing it."""
-    tuner = kernel.fn
-    launch_keys = ("num_warps", "num_stages")
-
-    def matches(config: triton.Config) -> bool:
-        return all((getattr(config, k) if k in launch_keys else config.kwargs.get(k)) == v for k, v in settings.items())
-
-    chosen = next((c for c in tuner.configs if matches(c)), tuner.configs[0])
+    tuner, chosen = kernel.fn, pinned_launch(kernel, settings)
     tuner.configs = [chosen]
     tuner.cache.clear()
     return chosen
