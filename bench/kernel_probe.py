@@ -130,16 +130,23 @@ def probe_state_copy(B: int) -> dict:
             "expand_contiguous_ms": gpu_ms(lambda: state.expand(B, -1, -1, -1).contiguous())}
 
 
+def _delta_rule_inputs(B: int, T: int) -> tuple[torch.Tensor, ...]:
+    """Random inputs of a Gated DeltaNet layer at the 0.8B shape, on CUDA: q, k (L2-normalised), v, a, b, A_log,
+    dt_bias."""
+    dev, dt = "cuda", torch.bfloat16
+    q, k = (torch.nn.functional.normalize(torch.randn(B, T, HK, DK, device=dev), dim=-1).to(dt) for _ in range(2))
+    v = torch.randn(B, T, HV, DV, device=dev, dtype=dt)
+    a, b = (torch.randn(B, T, HV, device=dev, dtype=dt) for _ in range(2))
+    return q, k, v, a, b, torch.randn(HV, device=dev), torch.randn(HV, device=dev)
+
+
 def probe_delta_rule(B: int, T: int, slots_live: int = 4) -> dict:
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
     from engine.fla_kernels import delta_rule_indexed
 
-    dev, dt = "cuda", torch.bfloat16
-    q, k = (torch.nn.functional.normalize(torch.randn(B, T, HK, DK, device=dev), dim=-1).to(dt) for _ in range(2))
-    v = torch.randn(B, T, HV, DV, device=dev, dtype=dt)
-    a, b = (torch.randn(B, T, HV, device=dev, dtype=dt) for _ in range(2))
-    A_log, dt_bias = torch.randn(HV, device=dev), torch.randn(HV, device=dev)
+    dev = "cuda"
+    q, k, v, a, b, A_log, dt_bias = _delta_rule_inputs(B, T)
     bank = torch.randn(slots_live, HV, DK, DV, device=dev) * 0.5
     slots = torch.full((B,), 1, dtype=torch.int64, device=dev)     # one schema: every row continues slot 1
 
@@ -297,12 +304,8 @@ def probe_fla_launches(B: int, T: int) -> dict:
 
     from engine import fla_kernels
 
-    dev, dt = "cuda", torch.bfloat16
-    q, k = (torch.nn.functional.normalize(torch.randn(B, T, HK, DK, device=dev), dim=-1).to(dt) for _ in range(2))
-    v = torch.randn(B, T, HV, DV, device=dev, dtype=dt)
-    a, b = (torch.randn(B, T, HV, device=dev, dtype=dt) for _ in range(2))
-    A_log, dt_bias = torch.randn(HV, device=dev), torch.randn(HV, device=dev)
-    h0 = torch.randn(B, HV, DK, DV, device=dev) * 0.1
+    q, k, v, a, b, A_log, dt_bias = _delta_rule_inputs(B, T)
+    h0 = torch.randn(B, HV, DK, DV, device="cuda") * 0.1
     run = lambda: chunk_gated_delta_rule(q, k, v, g=a, beta=b, initial_state=h0, output_final_state=True,  # noqa
                                          use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias,
                                          use_beta_sigmoid_in_kernel=True)
