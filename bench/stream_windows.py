@@ -135,3 +135,29 @@ def budget_plan_errors(events: list[dict], budget_ms: float, since: float = 0.0)
     return dict(planned_cycles=len(errors), planned_over_budget=sum(planned > budget_ms for planned, _ in plans),
                 later_than_planned=sum(x > 0 for x in errors), plan_error_p50_ms=errors[(len(errors) - 1) // 2],
                 plan_error_p90_ms=errors[int(0.9 * (len(errors) - 1))])
+
+
+_SEGMENTS = (("to_close_ms", None, "closed_ms"), ("close_to_launch_ms", "closed_ms", "launched_ms"),
+             ("launch_to_scored_ms", "launched_ms", "scored_ms"), ("scored_to_visible_ms", "scored_ms",
+                                                                    "arrival_to_visible_ms"))
+
+
+def cycle_timelines(events: list[dict], budget_ms: float, since: float = 0.0) -> dict:
+    """Where the cycles committed after wall time ``since`` spent their first state's time to visibility: the median
+    of each segment (arrival to close; close to the batch queued on the device, which covers the schema catch-up and
+    the launch; launch to scores ready, which covers the wait behind the batch ahead; scores to visible, which covers
+    the records and the transaction) over all cycles and over those visible later than ``budget_ms``, from the
+    ``committed`` events' ``closed_ms``, ``launched_ms`` and ``scored_ms``."""
+    cycles = [e for e in _commits(events) if e["t"] >= since
+              and all(e.get(k) is not None for k in ("closed_ms", "launched_ms", "scored_ms", "arrival_to_visible_ms"))]
+
+    def medians(group: list[dict]) -> dict:
+        if not group:
+            return {"cycles": 0}
+        out: dict = {"cycles": len(group)}
+        for name, start, end in _SEGMENTS:
+            spans = sorted(e[end] - (e[start] if start else 0.0) for e in group)
+            out[name] = round(spans[(len(spans) - 1) // 2], 2)
+        return out
+
+    return {"all": medians(cycles), "late": medians([e for e in cycles if e["arrival_to_visible_ms"] > budget_ms])}

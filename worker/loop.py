@@ -330,13 +330,17 @@ class Worker:
 
     @staticmethod
     def _latency_fields(inflight: InFlight, committed_at: float) -> dict[str, float | None]:
-        """A committed cycle's first state's arrival-to-visible time and, under a budget, what the plan expected."""
+        """A committed cycle's first state's arrival-to-visible time, what the plan expected under a budget, and
+        where the time went: when, after that arrival, the cycle closed, its batch was queued on the device and its
+        scores were ready (None where it did not happen: a cycle of dead letters only is never launched)."""
         arrived_at = inflight.cycle.arrived_at
         if arrived_at is None:
             return {}
         since_arrival = lambda at: None if at is None else round((at - arrived_at) * 1000, 2)  # noqa: E731
         return {"arrival_to_visible_ms": since_arrival(committed_at),
-                "planned_visible_ms": since_arrival(inflight.planned_visible_at)}
+                "planned_visible_ms": since_arrival(inflight.planned_visible_at),
+                "closed_ms": since_arrival(inflight.closed_at), "launched_ms": since_arrival(inflight.launched_at),
+                "scored_ms": since_arrival(inflight.scored_at)}
 
     def _gpu_busy(self) -> bool:
         """Whether the last submitted cycle is still being scored."""

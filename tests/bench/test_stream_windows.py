@@ -3,7 +3,8 @@ import logging
 
 import pytest
 
-from bench.stream_windows import all_workers_window, budget_plan_errors, held_partitions, log_events, replay_timing
+from bench.stream_windows import (all_workers_window, budget_plan_errors, cycle_timelines, held_partitions, log_events,
+                                  replay_timing)
 from worker.logs import JsonFormatter
 
 T0 = 1_790_000_000.0  # an epoch second; events are placed relative to it
@@ -93,3 +94,22 @@ def test_budget_plan_errors_compare_each_cycles_outcome_with_its_plan_after_the_
     assert errors == dict(planned_cycles=4, planned_over_budget=1, later_than_planned=3,
                           plan_error_p50_ms=pytest.approx(0.5), plan_error_p90_ms=pytest.approx(5.0))
     assert budget_plan_errors(events, budget_ms=45, since=T0 + 20)["planned_cycles"] == 0
+
+
+def test_cycle_timelines_split_each_cycles_time_to_visibility_and_single_out_the_late_ones():
+    # (closed, launched, scored, visible) ms after each cycle's first arrival
+    cycles = [(2.0, 3.0, 10.0, 13.0), (4.0, 6.0, 14.0, 17.0), (1.0, 2.0, 20.0, 26.0), (3.0, 5.0, 22.0, 30.0)]
+    events = _log(_line(0.5, "committed", scored=4, dead_letters={}, arrival_to_visible_ms=99.0, closed_ms=1.0,
+                        launched_ms=2.0, scored_ms=3.0),
+                  *(_line(1.0 + k, "committed", scored=4, dead_letters={}, arrival_to_visible_ms=visible,
+                          closed_ms=closed, launched_ms=launched, scored_ms=scored)
+                    for k, (closed, launched, scored, visible) in enumerate(cycles)),
+                  # a cycle of dead letters only is never launched: left out
+                  _line(9.0, "committed", scored=0, dead_letters={"unknown_schema": 1}, arrival_to_visible_ms=5.0,
+                        closed_ms=1.0, launched_ms=None, scored_ms=2.0))
+    timelines = cycle_timelines(events, budget_ms=25, since=T0 + 0.9)
+    assert timelines["all"] == dict(cycles=4, to_close_ms=2.0, close_to_launch_ms=1.0, launch_to_scored_ms=8.0,
+                                    scored_to_visible_ms=3.0)
+    assert timelines["late"] == dict(cycles=2, to_close_ms=1.0, close_to_launch_ms=1.0, launch_to_scored_ms=17.0,
+                                     scored_to_visible_ms=6.0)
+    assert cycle_timelines(events, budget_ms=25, since=T0 + 20) == {"all": {"cycles": 0}, "late": {"cycles": 0}}

@@ -208,3 +208,17 @@ def test_the_launch_lead_is_learned_from_committed_cycles_and_moves_the_close():
     gpu_free_at = 10.0 + budget.engine.seconds(4, expected=True)
     # the next cycle closes a launch's time before the GPU frees, so its batch is queued behind the one in flight
     assert budget.close_by(10.0, 9.99, gpu_busy=True) == pytest.approx(gpu_free_at - 0.003)
+
+
+def test_a_committed_cycles_event_says_where_its_first_states_time_went():
+    from worker.loop import InFlight, Worker
+
+    cycle = _cycle_of(2, opened_at=10.000)
+    inflight = InFlight(cycle, [], Future(), closed_at=10.004, planned_visible_at=10.030, launched_at=10.006,
+                        scored_at=10.016)
+    assert Worker._latency_fields(inflight, committed_at=10.019) == dict(
+        arrival_to_visible_ms=pytest.approx(19.0), planned_visible_ms=pytest.approx(30.0),
+        closed_ms=pytest.approx(4.0), launched_ms=pytest.approx(6.0), scored_ms=pytest.approx(16.0))
+    # a cycle of dead letters only is never launched
+    never_launched = InFlight(cycle, [], Future(), closed_at=10.004)
+    assert Worker._latency_fields(never_launched, committed_at=10.005)["launched_ms"] is None
