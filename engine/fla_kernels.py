@@ -67,11 +67,12 @@ def delta_rule_indexed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: tor
 
 WY_LAUNCH: tuple[tuple[int, int], tuple[int, int]] | None = ((64, 1), (4, 3))
 """Fixed launches of fla's two WY kernels in a suffix pass: ((BK, warps) of the fused K K^T + triangular solve,
-(warps, stages) of w/u); None: fla's autotuned ones. fla's autotune key holds neither the batch nor the length, so it
-keeps, for every batch, the configuration it tuned at the process's first call (a prefix pass), and that choice, made
-by timing, can differ from one process to the next. On the H200 (`bench/kernel_probe.py --only wy`, batch 128, 184
-tokens) the solve took 0.145 ms a layer at this launch against 0.246 at the (64, 2) fla had tuned, and whole batch-128
-steps 60.5 ms against 65.6 (`bench/variant_ab.py`, session 10). Read at each call, for `bench/variant_ab.py`."""
+(warps, stages) of w/u); None: through fla's entry point, at the launches its autotuner holds (one each once
+`pin_autotuned_launches` ran). Autotuned, fla's key holds neither the batch nor the length, so it keeps, for every
+batch, the launch it timed best at the process's first call (a prefix pass). On the H200 (run AL in bench/README.md:
+`bench/kernel_probe.py --only wy`, batch 128, 184 tokens) the solve took 0.145 ms a layer at this launch against
+0.246 at the (64, 2) fla had tuned, and whole batch-128 steps 60.5 ms against 65.6 (`bench/variant_ab.py`). Read at
+each call, for `bench/variant_ab.py`."""
 
 WY_SMALL_LAUNCH: tuple[tuple[int, int], tuple[int, int]] = ((64, 2), (2, 4))
 """The launch where the solve would start fewer than `WY_FILL_PROGRAMS` programs (batch 1: 3 chunks x 16 heads): with

@@ -327,12 +327,13 @@ def test_delta_rule_indexed_is_flas_delta_rule_from_the_copied_states(monkeypatc
         monkeypatch.setattr(fla_kernels, "WY_LAUNCH", wy_launch)
         return fla_kernels.delta_rule_indexed(q, k, v, a, b, A_log, dt_bias, bank, index)
 
-    # fla's WY launches and its output kernel: the same arithmetic in the same order as fla's whole forward (fla
-    # autotunes the state kernel's launch, which does not change a column's sums), so the same bits
+    # fla's WY kernels through its entry point and its output kernel: the same arithmetic in the same order as fla's
+    # whole forward, at whatever launches its autotuners hold (the state kernel's launch does not change a column's
+    # sums), so the same bits
     got = indexed(False, None)
     assert torch.equal(got, want), f"max |diff| {(got.float() - want.float()).abs().max().item():.3g}"
     # fused, the output's sums over the key dimension run in 64-wide steps (fla's output kernel may take 128 at once);
-    # the fixed WY launches may split K K^T's sums otherwise than the launch fla tuned
+    # the fixed WY launches may split K K^T's sums otherwise than the launch fla's autotuner holds
     for name, fused_output, wy_launch in (("fused", True, None), ("fixed WY", False, fla_kernels.WY_LAUNCH),
                                           ("as run", True, fla_kernels.WY_LAUNCH)):
         other = indexed(fused_output, wy_launch)
@@ -343,7 +344,8 @@ def test_delta_rule_indexed_is_flas_delta_rule_from_the_copied_states(monkeypatc
 @pytest.mark.parametrize("rows", [1, 8], ids=["small-grid", "large-grid"])
 def test_fixed_wy_launches_give_flas_w_and_u(rows):
     """`fla_kernels.WY_LAUNCH` / `WY_SMALL_LAUNCH` (batch 1 starts 48 solve programs, batch 8 384) against fla's
-    autotuned `chunk_gated_delta_rule_fwd_intra`; and the same bits from one call to the next."""
+    `chunk_gated_delta_rule_fwd_intra` (autotuned, or pinned if an engine was built); and the same bits from one call
+    to the next."""
     pytest.importorskip("fla")
     from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
     from fla.ops.gated_delta_rule.gate import gdn_gate_chunk_cumsum
