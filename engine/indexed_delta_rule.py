@@ -52,19 +52,23 @@ def _key_blocks(K: tl.constexpr):
 
 
 @triton.jit
+def _row_heads(k, v, w, i_n, i_h, T, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr):
+    # row i_n's first token, and its pointers into k (key head i_h // (HV // H)), v and w (value head i_h)
+    bos = i_n * T
+    return bos, k + (bos * H + i_h // (HV // H)) * K, v + (bos * HV + i_h) * V, w + (bos * HV + i_h) * K
+
+
+@triton.jit
 def _initial_state(h0, h0_index, i_n, i_h, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
-                   o_v, m_v):
+                   o_v, m_v, o_k1, m_k1, o_k2, m_k2):
     # the change from fla's kernel that matters: row i_n's initial state is bank entry h0_index[i_n], not entry i_n.
-    # Keys in two blocks of 64 (the second all zeros where K <= 64), value columns o_v, float32
+    # Keys in the two blocks of `_key_blocks` (the second all zeros where K <= 64), value columns o_v, float32
     h0 += (tl.load(h0_index + i_n).to(tl.int64) * HV + i_h) * K * V
-    o_k1 = tl.arange(0, 64)
-    o_k2 = 64 + o_k1
     b_h1 = tl.zeros([64, BV], dtype=tl.float32)
-    b_h1 += tl.load(h0 + o_k1[:, None] * V + o_v[None, :], mask=(o_k1 < K)[:, None] & m_v[None, :],
-                    other=0.0).to(tl.float32)
+    b_h1 += tl.load(h0 + o_k1[:, None] * V + o_v[None, :], mask=m_k1[:, None] & m_v[None, :], other=0.0).to(tl.float32)
     b_h2 = tl.zeros([64, BV], dtype=tl.float32)
     if K > 64:
-        b_h2 += tl.load(h0 + o_k2[:, None] * V + o_v[None, :], mask=(o_k2 < K)[:, None] & m_v[None, :],
+        b_h2 += tl.load(h0 + o_k2[:, None] * V + o_v[None, :], mask=m_k2[:, None] & m_v[None, :],
                         other=0.0).to(tl.float32)
     return b_h1, b_h2
 
@@ -76,14 +80,11 @@ def _fwd_h_indexed_kernel(k, v, w, v_new, g, h, h0, h0_index, T, NT: tl.constexp
     # chunk count is a constant (fla's is not): one compile per length bucket's count, and Triton's interpreter, which
     # cannot loop to a run-time bound, runs it
     i_n, i_h, o_v, m_v = _program(HV, V, BV)
-    bos = i_n * T
+    bos, k, v, w = _row_heads(k, v, w, i_n, i_h, T, H, HV, K, V)
     h += (i_n * NT * HV + i_h) * K * V
-    v += (bos * HV + i_h) * V
-    k += (bos * H + i_h // (HV // H)) * K
-    w += (bos * HV + i_h) * K
     v_new += (bos * HV + i_h) * V
     o_k1, m_k1, o_k2, m_k2 = _key_blocks(K)
-    b_h1, b_h2 = _initial_state(h0, h0_index, i_n, i_h, HV, K, V, BV, o_v, m_v)
+    b_h1, b_h2 = _initial_state(h0, h0_index, i_n, i_h, HV, K, V, BV, o_v, m_v, o_k1, m_k1, o_k2, m_k2)
 
     for i_t in range(NT):
         o_t = i_t * BT + tl.arange(0, BT)
@@ -136,14 +137,11 @@ def _fwd_h_o_indexed_kernel(q, k, v, w, g, o, h0, h0_index, scale, T, NT: tl.con
     # 200 MB of states and 100 MB of values a layer, written once and read back). Each program recomputes its chunk's
     # q k^T, which fla's output kernel computes once per value block too.
     i_n, i_h, o_v, m_v = _program(HV, V, BV)
-    bos = i_n * T
+    bos, k, v, w = _row_heads(k, v, w, i_n, i_h, T, H, HV, K, V)
     q += (bos * H + i_h // (HV // H)) * K
-    k += (bos * H + i_h // (HV // H)) * K
-    v += (bos * HV + i_h) * V
-    w += (bos * HV + i_h) * K
     o += (bos * HV + i_h) * V
     o_k1, m_k1, o_k2, m_k2 = _key_blocks(K)
-    b_h1, b_h2 = _initial_state(h0, h0_index, i_n, i_h, HV, K, V, BV, o_v, m_v)
+    b_h1, b_h2 = _initial_state(h0, h0_index, i_n, i_h, HV, K, V, BV, o_v, m_v, o_k1, m_k1, o_k2, m_k2)
 
     for i_t in range(NT):
         o_t = i_t * BT + tl.arange(0, BT)
