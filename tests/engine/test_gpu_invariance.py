@@ -103,6 +103,44 @@ def test_a_fresh_engine_gives_the_same_bits(engines, model_and_tok, texts):
     assert all(torch.equal(x, y) for x, y in zip(a, b))
 
 
+_OTHER_PROCESS = """
+import json, sys
+import torch
+from engine import Engine, SchemaEngine
+model_dir, inputs, out = sys.argv[1:]
+spec = json.load(open(inputs))
+se = SchemaEngine(Engine.load(model_dir, device="cuda", deterministic=True))
+torch.save(se.score(se.prepare(spec["questions"]), spec["texts"]), out)
+"""
+
+
+def test_another_process_gives_the_same_bits(engines, model_and_tok, texts, tmp_path):
+    """What a replay relies on, across processes: another process loading the same weights prepares the schema and
+    scores the states with the same bits. Its fla kernels run the launches `fla_kernels.PINNED_LAUNCHES` pins (fla
+    would time its candidates anew in each process, and the block it picks over the key dimension splits sums)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    model, tok = model_and_tok
+    model.save_pretrained(tmp_path / "model")
+    tok.save_pretrained(tmp_path / "model")
+    qs = questions(tok, 10, 4, 400)
+    sample = texts[::9]
+    (tmp_path / "inputs.json").write_text(json.dumps({"questions": qs, "texts": sample}))
+    here = SchemaEngine(engines[True])
+    mine = here.score(here.prepare(qs), sample)
+    run = subprocess.run([sys.executable, "-c", _OTHER_PROCESS, str(tmp_path / "model"), str(tmp_path / "inputs.json"),
+                          str(tmp_path / "theirs.pt")], cwd=Path(__file__).resolve().parents[2], capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    theirs = torch.load(tmp_path / "theirs.pt")
+    assert len(theirs) == len(mine)
+    assert all(torch.equal(a, b.to(a.device)) for a, b in zip(mine, theirs)), \
+        max((a - b.to(a.device)).abs().max().item() for a, b in zip(mine, theirs))
+
+
 def test_each_kernel_family_on_its_own():
     """One test per source of batch dependence found on the H200 (`bench/invariance_probe.py`): a probe's rows among
     random neighbours in batches of 1 x 184 to 128 x 264 rows, compared bit for bit with the probe alone. The Triton
