@@ -257,40 +257,32 @@ def probe_wy(B: int, T: int, prefix: int = 400) -> dict:
     from fla.ops.gated_delta_rule.gate import gdn_gate_chunk_cumsum
     from fla.ops.utils.constant import RCP_LN2
 
+    from engine.fla_kernels import solve_into, w_u_into
+
     dev, dt = "cuda", torch.bfloat16
 
     def inputs(rows, tokens):
-        k = torch.nn.functional.normalize(torch.randn(rows, tokens, HK, DK, device=dev), dim=-1).to(dt)
-        v = torch.randn(rows, tokens, HV, DV, device=dev, dtype=dt)
-        a = torch.randn(rows, tokens, HV, device=dev, dtype=dt)
+        _, k, v, a, _, A_log, dt_bias = _delta_rule_inputs(rows, tokens)
         beta = torch.rand(rows, tokens, HV, device=dev, dtype=dt)
-        g = gdn_gate_chunk_cumsum(g=a, A_log=torch.randn(HV, device=dev), chunk_size=64, scale=RCP_LN2,
-                                  dt_bias=torch.randn(HV, device=dev))
-        return k, v, beta, g
+        return k, v, beta, gdn_gate_chunk_cumsum(g=a, A_log=A_log, chunk_size=64, scale=RCP_LN2, dt_bias=dt_bias)
 
-    chunk_gated_delta_rule_fwd_intra(*[inputs(1, prefix)[i] for i in (0, 1)], g=inputs(1, prefix)[3],
-                                     beta=inputs(1, prefix)[2], chunk_size=64)          # fla tunes here
+    k, v, beta, g = inputs(1, prefix)
+    chunk_gated_delta_rule_fwd_intra(k, v, g=g, beta=beta, chunk_size=64)          # fla tunes here
     kkt, wu = chunk_fwd.chunk_gated_delta_rule_fwd_kkt_solve_kernel, wy_fast.recompute_w_u_fwd_kernel
     out = {"rows": B, "tokens": T, "tuned_at": [1, prefix],
            "tuned": {name: {str(key): str(cfg) for key, cfg in getattr(k_.fn, "cache", {}).items()}
                      for name, k_ in (("kkt_solve", kkt), ("recompute_w_u", wu))}, "kkt_solve": [], "recompute_w_u": []}
     print(json.dumps(out["tuned"]), file=sys.stderr, flush=True)
     k, v, beta, g = inputs(B, T)
-    NT = triton.cdiv(T, 64)
     A = torch.zeros(B, T, HV, 64, device=dev, dtype=dt)
     for BK, warps in itertools.product((32, 64), (1, 2, 4)):
-        run = lambda: kkt.fn.fn[(NT, B * HV)](k=k, g=g, beta=beta, A=A, cu_seqlens=None, chunk_indices=None,  # noqa
-                                              T=T, H=HK, HV=HV, K=DK, BT=64, BC=16, BK=BK, USE_G=True,
-                                              IS_VARLEN=False, num_warps=warps)
-        row = dict(BK=BK, warps=warps, ms=round(gpu_ms(run, graph=True), 4))
+        row = dict(BK=BK, warps=warps, ms=round(gpu_ms(lambda: solve_into(A, k, g, beta, (BK, warps)), graph=True), 4))
         print(json.dumps({"kkt_solve": row}), file=sys.stderr, flush=True)
         out["kkt_solve"].append(row)
     w = torch.empty(B, T, HV, DK, device=dev, dtype=dt)
     u = torch.empty(B, T, HV, DV, device=dev, dtype=dt)
     for warps, stages in itertools.product((2, 4, 8), (2, 3, 4)):
-        run = lambda: wu.fn.fn[(NT, B * HV)](k=k, v=v, beta=beta, w=w, u=u, A=A, g=g, cu_seqlens=None,  # noqa
-                                             chunk_indices=None, T=T, H=HK, HV=HV, K=DK, V=DV, BT=64, BK=64, BV=64,
-                                             USE_G=True, IS_VARLEN=False, num_warps=warps, num_stages=stages)
+        run = lambda: w_u_into(w, u, k, v, beta, A, g, (warps, stages))  # noqa: E731
         row = dict(warps=warps, stages=stages, ms=round(gpu_ms(run, graph=True), 4))
         print(json.dumps({"recompute_w_u": row}), file=sys.stderr, flush=True)
         out["recompute_w_u"].append(row)

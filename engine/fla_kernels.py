@@ -86,26 +86,41 @@ def _wy_representation(k, v, g, beta):
     if WY_LAUNCH is None:
         w, u, _ = chunk_gated_delta_rule_fwd_intra(k=k, v=v, g=g, beta=beta, chunk_size=CHUNK)
         return w, u
-    B, T, H, K = k.shape
-    HV, V = v.shape[2], v.shape[3]
-    grid = (triton.cdiv(T, CHUNK), B * HV)
-    launch = WY_LAUNCH if grid[0] * grid[1] >= WY_FILL_PROGRAMS else WY_SMALL_LAUNCH
-    (block_k, solve_warps), (wu_warps, wu_stages) = launch
+    B, T, _, K = k.shape
+    HV = v.shape[2]
+    solve, w_u = WY_LAUNCH if triton.cdiv(T, CHUNK) * B * HV >= WY_FILL_PROGRAMS else WY_SMALL_LAUNCH
     A = torch.zeros(B, T, HV, CHUNK, device=k.device, dtype=k.dtype)     # the kernel writes the lower blocks only
-    # .fn.fn: the jitted kernels under fla's heuristics and autotuner, which would pick the launch themselves
-    chunk_gated_delta_rule_fwd_kkt_solve_kernel.fn.fn[grid](
-        k=k, g=g, beta=beta, A=A, cu_seqlens=None, chunk_indices=None, T=T, H=H, HV=HV, K=K, BT=CHUNK, BC=16,
-        BK=block_k, USE_G=True, IS_VARLEN=False, num_warps=solve_warps)
+    solve_into(A, k, g, beta, solve)
     w, u = k.new_empty(B, T, HV, K), torch.empty_like(v)
-    recompute_w_u_fwd_kernel.fn.fn[grid](
-        k=k, v=v, beta=beta, w=w, u=u, A=A, g=g, cu_seqlens=None, chunk_indices=None, T=T, H=H, HV=HV, K=K, V=V,
-        BT=CHUNK, BK=64, BV=64, USE_G=True, IS_VARLEN=False, num_warps=wu_warps, num_stages=wu_stages)
+    w_u_into(w, u, k, v, beta, A, g, w_u)
     return w, u
 
 
+def solve_into(A: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, launch: tuple[int, int]) -> None:
+    """fla's fused K K^T + triangular solve into A [B, T, Hv, CHUNK] (its lower blocks; the rest must be zeros) at
+    launch (BK, warps): k [B, T, H, K], g and beta [B, T, Hv]. (`.fn.fn`, here and in `w_u_into`: the jitted kernel
+    under fla's heuristics and autotuner, which would pick the launch themselves.)"""
+    B, T, H, K = k.shape
+    HV = beta.shape[2]
+    chunk_gated_delta_rule_fwd_kkt_solve_kernel.fn.fn[(triton.cdiv(T, CHUNK), B * HV)](
+        k=k, g=g, beta=beta, A=A, cu_seqlens=None, chunk_indices=None, T=T, H=H, HV=HV, K=K, BT=CHUNK, BC=16,
+        BK=launch[0], USE_G=True, IS_VARLEN=False, num_warps=launch[1])
+
+
+def w_u_into(w: torch.Tensor, u: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, A: torch.Tensor,
+             g: torch.Tensor, launch: tuple[int, int]) -> None:
+    """fla's w/u kernel into w [B, T, Hv, K] and u [B, T, Hv, V] at launch (warps, stages), from `solve_into`'s A."""
+    B, T, H, K = k.shape
+    HV, V = v.shape[2], v.shape[3]
+    recompute_w_u_fwd_kernel.fn.fn[(triton.cdiv(T, CHUNK), B * HV)](
+        k=k, v=v, beta=beta, w=w, u=u, A=A, g=g, cu_seqlens=None, chunk_indices=None, T=T, H=H, HV=HV, K=K, V=V,
+        BT=CHUNK, BK=64, BV=64, USE_G=True, IS_VARLEN=False, num_warps=launch[0], num_stages=launch[1])
+
+
+_SOLVE, _W_U = WY_LAUNCH      # pinned for fla's own entry points too (a prefix pass, `WY_LAUNCH` None)
 PINNED_LAUNCHES = (
-    (chunk_gated_delta_rule_fwd_kkt_solve_kernel, {"BK": 64, "num_warps": 1}),
-    (recompute_w_u_fwd_kernel, {"num_warps": 4, "num_stages": 3}),
+    (chunk_gated_delta_rule_fwd_kkt_solve_kernel, {"BK": _SOLVE[0], "num_warps": _SOLVE[1]}),
+    (recompute_w_u_fwd_kernel, {"num_warps": _W_U[0], "num_stages": _W_U[1]}),
     (chunk_fwd_kernel_o, {"BK": 64, "BV": 64, "num_warps": 4, "num_stages": 3}),
     (chunk_gated_delta_rule_fwd_kernel_h_blockdim64, {"BV": 64, "num_warps": 4, "num_stages": 2}),
     (gdn_gate_chunk_cumsum_scalar_kernel, {}),
