@@ -332,6 +332,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--tokens", type=int, default=144)
     ap.add_argument("--only", default=",".join(PROBES), help=f"comma-separated probes of {', '.join(PROBES)}")
     args = ap.parse_args(argv)
+    unknown = [name for name in args.only.split(",") if name not in PROBES]
+    if unknown:
+        ap.error(f"--only: no probe named {', '.join(unknown)} (the probes: {', '.join(PROBES)})")
     result = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "triton": triton.__version__}
     for name in args.only.split(","):
         result[name] = PROBES[name](args)
