@@ -81,15 +81,16 @@ def probe_conv(B: int, T: int) -> dict:
     x = proj[..., :2 * HK * DK + HV * DV]
     weight = torch.randn(x.shape[-1], KW, device=dev, dtype=torch.bfloat16).t().contiguous().t()
     gates = proj[..., FUSED - 2 * HV:]
-    # the prefix bank's conv states, one live slot read by every row (the suffix pass's case)
-    prev = torch.randn(4, x.shape[-1], KW - 1, device=dev, dtype=torch.bfloat16)
+    # the prefix bank's conv states, one live slot read by every row (the suffix pass's case), stored time-major as
+    # the bank stores them (`engine.prefix_bank.CONV_TIME_MAJOR`)
+    prev = torch.randn(4, KW - 1, x.shape[-1], device=dev, dtype=torch.bfloat16).transpose(1, 2)
     slots = torch.full((B,), 1, dtype=torch.int64, device=dev)
     conv = lambda: tk.conv_qkv(x, weight, prev, HK * DK, DK, DV, gates, slots)  # noqa: E731
     ref = conv()
     dense = torch.empty(x.shape, dtype=x.dtype, device=dev)
     out = {"shape": [B, T, x.shape[-1]], "bytes_moved_mb": 2 * x.numel() * 2 / 1e6,
            "copy_floor_ms": gpu_ms(lambda: dense.copy_(x)), "default_ms": gpu_ms(conv), "configs": []}
-    for BT, warps in itertools.product((8, 16, 32, 64, 128), (1, 2, 4, 8)):
+    for BT, warps in itertools.product((4, 8, 16, 32, 64, 128), (1, 2, 4, 8)):
         if BT * 128 // (32 * warps) > 512:      # too many elements per thread to be worth compiling
             continue
         try:
