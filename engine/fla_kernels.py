@@ -1,9 +1,10 @@
 """The CUDA kernels (`engine.kernels.fla_kernels` is their table): fla's Triton kernels for the Gated DeltaNet
-recurrence (with the decay gate and beta's sigmoid computed inside it; a suffix pass's rows start from prefix states
-read from the bank by index: `engine.indexed_delta_rule`) and, from `engine.triton_kernels` (fixed
-launch configuration: no per-shape autotuning, 16-byte loads), SwiGLU, the causal conv fused with the q/k L2 norms
-(continuing the prefix's conv state in place: no per-row concatenation of the prefix's conv inputs, no copies of q,
-k, v), the RMS/gated norms, the residual adds fused into them, q/k norm + RoPE, and the attention's merge with its
+recurrence (a prefix pass runs fla's whole forward, with the decay gate and beta's sigmoid computed inside it; a suffix
+pass's rows start from prefix states read from the bank by index, `engine.indexed_delta_rule`, and its decay, beta and
+WY matrix come from `engine.delta_rule_inputs`, fla's kernels in fewer launches) and, from `engine.triton_kernels`
+(fixed launch configuration: no per-shape autotuning, 16-byte loads), SwiGLU, the causal conv fused with the q/k L2
+norms (continuing the prefix's conv state in place: no per-row concatenation of the prefix's conv inputs, no copies of
+q, k, v), the RMS/gated norms, the residual adds fused into them, q/k norm + RoPE, and the attention's merge with its
 output gate.
 
 Importing this module imports fla and triton: ImportError where they are not installed.
@@ -23,6 +24,8 @@ from fla.ops.gated_delta_rule.gate import gdn_gate_chunk_cumsum, gdn_gate_chunk_
 from fla.ops.utils.constant import RCP_LN2
 from torch.nn.functional import linear
 
+from engine import delta_rule_inputs
+from engine.delta_rule_inputs import decay_and_beta
 from engine.indexed_delta_rule import CHUNK, chunk_outputs_indexed, chunk_states_indexed
 from engine.torch_kernels import by_index
 from engine.triton_kernels import GATED, add_rms_norm, conv_qkv, gate_attention, rms_norm_rope, row_norm, swiglu
@@ -42,6 +45,21 @@ def delta_rule(q, k, v, a, b, A_log, dt_bias, initial_state, output_final_state,
                                   dt_bias=dt_bias, use_beta_sigmoid_in_kernel=True)
 
 
+FUSED_INPUTS = True
+"""Whether a suffix pass makes the delta rule's decay and beta in one kernel and leaves the solve's matrix unfilled
+above its diagonal (`engine.delta_rule_inputs`): two launches a layer fewer than fla's forward, and no 48 MB zero-fill
+a layer at batch 128 (False: fla's kernels; read at each call, for `bench/variant_ab.py`). The same bits as fla's
+kernels (`tests/engine/test_triton_kernels.py`). On the H200 in one process (run AS) batch 128 ran in 59.92 ms against
+60.52, batch 32 in 15.47 against 15.59."""
+
+MERGED_SOLVE = True
+"""Whether a suffix pass solves for the WY matrix with `engine.delta_rule_inputs.solve_into` (fla's kernel with its
+four forward substitutions in one loop) rather than fla's kernel (read at each call, for `bench/variant_ab.py`). The
+same bits as fla's at both of `WY_LAUNCH`'s launches (`tests/engine/test_triton_kernels.py`). On the H200 in one
+process (run AU, a noisy run: rounds of one variant spread by up to 0.35 ms at batch 1) batch 1 ran in 2.184 ms
+against 2.428, batch 8 in 5.355 against 5.436 and batch 128 in 60.66 against 61.18; at 2 warps for large grids it
+was slower (61.76 ms at batch 128)."""
+
 FUSED_OUTPUT = True
 """Whether a suffix pass's delta rule computes its output in the state kernel's pass (`chunk_outputs_indexed`) rather
 than by fla's output kernel over stored states (read at each call: `bench/variant_ab.py` can time both)."""
@@ -55,8 +73,11 @@ def delta_rule_indexed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: tor
     L2-normalised), v [B, T, Hv, V], a, b [B, T, Hv] (contiguous) -> o [B, T, Hv, V]. fla's forward
     (`chunk_gated_delta_rule_fwd`) step by step, its state kernel replaced by `chunk_states_indexed`, or with
     `FUSED_OUTPUT` its state and output kernels by `chunk_outputs_indexed`."""
-    beta = fused_beta_sigmoid(b)
-    g = gdn_gate_chunk_cumsum(g=a, A_log=A_log, chunk_size=CHUNK, scale=RCP_LN2, dt_bias=dt_bias)
+    if FUSED_INPUTS:
+        g, beta = decay_and_beta(a, b, A_log, dt_bias, CHUNK, RCP_LN2)
+    else:
+        beta = fused_beta_sigmoid(b)
+        g = gdn_gate_chunk_cumsum(g=a, A_log=A_log, chunk_size=CHUNK, scale=RCP_LN2, dt_bias=dt_bias)
     w, u = _wy_representation(k, v, g, beta)
     scale = k.shape[-1] ** -0.5
     if FUSED_OUTPUT:
@@ -89,10 +110,14 @@ def _wy_representation(k, v, g, beta):
     B, T, _, K = k.shape
     HV = v.shape[2]
     solve, w_u = WY_LAUNCH if triton.cdiv(T, CHUNK) * B * HV >= WY_FILL_PROGRAMS else WY_SMALL_LAUNCH
-    A = torch.zeros(B, T, HV, CHUNK, device=k.device, dtype=k.dtype)     # the kernel writes the lower blocks only
-    solve_into(A, k, g, beta, solve)
+    # the solve writes A's lower blocks only: fla's w/u kernel reads the whole of A, which must then be zero above
+    A = (torch.empty if FUSED_INPUTS else torch.zeros)(B, T, HV, CHUNK, device=k.device, dtype=k.dtype)
+    if MERGED_SOLVE:
+        delta_rule_inputs.solve_into(A, k, g, beta, CHUNK, solve)
+    else:
+        solve_into(A, k, g, beta, solve)
     w, u = k.new_empty(B, T, HV, K), torch.empty_like(v)
-    w_u_into(w, u, k, v, beta, A, g, w_u)
+    w_u_into(w, u, k, v, beta, A, g, w_u, lower_only=FUSED_INPUTS)
     return w, u
 
 
@@ -108,8 +133,11 @@ def solve_into(A: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: torch.Te
 
 
 def w_u_into(w: torch.Tensor, u: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, A: torch.Tensor,
-             g: torch.Tensor, launch: tuple[int, int]) -> None:
-    """fla's w/u kernel into w [B, T, Hv, K] and u [B, T, Hv, V] at launch (warps, stages), from `solve_into`'s A."""
+             g: torch.Tensor, launch: tuple[int, int], lower_only: bool = False) -> None:
+    """fla's w/u kernel into w [B, T, Hv, K] and u [B, T, Hv, V] at launch (warps, stages), from `solve_into`'s A;
+    lower_only: `engine.delta_rule_inputs.w_u_into`, which reads A's lower triangle only (A need not be zero-filled)."""
+    if lower_only:
+        return delta_rule_inputs.w_u_into(w, u, k, v, beta, A, g, CHUNK, launch)
     B, T, H, K = k.shape
     HV, V = v.shape[2], v.shape[3]
     recompute_w_u_fwd_kernel.fn.fn[(triton.cdiv(T, CHUNK), B * HV)](

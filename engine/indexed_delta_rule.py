@@ -129,6 +129,13 @@ in one process (`bench/variant_ab.py`, run AD) (64, 4, 2) ran batch 32 in 16.6 m
 (32, 4, 2)'s 17.2 and 65.7; (64, 8, 2), (32, 2, 2), (32, 8, 2) and (16, 2, 2) were slower at both."""
 
 
+FUSED_SMALL_CONFIG = (16, 2, 2)
+"""The fused kernel's launch where `FUSED_CONFIG` would start fewer than `FUSED_FILL_PROGRAMS` programs (batch 1: 32
+programs): a batch-1 step on the H200 ran in 2.351 ms at (16, 2, 2) against 2.424 at (64, 4, 2) (run AD). At batch 4
+(128 programs) it was slower: 3.35 ms against 3.28 (run AS). The same bits, as every configuration."""
+FUSED_FILL_PROGRAMS = 64
+
+
 @triton.jit(do_not_specialize=["T"])
 def _fwd_h_o_indexed_kernel(q, k, v, w, g, o, h0, h0_index, scale, T, NT: tl.constexpr, H: tl.constexpr,
                             HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr):
@@ -197,7 +204,11 @@ def chunk_outputs_indexed(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: 
     B, T, H, K = k.shape
     HV, V = u.shape[2], u.shape[3]
     _check(K, HV, V, bank)
-    BV, warps, stages = config or FUSED_CONFIG
+    if config is None:
+        config = FUSED_CONFIG
+        if triton.cdiv(V, config[0]) * B * HV < FUSED_FILL_PROGRAMS:
+            config = FUSED_SMALL_CONFIG
+    BV, warps, stages = config
     o = torch.empty_like(u)
     if B:
         _fwd_h_o_indexed_kernel[(triton.cdiv(V, BV) * B * HV,)](q, k, u, w, g, o, bank, index, scale, T,

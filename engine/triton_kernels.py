@@ -35,7 +35,19 @@ CONV_CONFIG = (8, 2)
 `bench/variant_ab.py` can time others in one process. (8, 2) was the fastest of 20 configurations on the H200 for
 32 x 144 tokens of the 0.8B shape (bench/kernel_probe.py: 0.097 ms against 0.130 ms for 32 tokens x 4 warps; a copy
 of the same bytes takes 0.074 ms). In whole steps at batches 32 and 128 (run AD, `variant_ab.py`), (16, 2), (16, 4),
-(32, 4), (4, 1) and (8, 1) were all slower."""
+(32, 4), (4, 1) and (8, 1) were all slower. With the bank's conv states time-major, (8, 1) ran the kernel alone
+faster at batch 128 (0.280 ms against 0.297 to 0.313, `kernel_probe.py --only conv`, run AR) but whole batch-128 steps
+slower (60.75 ms against 59.92, run AS)."""
+
+CONV_SMALL_CONFIG = (4, 1)
+"""The launch where `CONV_CONFIG` would start fewer than `CONV_FILL_PROGRAMS` programs (batch 1): there the conv is
+latency-bound, and smaller programs spread it over more of the SMs. Whole batch-1 steps on the H200: 2.346 ms at (4, 1)
+against 2.461 at (8, 2) (run AD); with the delta rule's small launch too, 2.184 against 2.238 (run AU, the order of the
+variants rotated each round). Differences of this size are near the run-to-run spread at batch 1. Every launch here
+splits a row's channels over a warp's threads alike, so the L2 norms sum in the same order and the launches give the
+same bits (`tests/engine/test_triton_kernels.py` checks the two launches; `bench/kernel_probe.py --only conv` reports
+every launch's)."""
+CONV_FILL_PROGRAMS = 2048
 
 _BLOCK_ELEMENTS = 4096          # elements per program: 4 rows of 1024, 32 rows of 128
 
@@ -309,6 +321,8 @@ def conv_qkv(x: torch.Tensor, weight: torch.Tensor, prev: torch.Tensor | None, k
         gates = gates.contiguous()
     BD = triton.next_power_of_2(max(head_k_dim, head_v_dim))
     tokens, warps = CONV_CONFIG
+    if triton.cdiv(T, tokens) * (2 * HK + HV) * B < CONV_FILL_PROGRAMS:
+        tokens, warps = CONV_SMALL_CONFIG
     # the prefix state is read in the first token block only, so BT >= KW - 1
     BT = max(tokens, triton.next_power_of_2(KW - 1))
     state, state_strides = (prev, prev.stride()) if prev is not None else (x, (0, 0, 0))

@@ -87,6 +87,27 @@ def test_conv_qkv_continues_the_prefix_state_and_l2_normalises_q_and_k(dtype, P,
     assert got[0].norm(dim=-1).sub(1).abs().max().item() < (1e-4 if dtype == torch.float32 else 1e-2)
 
 
+def test_conv_qkv_gives_the_same_bits_at_its_small_grid_launch(monkeypatch):
+    """`CONV_SMALL_CONFIG` (batch 1) and `CONV_CONFIG` at the 0.8B shape (128-wide heads, whose L2 norms sum a row's
+    channels across a warp's threads): a row scored alone must get the bits it gets inside a batch."""
+    from engine import triton_kernels
+    from engine.triton_kernels import conv_qkv
+
+    B, T, Hk, D, Hv, KW = 1, 40, 16, 128, 16, 4
+    C = 2 * Hk * D + Hv * D
+    qkv, _z, gates = _fused(B * T, [C, Hv * D, 2 * Hv], torch.bfloat16, seed=8)
+    g = torch.Generator().manual_seed(9)
+    weight = (torch.randn(C, KW, generator=g) * 0.5).to(DEV, torch.bfloat16).t().contiguous().t()
+    prev = torch.randn(3, KW - 1, C, generator=g).to(DEV, torch.bfloat16).transpose(1, 2)   # time-major, as the bank
+    args = (qkv.view(B, T, C), weight, prev, Hk * D, D, D, gates.view(B, T, 2 * Hv), torch.tensor([2], device=DEV))
+    outs = []
+    for fill in (0, 10 ** 9):               # never the small launch, always it
+        monkeypatch.setattr(triton_kernels, "CONV_FILL_PROGRAMS", fill)
+        outs.append(conv_qkv(*args))
+    assert triton_kernels.CONV_SMALL_CONFIG != triton_kernels.CONV_CONFIG
+    assert all(torch.equal(a, b) for a, b in zip(*outs))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_swiglu_on_the_halves_of_the_fused_gate_up_projection(dtype):
     import torch.nn.functional as F
@@ -293,7 +314,7 @@ def test_chunk_states_indexed_starts_each_row_from_its_bank_entry(K, dtype):
     copied = chunk_states_indexed(*on(k, w, u, decay, bank[index].contiguous(), torch.arange(B)))
     assert torch.equal(copied[0], h) and torch.equal(copied[1], v_new)
     # the launch configuration (fla autotunes it) does not change how a column is summed: the same bits
-    for config in ((32, 2, 2), (64, 2, 2), (32, 4, 2)):
+    for config in ((32, 2, 2), (64, 2, 2), (32, 4, 2), (16, 2, 2)):
         other = chunk_states_indexed(*on(k, w, u, decay, bank, index), config=config)
         assert torch.equal(other[0], h) and torch.equal(other[1], v_new), config
 
@@ -339,6 +360,117 @@ def test_delta_rule_indexed_is_flas_delta_rule_from_the_copied_states(monkeypatc
         other = indexed(fused_output, wy_launch)
         print(f"{name} against fla: max |diff| {(other.float() - want.float()).abs().max():.3g}")
         torch.testing.assert_close(other.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_decay_and_beta_are_flas_gate_cumsum_and_sigmoid_in_one_kernel():
+    """`delta_rule_inputs.decay_and_beta` against the formulas (a last chunk cut short, several heads and rows), and
+    on a GPU with fla bit for bit against fla's two kernels it replaces."""
+    from engine.delta_rule_inputs import decay_and_beta
+
+    g = torch.Generator().manual_seed(21)
+    B, T, H, chunk, scale = 2, 150, 3, 64, 1.4426950408889634
+    a, b = (torch.randn(B, T, H, generator=g).to(torch.bfloat16) for _ in range(2))
+    A_log, dt_bias = torch.randn(H, generator=g), torch.randn(H, generator=g)
+    decay, beta = decay_and_beta(a.to(DEV), b.to(DEV), A_log.to(DEV), dt_bias.to(DEV), chunk, scale)
+    assert decay.dtype == beta.dtype == torch.float32
+    gate = -A_log.exp() * torch.nn.functional.softplus(a.float() + dt_bias)
+    want = torch.cat([c.cumsum(1) for c in gate.split(chunk, dim=1)], dim=1) * scale
+    torch.testing.assert_close(decay.cpu(), want, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(beta.cpu(), b.float().sigmoid(), atol=1e-6, rtol=1e-6)
+    if torch.cuda.is_available() and _has_fla():
+        from fla.ops.common.gate import fused_beta_sigmoid
+        from fla.ops.gated_delta_rule.gate import gdn_gate_chunk_cumsum
+        from engine.kernels import fla_kernels
+        fla_kernels()           # fla's gate kernel pinned to its first launch, as the engine runs it
+        on = lambda t: t.to(DEV)  # noqa: E731
+        assert torch.equal(decay, gdn_gate_chunk_cumsum(g=on(a), A_log=on(A_log), chunk_size=chunk, scale=scale,
+                                                        dt_bias=on(dt_bias)))
+        assert torch.equal(beta, fused_beta_sigmoid(on(b)))
+
+
+@pytest.mark.parametrize("T", [100, 40], ids=["chunk-cut-short", "one-short-chunk"])
+def test_merged_solve_inverts_each_chunks_decayed_kkt(T):
+    """`delta_rule_inputs.solve_into` (fla's fused K K^T + solve, its four substitutions in one loop) against the
+    inverse computed in PyTorch, chunk by chunk, grouped value heads, the last chunk cut short (40 tokens: the fourth
+    diagonal block has no token at all); on a GPU with fla, bit for bit against fla's kernel at the same launches."""
+    from engine.delta_rule_inputs import solve_into
+
+    g = torch.Generator().manual_seed(23)
+    B, H, HV, K, chunk = 2, 2, 4, 128, 64
+    dtype = torch.float32 if not torch.cuda.is_available() else torch.bfloat16
+    k = torch.nn.functional.normalize(torch.randn(B, T, H, K, generator=g), dim=-1)
+    beta, decay = torch.rand(B, T, HV, generator=g), -torch.rand(B, T, HV, generator=g).cumsum(1) * 0.1
+    A = torch.zeros(B, T, HV, chunk, device=DEV, dtype=dtype)
+    solve_into(A, k.to(DEV, dtype), decay.to(DEV), beta.to(DEV), chunk, (64, 2))
+    kv = k.to(dtype).float().repeat_interleave(HV // H, dim=2)
+    for start in range(0, T, chunk):
+        c = slice(start, min(start + chunk, T))
+        n = c.stop - start
+        kc = kv[:, c].permute(0, 2, 1, 3)                                   # [B, HV, n, K]
+        gc = decay[:, c].permute(0, 2, 1)                                   # [B, HV, n]
+        a = (kc @ kc.transpose(-1, -2)) * torch.exp2(gc[..., :, None] - gc[..., None, :])
+        a = a.tril(-1) * beta[:, c].permute(0, 2, 1)[..., :, None]
+        want = torch.linalg.inv(torch.eye(n) + a)
+        got = A[:, c, :, :n].permute(0, 2, 1, 3).cpu().float().tril()
+        tol = 1e-4 if dtype == torch.float32 else 3e-2
+        torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+    if torch.cuda.is_available() and _has_fla():
+        from engine import fla_kernels
+        for launch in (fla_kernels.WY_LAUNCH[0], fla_kernels.WY_SMALL_LAUNCH[0]):
+            ours, theirs = torch.zeros_like(A), torch.zeros_like(A)
+            solve_into(ours, k.to(DEV, dtype), decay.to(DEV), beta.to(DEV), chunk, launch)
+            fla_kernels.solve_into(theirs, k.to(DEV, dtype), decay.to(DEV), beta.to(DEV), launch)
+            assert torch.equal(ours, theirs), launch
+
+
+def _has_fla() -> bool:
+    try:
+        import fla  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def test_w_u_reads_only_the_lower_triangle_of_the_solved_matrix():
+    """`delta_rule_inputs.w_u_into` with NaN above each chunk's diagonal of A (memory the solve never writes) gives
+    w and u of the lower triangle (grouped value heads, a last chunk cut short); on a GPU with fla, the bits of fla's
+    w/u kernel given the zero-filled A at the same launch."""
+    from engine.delta_rule_inputs import w_u_into
+
+    g = torch.Generator().manual_seed(22)
+    B, T, H, HV, K, V, chunk = 2, 100, 2, 4, 32, 16, 64
+    k = torch.nn.functional.normalize(torch.randn(B, T, H, K, generator=g), dim=-1)
+    v = torch.randn(B, T, HV, V, generator=g)
+    beta, decay = torch.rand(B, T, HV, generator=g), -torch.rand(B, T, HV, generator=g).cumsum(1) * 0.1
+    lower = torch.randn(B, T, HV, chunk, generator=g) * 0.1
+    rows = torch.arange(T) % chunk                                   # a token's row inside its chunk
+    above = torch.arange(chunk)[None, :] > rows[:, None]             # [T, chunk]
+    A = lower.masked_fill(above[None, :, None, :], float("nan"))
+    zeroed = lower.masked_fill(above[None, :, None, :], 0.0)
+    dtype = torch.float32 if not torch.cuda.is_available() else torch.bfloat16
+    on = lambda *ts: [t.to(DEV, dtype) for t in ts]  # noqa: E731
+    k_, v_, A_, zeroed_ = on(k, v, A, zeroed)
+    beta_, decay_ = beta.to(DEV), decay.to(DEV)
+    w, u = torch.empty(B, T, HV, K, device=DEV, dtype=dtype), torch.empty(B, T, HV, V, device=DEV, dtype=dtype)
+    w_u_into(w, u, k_, v_, beta_, A_, decay_, chunk, (4, 3))
+    kv = k.repeat_interleave(HV // H, dim=2)
+    want_w, want_u = torch.empty(B, T, HV, K), torch.empty(B, T, HV, V)
+    for start in range(0, T, chunk):
+        c = slice(start, min(start + chunk, T))
+        n = c.stop - start
+        a_c = zeroed[:, c, :, :n].permute(0, 2, 1, 3)                 # [B, HV, n, n]
+        bv = (v[:, c] * beta[:, c, :, None]).permute(0, 2, 1, 3)
+        bk = (kv[:, c] * (beta[:, c] * torch.exp2(decay[:, c]))[..., None]).permute(0, 2, 1, 3)
+        want_u[:, c] = (a_c @ bv).permute(0, 2, 1, 3)
+        want_w[:, c] = (a_c @ bk).permute(0, 2, 1, 3)
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(w.cpu().float(), want_w, atol=tol, rtol=tol)
+    torch.testing.assert_close(u.cpu().float(), want_u, atol=tol, rtol=tol)
+    if torch.cuda.is_available() and _has_fla():
+        from engine import fla_kernels
+        fla_w, fla_u = torch.empty_like(w), torch.empty_like(u)
+        fla_kernels.w_u_into(fla_w, fla_u, k_, v_, beta_, zeroed_, decay_, (4, 3))
+        assert torch.equal(w, fla_w) and torch.equal(u, fla_u)
 
 
 @pytest.mark.parametrize("rows", [1, 8], ids=["small-grid", "large-grid"])
@@ -440,7 +572,7 @@ def test_chunk_outputs_indexed_fuses_the_state_and_output_kernels(K, dtype):
     tol = 1e-4 if dtype == torch.float32 and DEV == "cpu" else 3e-2
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
     # (128, 8, 2) needs more shared memory than the H200 has for float32 tiles
-    for config in ((32, 4, 2), (32, 2, 2)) + (((128, 8, 2),) if dtype == torch.bfloat16 else ()):
+    for config in ((32, 4, 2), (32, 2, 2), (16, 2, 2)) + (((128, 8, 2),) if dtype == torch.bfloat16 else ()):
         assert torch.equal(chunk_outputs_indexed(*on(q, k, w, u, decay, bank, index), scale, config=config).cpu(),
                            got), config
 
