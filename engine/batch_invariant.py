@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.triton_kernels import await_previous_kernel, pdl_launch
+
 
 @triton.jit
 def _tile(M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
@@ -38,8 +40,9 @@ def _tile(M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
 
 @triton.jit(do_not_specialize=["M"])
 def _matmul_kernel(X, W, Y, M, N, K: tl.constexpr, sx, sw, sy, BM: tl.constexpr, BN: tl.constexpr,
-                   BK: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr):
+                   BK: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr = False):
     # Y[M, N] = X[M, K] @ W[N, K]^T, one BM x BN tile a program, the whole of K in BK steps
+    await_previous_kernel(PDL)
     rm, rn = _tile(M, N, BM, BN, GROUP_M)
     rk = tl.arange(0, BK)
     x_ptr = X + rm[:, None].to(tl.int64) * sx + rk[None, :]
@@ -101,7 +104,8 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, config: Config | None = None) 
     if M:
         grid = (triton.cdiv(M, BM) * triton.cdiv(N, BN),)
         _matmul_kernel[grid](x2, weight, y, M, N, K, x2.stride(0), weight.stride(0), y.stride(0), BM=BM, BN=BN,
-                             BK=BK, GROUP_M=8, PRECISION=_precision(x.dtype), num_warps=warps, num_stages=stages)
+                             BK=BK, GROUP_M=8, PRECISION=_precision(x.dtype), num_warps=warps, num_stages=stages,
+                             **pdl_launch())
     return y.view(*x.shape[:-1], N)
 
 
@@ -113,8 +117,10 @@ def _precision(dtype: torch.dtype) -> str:
 @triton.jit(do_not_specialize=["M", "N_CTX", "H", "G"])
 def _attention_kernel(Q, K, V, O, LSE, LENS, KV_IDX, M, N_CTX, H, G, sq_z, sq_h, sq_m, sk_z, sk_h, sk_n, sv_z, sv_h,
                       sv_n, so_z, so_h, so_m, sl_z, sl_h, scale, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                      CAUSAL: tl.constexpr, HAS_LENS: tl.constexpr, HAS_IDX: tl.constexpr, PRECISION: tl.constexpr):
+                      CAUSAL: tl.constexpr, HAS_LENS: tl.constexpr, HAS_IDX: tl.constexpr, PRECISION: tl.constexpr,
+                      PDL: tl.constexpr = False):
     # one program: BM query rows of one (batch, query head); keys of kv head h // G, BN at a time from the first
+    await_previous_kernel(PDL)
     start_m = tl.program_id(0) * BM
     zh = tl.program_id(1)
     z = zh // H
@@ -188,7 +194,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, s
                             *v.stride()[:3], *out.stride()[:3], *lse.stride()[:2], scale, D=D, BM=block_m,
                             BN=block_n, CAUSAL=causal, HAS_LENS=key_lengths is not None,
                             HAS_IDX=kv_index is not None, PRECISION=_precision(q.dtype), num_warps=warps,
-                            num_stages=stages)
+                            num_stages=stages, **pdl_launch())
     return out, lse
 
 

@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.triton_kernels import await_previous_kernel, pdl_launch
+
 try:   # fla's softplus: inline PTX on NVIDIA GPUs, so that the decay has the bits of fla's own gate kernel
     from fla.ops.utils.softplus import softplus as _softplus
 except ImportError:
@@ -36,8 +38,10 @@ DECAY_WARPS = 1
 
 
 @triton.jit(do_not_specialize=["T"])
-def _decay_and_beta_kernel(a, b, A_log, dt_bias, g, beta, T, scale, H: tl.constexpr, BT: tl.constexpr):
+def _decay_and_beta_kernel(a, b, A_log, dt_bias, g, beta, T, scale, H: tl.constexpr, BT: tl.constexpr,
+                           PDL: tl.constexpr = False):
     # one program: one chunk of one row's head; fla's `gdn_gate_chunk_cumsum_scalar_kernel` plus the sigmoid
+    await_previous_kernel(PDL)
     i_t, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     i_b, i_h = i_bh // H, i_bh % H
     o_t = i_t * BT + tl.arange(0, BT)
@@ -61,13 +65,14 @@ def decay_and_beta(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bia
     g, beta = (torch.empty(B, T, H, dtype=torch.float32, device=a.device) for _ in range(2))
     if B * T:
         _decay_and_beta_kernel[(triton.cdiv(T, chunk), B * H)](a, b, A_log, dt_bias, g, beta, T, scale, H=H, BT=chunk,
-                                                               num_warps=DECAY_WARPS)
+                                                               num_warps=DECAY_WARPS, **pdl_launch())
     return g, beta
 
 
 @triton.jit(do_not_specialize=["T"])
 def _w_u_kernel(k, v, beta, w, u, A, g, T, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+                BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PDL: tl.constexpr = False):
+    await_previous_kernel(PDL)
     i_t, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     i_b, i_h = i_bh // HV, i_bh % HV
     bos = i_b * T
@@ -111,7 +116,7 @@ def w_u_into(w: torch.Tensor, u: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     HV, V = v.shape[2], v.shape[3]
     if B * T:
         _w_u_kernel[(triton.cdiv(T, chunk), B * HV)](k, v, beta, w, u, A, g, T, H=H, HV=HV, K=K, V=V, BT=chunk, BK=64,
-                                                     BV=64, num_warps=launch[0], num_stages=launch[1])
+                                                     BV=64, num_warps=launch[0], num_stages=launch[1], **pdl_launch())
 
 
 @triton.jit
@@ -145,10 +150,11 @@ def _store_block(A, b, row0, col0, m_r, HV: tl.constexpr, BT: tl.constexpr):
 
 @triton.jit(do_not_specialize=["T"])
 def _solve_kernel(k, g, beta, A, T, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
-                  BC: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr):
+                  BC: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr = False):
     # fla's `chunk_gated_delta_rule_fwd_kkt_solve_kernel` (equal-length rows, a decay) with its four forward
     # substitutions, one per diagonal block, run as one loop: the four chains are independent, so each step's
     # reductions overlap instead of running 4 x 14 steps one after another (what a chunk's solve waits on at batch 1)
+    await_previous_kernel(PDL)
     i_t, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     i_b, i_h = i_bh // HV, i_bh % HV
     bos = i_b * T
@@ -272,4 +278,5 @@ def solve_into(A: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: torch.Te
     HV = beta.shape[2]
     if B * T:
         _solve_kernel[(triton.cdiv(T, chunk), B * HV)](k, g, beta, A, T, H=H, HV=HV, K=K, BT=chunk, BC=16,
-                                                       BK=launch[0], PRECISION=SOLVE_PRECISION, num_warps=launch[1])
+                                                       BK=launch[0], PRECISION=SOLVE_PRECISION, num_warps=launch[1],
+                                                       **pdl_launch())

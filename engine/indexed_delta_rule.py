@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.triton_kernels import await_previous_kernel, pdl_launch
+
 CHUNK = 64
 """Tokens per chunk, fla's default for the Gated Delta Rule."""
 
@@ -75,10 +77,12 @@ def _initial_state(h0, h0_index, i_n, i_h, HV: tl.constexpr, K: tl.constexpr, V:
 
 @triton.jit(do_not_specialize=["T"])
 def _fwd_h_indexed_kernel(k, v, w, v_new, g, h, h0, h0_index, T, NT: tl.constexpr, H: tl.constexpr, HV: tl.constexpr,
-                          K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr):
+                          K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
+                          PDL: tl.constexpr = False):
     # one program: BV value columns of one (row, value head)'s state, carried through the row's chunks in order. The
     # chunk count is a constant (fla's is not): one compile per length bucket's count, and Triton's interpreter, which
     # cannot loop to a run-time bound, runs it
+    await_previous_kernel(PDL)
     i_n, i_h, o_v, m_v = _program(HV, V, BV)
     bos, k, v, w = _row_heads(k, v, w, i_n, i_h, T, H, HV, K, V)
     h += (i_n * NT * HV + i_h) * K * V
@@ -138,11 +142,13 @@ FUSED_FILL_PROGRAMS = 64
 
 @triton.jit(do_not_specialize=["T"])
 def _fwd_h_o_indexed_kernel(q, k, v, w, g, o, h0, h0_index, scale, T, NT: tl.constexpr, H: tl.constexpr,
-                            HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr):
+                            HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
+                            PDL: tl.constexpr = False):
     # `_fwd_h_indexed_kernel` with fla's output kernel (`chunk_fwd_kernel_o`) computed in the same pass: the state
     # entering each chunk and the chunk's new values stay in registers instead of going through memory (at batch 128,
     # 200 MB of states and 100 MB of values a layer, written once and read back). Each program recomputes its chunk's
     # q k^T, which fla's output kernel computes once per value block too.
+    await_previous_kernel(PDL)
     i_n, i_h, o_v, m_v = _program(HV, V, BV)
     bos, k, v, w = _row_heads(k, v, w, i_n, i_h, T, H, HV, K, V)
     q += (bos * H + i_h // (HV // H)) * K
@@ -213,7 +219,8 @@ def chunk_outputs_indexed(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: 
     if B:
         _fwd_h_o_indexed_kernel[(triton.cdiv(V, BV) * B * HV,)](q, k, u, w, g, o, bank, index, scale, T,
                                                                 NT=triton.cdiv(T, CHUNK), H=H, HV=HV, K=K, V=V,
-                                                                BT=CHUNK, BV=BV, num_warps=warps, num_stages=stages)
+                                                                BT=CHUNK, BV=BV, num_warps=warps, num_stages=stages,
+                                                                **pdl_launch())
     return o
 
 
@@ -242,5 +249,5 @@ def chunk_states_indexed(k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, g: t
     if B:
         _fwd_h_indexed_kernel[(triton.cdiv(V, BV) * B * HV,)](k, u, w, v_new, g, h, bank, index, T, NT=NT, H=H, HV=HV,
                                                               K=K, V=V, BT=CHUNK, BV=BV, num_warps=warps,
-                                                              num_stages=stages)
+                                                              num_stages=stages, **pdl_launch())
     return h, v_new

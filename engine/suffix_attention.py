@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.triton_kernels import await_previous_kernel, pdl_launch
+
 CONFIG = (128, 64, 8, 2)
 """(query rows, keys, warps, stages) of a launch with enough programs to fill the GPU. Read at each call, so
 `bench/variant_ab.py` can time others in one process. On the H200 at 128 rows of 184 tokens after a 400-token prefix
@@ -43,7 +45,9 @@ def _suffix_attention_kernel(Q, K, V, KP, VP, PLENS, SLOTS, GATE, Y, T,
                              sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,
                              skp_s, skp_h, skp_n, svp_s, svp_h, svp_n, g_token, g_head, scale,
                              G: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                             PRECISION: tl.constexpr, KEY_CAP: tl.constexpr, T_CAP: tl.constexpr):
+                             PRECISION: tl.constexpr, KEY_CAP: tl.constexpr, T_CAP: tl.constexpr,
+                             PDL: tl.constexpr = False):
+    await_previous_kernel(PDL)
     b = tl.program_id(2).to(tl.int64)
     kvh = tl.program_id(1)
     m = tl.program_id(0) * BM + tl.arange(0, BM)
@@ -129,5 +133,5 @@ def suffix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bank_k: 
         *k.stride()[:3], *v.stride()[:3], *bank_k.stride()[:3], *bank_v.stride()[:3], gate.stride(1),
         gate.stride(2), scale, G=G, D=D, BM=BM, BN=BN, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         KEY_CAP=bank_k.shape[2] if _INTERPRETED else 0, T_CAP=T if _INTERPRETED else 0, num_warps=warps,
-        num_stages=stages)
+        num_stages=stages, **pdl_launch())
     return out

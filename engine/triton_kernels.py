@@ -30,6 +30,29 @@ import triton
 import triton.language as tl
 
 RMS, GATED = 0, 1
+
+PDL = False
+"""Programmatic dependent launch (Hopper and later) for the Triton kernels of a scoring step: a kernel may start while
+the one before it finishes, each of its programs waiting first (`griddepcontrol.wait`) until that kernel's writes are
+visible, then letting the next kernel launch. It would hide part of the gap between kernels: at batch 1 a step's
+~380 kernels take 2.02 ms on the H200 and its graph replays in 2.29 (run AN). Off: no GPU run has timed it yet, nor
+checked that CUDA graphs capture it. Read when a kernel is launched, so a CUDA graph keeps the setting it was captured
+under (`bench/variant_ab.py --variant "pdl:engine.triton_kernels.PDL=True"` times it)."""
+
+
+def pdl_launch() -> dict:
+    """The launch arguments that turn on `PDL` for a kernel taking `PDL: tl.constexpr = False` and calling
+    `await_previous_kernel(PDL)` first: none while it is off, so the kernels compile as they would without it."""
+    return {"PDL": True, "launch_pdl": True} if PDL else {}
+
+
+@triton.jit
+def await_previous_kernel(PDL: tl.constexpr):
+    # before the program's first load or store: under PDL the kernel ahead may still be writing this kernel's inputs,
+    # or reading what it is about to overwrite
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
 CONV_CONFIG = (8, 2)
 """`conv_qkv`'s launch: (tokens per program, warps); one program takes one head's channels. Read at each call, so
 `bench/variant_ab.py` can time others in one process. (8, 2) was the fastest of 20 configurations on the H200 for
@@ -55,7 +78,8 @@ _BLOCK_ELEMENTS = 4096          # elements per program: 4 rows of 1024, 32 rows 
 @triton.jit(do_not_specialize=["n_rows", "heads"])
 def _row_norm_kernel(X, G, W, Y, R, n_rows, heads, x_outer, x_inner, g_outer, g_inner, eps,
                      D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr, KIND: tl.constexpr,
-                     ADD_RESIDUAL: tl.constexpr):
+                     ADD_RESIDUAL: tl.constexpr, PDL: tl.constexpr = False):
+    await_previous_kernel(PDL)
     rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
     cols = tl.arange(0, BD)
     in_cols = cols < D
@@ -121,7 +145,7 @@ def row_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, kind: int = RMS,
     _row_norm_kernel[(triton.cdiv(n_rows, BR),)](
         rows, g, weight, out, residual if residual is not None else out, n_rows, heads,
         rows.stride(0), rows.stride(1), g.stride(0), g.stride(1), eps, D=D, BD=BD, BR=BR, KIND=kind,
-        ADD_RESIDUAL=residual is not None, num_warps=4)
+        ADD_RESIDUAL=residual is not None, num_warps=4, **pdl_launch())
     return out
 
 
@@ -132,7 +156,9 @@ def add_rms_norm(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, 
 
 @triton.jit(do_not_specialize=["n_rows", "heads", "T"])
 def _rms_norm_rope_kernel(X, W, COS, SIN, Y, n_rows, heads, T, x_outer, x_inner, c_batch, c_time, eps,
-                          D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr, ROT: tl.constexpr):
+                          D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr, ROT: tl.constexpr,
+                          PDL: tl.constexpr = False):
+    await_previous_kernel(PDL)
     rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
     cols = tl.arange(0, BD)
     in_cols = cols < D
@@ -180,14 +206,16 @@ def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin:
     BD, BR = _blocks(D)
     _rms_norm_rope_kernel[(triton.cdiv(n_rows, BR),)](
         rows, weight, cos, sin, out, n_rows, H, T, rows.stride(0), rows.stride(1), cos.stride(0), cos.stride(1), eps,
-        D=D, BD=BD, BR=BR, ROT=cos.shape[-1], num_warps=4)
+        D=D, BD=BD, BR=BR, ROT=cos.shape[-1], num_warps=4, **pdl_launch())
     return out
 
 
 @triton.jit(do_not_specialize=["n_rows", "T", "Hq", "G", "P", "l_b", "l_h", "l_t", "m_p", "m_h", "m_m"])
 def _gate_attention_kernel(O, LSE, OP, LSEP, GATE, Y, n_rows, T, Hq, G, P, s_b, s_h, s_t, l_b, l_h, l_t,
                            p_p, p_h, p_m, m_p, m_h, m_m, g_outer, g_inner,
-                           D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr, MERGE: tl.constexpr):
+                           D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr, MERGE: tl.constexpr,
+                           PDL: tl.constexpr = False):
+    await_previous_kernel(PDL)
     rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)       # output rows (b, t, h): [B, T, Hq] order
     cols = tl.arange(0, BD)
     row_ok = rows < n_rows
@@ -231,7 +259,7 @@ def gate_attention(a, gate: torch.Tensor) -> torch.Tensor:
         o, lse, op, lsep, rows_gate, out, n_rows, T, Hq, G, a.P, o.stride(0), o.stride(1), o.stride(2),
         lse.stride(0), lse.stride(1), lse.stride(2), op.stride(0), op.stride(1), op.stride(2),
         lsep.stride(0), lsep.stride(1), lsep.stride(2), rows_gate.stride(0), rows_gate.stride(1),
-        D=D, BD=BD, BR=BR, MERGE=merge, num_warps=4)
+        D=D, BD=BD, BR=BR, MERGE=merge, num_warps=4, **pdl_launch())
     return out
 
 
@@ -239,8 +267,9 @@ def gate_attention(a, gate: torch.Tensor) -> torch.Tensor:
 def _conv_qkv_kernel(X, W, PREV, PREV_INDEX, GATES, Q, K, V, BETA, ALPHA, T, x_b, x_t, w_c, w_k, p_b, p_c, p_k,
                      g_b, g_t, eps, HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                      KW: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, NG: tl.constexpr, BG: tl.constexpr,
-                     HAS_PREV: tl.constexpr, HAS_INDEX: tl.constexpr):
+                     HAS_PREV: tl.constexpr, HAS_INDEX: tl.constexpr, PDL: tl.constexpr = False):
     # one program: BT tokens of one row (b) x one head's channels (seg: q heads, then k heads, then v heads)
+    await_previous_kernel(PDL)
     seg = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
     t = tl.program_id(0) * BT + tl.arange(0, BT)
@@ -331,12 +360,13 @@ def conv_qkv(x: torch.Tensor, weight: torch.Tensor, prev: torch.Tensor | None, k
         x, weight, state, index, gates, q, k, v, beta, alpha, T, x.stride(0), x.stride(1), weight.stride(0),
         weight.stride(1), *state_strides, gates.stride(0), gates.stride(1), eps, HK=HK, HV=HV, DK=head_k_dim,
         DV=head_v_dim, KW=KW, BT=BT, BD=BD, NG=NG, BG=triton.next_power_of_2(2 * NG), HAS_PREV=prev is not None,
-        HAS_INDEX=prev_index is not None, num_warps=warps)
+        HAS_INDEX=prev_index is not None, num_warps=warps, **pdl_launch())
     return q, k, v, beta, alpha
 
 
 @triton.jit(do_not_specialize=["n_rows"])
-def _swiglu_kernel(G, U, Y, n_rows, g_row, u_row, D: tl.constexpr, BLOCK: tl.constexpr):
+def _swiglu_kernel(G, U, Y, n_rows, g_row, u_row, D: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    await_previous_kernel(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < D
@@ -360,5 +390,5 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         g, u = g.contiguous(), u.contiguous()
     block = min(1024, triton.next_power_of_2(D))
     _swiglu_kernel[(n_rows, triton.cdiv(D, block))](g, u, out, n_rows, g.stride(0), u.stride(0), D=D, BLOCK=block,
-                                                     num_warps=4)
+                                                     num_warps=4, **pdl_launch())
     return out

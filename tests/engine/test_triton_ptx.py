@@ -20,7 +20,7 @@ from engine import triton_kernels as tk  # noqa: E402
 pytestmark = pytest.mark.gpu
 
 
-def _ptx(kernel, signature: dict, constants: dict, runtime_ints: dict, num_warps: int = 4) -> str:
+def _ptx(kernel, signature: dict, constants: dict, runtime_ints: dict, num_warps: int = 4, pdl: bool = False) -> str:
     """PTX of `kernel` specialised as a launch with these ints would be: multiples of 16 marked divisible (Triton's
     rule for arguments not in `do_not_specialize`), pointers 16-byte aligned (torch's allocations are)."""
     names = list(signature)
@@ -29,7 +29,8 @@ def _ptx(kernel, signature: dict, constants: dict, runtime_ints: dict, num_warps
     aligned += [n for n, v in runtime_ints.items() if v % 16 == 0 and n not in unspecialised]
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
     src = ASTSource(kernel, signature, constexprs={(names.index(k),): v for k, v in constants.items()}, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}).asm["ptx"]
+    options = {"num_warps": num_warps, "launch_pdl": pdl}
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
 
 
 def _scalar_bf16_loads(ptx: str) -> int:
@@ -109,3 +110,36 @@ def test_suffix_attention_kernel_loads_queries_keys_values_and_gate_in_16_byte_v
     ptx = _ptx(sa._suffix_attention_kernel, sig, dict(G=4, D=256, BM=BM, BN=BN, PRECISION="tf32", KEY_CAP=0, T_CAP=0),
                ints, num_warps=warps)
     assert _scalar_bf16_loads(ptx) == 0 and "ld.global.v4.b32" in ptx
+
+
+def _waits_before_touching_memory(ptx: str) -> bool:
+    """Whether the kernel's first global load or store comes after `griddepcontrol.wait` (and it lets the next kernel
+    launch): under programmatic dependent launch, the kernel ahead may still be writing this one's inputs."""
+    body = ptx[ptx.index(".entry"):]
+    wait = body.find("griddepcontrol.wait")
+    first_access = min((i for i in (body.find("ld.global"), body.find("st.global")) if i >= 0), default=len(body))
+    return 0 <= wait < first_access and "griddepcontrol.launch_dependents" in body
+
+
+def test_kernels_under_pdl_wait_for_the_kernel_ahead_before_touching_memory():
+    """`engine.triton_kernels.PDL`: each kernel family of a scoring step, compiled as launched with it on, waits at
+    its start; with it off (the default) no `griddepcontrol` instruction is compiled in."""
+    from engine import delta_rule_inputs as dri
+    from engine import indexed_delta_rule as idr
+
+    swiglu = ({"G": "*bf16", "U": "*bf16", "Y": "*bf16", "n_rows": "i32", "g_row": "i32", "u_row": "i32",
+               "D": "constexpr", "BLOCK": "constexpr", "PDL": "constexpr"},
+              dict(D=3584, BLOCK=1024), _ints(["n_rows", "g_row", "u_row"], n_rows=5888, g_row=7168, u_row=7168))
+    solve = ({"k": "*bf16", "g": "*fp32", "beta": "*fp32", "A": "*bf16", "T": "i32",
+              **{n: "constexpr" for n in ("H", "HV", "K", "BT", "BC", "BK", "PRECISION", "PDL")}},
+             dict(H=16, HV=16, K=128, BT=64, BC=16, BK=64, PRECISION="tf32"), {"T": 184})
+    fused = ({**{n: "*bf16" for n in ("q", "k", "v", "w")}, "g": "*fp32", "o": "*bf16", "h0": "*fp32",
+              "h0_index": "*i64", "scale": "fp32", "T": "i32",
+              **{n: "constexpr" for n in ("NT", "H", "HV", "K", "V", "BT", "BV", "PDL")}},
+             dict(NT=3, H=16, HV=16, K=128, V=128, BT=64, BV=64), {"T": 184})
+    for kernel, (sig, constants, ints) in ((tk._swiglu_kernel, swiglu), (dri._solve_kernel, solve),
+                                           (idr._fwd_h_o_indexed_kernel, fused)):
+        on = _ptx(kernel, sig, {**constants, "PDL": True}, ints, pdl=True)
+        off = _ptx(kernel, sig, {**constants, "PDL": False}, ints)
+        assert _waits_before_touching_memory(on), kernel.fn.__name__
+        assert "griddepcontrol" not in off, kernel.fn.__name__
