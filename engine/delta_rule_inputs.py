@@ -132,6 +132,13 @@ def _kkt_scaled(b_A, b_gr, b_gc, m_r, m_c, b_br, DIAGONAL: tl.constexpr):
 
 
 @triton.jit
+def _key_rows(k, row0, m_r, o_k, m_k, row_stride: tl.constexpr):
+    # one 16-token block's keys, columns o_k (rows past the row's last token load as zeros)
+    o_i = tl.arange(0, m_r.shape[0])
+    return tl.load(k + (row0 + o_i)[:, None] * row_stride + o_k[None, :], mask=m_r[:, None] & m_k, other=0.0)
+
+
+@triton.jit
 def _substitute_row(i, b_A, b_Ai):
     # one step of fla's forward substitution on a diagonal block: row i of (I + A)^-1 - I from the rows above it
     o_i = tl.arange(0, b_A.shape[0])
@@ -193,21 +200,19 @@ def _solve_kernel(k, g, beta, A, T, H: tl.constexpr, HV: tl.constexpr, K: tl.con
     for i_k in range(tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
         m_k = (o_k < K)[None, :]
-        b_k0 = tl.load(k + (i_tc0 + o_i)[:, None] * (H * K) + o_k[None, :], mask=m_tc0[:, None] & m_k, other=0.0)
+        b_k0 = _key_rows(k, i_tc0, m_tc0, o_k, m_k, H * K)
         b_A00 = tl.dot(b_k0, tl.trans(b_k0), b_A00)
         if i_tc1 < T:
-            b_k1 = tl.load(k + (i_tc1 + o_i)[:, None] * (H * K) + o_k[None, :], mask=m_tc1[:, None] & m_k, other=0.0)
+            b_k1 = _key_rows(k, i_tc1, m_tc1, o_k, m_k, H * K)
             b_A11 = tl.dot(b_k1, tl.trans(b_k1), b_A11)
             b_A10 = tl.dot(b_k1, tl.trans(b_k0), b_A10)
             if i_tc2 < T:
-                b_k2 = tl.load(k + (i_tc2 + o_i)[:, None] * (H * K) + o_k[None, :], mask=m_tc2[:, None] & m_k,
-                               other=0.0)
+                b_k2 = _key_rows(k, i_tc2, m_tc2, o_k, m_k, H * K)
                 b_A22 = tl.dot(b_k2, tl.trans(b_k2), b_A22)
                 b_A20 = tl.dot(b_k2, tl.trans(b_k0), b_A20)
                 b_A21 = tl.dot(b_k2, tl.trans(b_k1), b_A21)
                 if i_tc3 < T:
-                    b_k3 = tl.load(k + (i_tc3 + o_i)[:, None] * (H * K) + o_k[None, :], mask=m_tc3[:, None] & m_k,
-                                   other=0.0)
+                    b_k3 = _key_rows(k, i_tc3, m_tc3, o_k, m_k, H * K)
                     b_A33 = tl.dot(b_k3, tl.trans(b_k3), b_A33)
                     b_A30 = tl.dot(b_k3, tl.trans(b_k0), b_A30)
                     b_A31 = tl.dot(b_k3, tl.trans(b_k1), b_A31)
