@@ -53,6 +53,8 @@ def await_previous_kernel(PDL: tl.constexpr):
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+
+
 CONV_CONFIG = (8, 2)
 """`conv_qkv`'s launch: (tokens per program, warps); one program takes one head's channels. Read at each call, so
 `bench/variant_ab.py` can time others in one process. (8, 2) was the fastest of 20 configurations on the H200 for
