@@ -140,6 +140,11 @@ def budget_plan_errors(events: list[dict], budget_ms: float, since: float = 0.0)
 _SEGMENTS = (("to_close_ms", None, "closed_ms"), ("close_to_launch_ms", "closed_ms", "launched_ms"),
              ("launch_to_scored_ms", "launched_ms", "scored_ms"), ("scored_to_visible_ms", "scored_ms",
                                                                     "arrival_to_visible_ms"))
+# close to launch in three, where the events carry the GPU thread's times (workers since 2026-12-01): the schema
+# catch-up and the wait for the GPU thread; the wait for the tokenizers; the batch's inputs built and queued
+_LAUNCH_SEGMENTS = (("close_to_taken_ms", "closed_ms", "taken_ms"),
+                    ("taken_to_gathered_ms", "taken_ms", "gathered_ms"),
+                    ("gathered_to_launch_ms", "gathered_ms", "launched_ms"))
 
 
 def cycle_timelines(events: list[dict], budget_ms: float, since: float = 0.0) -> dict:
@@ -147,7 +152,8 @@ def cycle_timelines(events: list[dict], budget_ms: float, since: float = 0.0) ->
     of each segment (arrival to close; close to the batch queued on the device, which covers the schema catch-up and
     the launch; launch to scores ready, which covers the wait behind the batch ahead; scores to visible, which covers
     the records and the transaction) over all cycles and over those visible later than ``budget_ms``, from the
-    ``committed`` events' ``closed_ms``, ``launched_ms`` and ``scored_ms``."""
+    ``committed`` events' ``closed_ms``, ``launched_ms`` and ``scored_ms``; close to launch split further where every
+    cycle's event has ``taken_ms`` and ``gathered_ms``."""
     cycles = [e for e in _commits(events) if e["t"] >= since
               and all(e.get(k) is not None for k in ("closed_ms", "launched_ms", "scored_ms", "arrival_to_visible_ms"))]
 
@@ -155,7 +161,8 @@ def cycle_timelines(events: list[dict], budget_ms: float, since: float = 0.0) ->
         if not group:
             return {"cycles": 0}
         out: dict = {"cycles": len(group)}
-        for name, start, end in _SEGMENTS:
+        split = all(e.get("taken_ms") is not None and e.get("gathered_ms") is not None for e in group)
+        for name, start, end in _SEGMENTS + (_LAUNCH_SEGMENTS if split else ()):
             spans = sorted(e[end] - (e[start] if start else 0.0) for e in group)
             out[name] = round(spans[(len(spans) - 1) // 2], 2)
         return out

@@ -44,13 +44,17 @@ from worker.records import SchemaKey, SourceRecord, Unscorable
 from worker.latency_budget import CycleBudget
 from worker.routing import Router
 from worker.schema_table import SchemaTable
-from worker.scorer import BatchJob, load_scorer
+from worker.scorer import BatchJob, LaunchTimes, load_scorer
 from worker.transactions import Transactions
 
 log = logging.getLogger(__name__)
 
 SLOW_STEP_S = 0.1
 """A blocking step of the loop that takes this long is logged as a warning: the states consumed meanwhile wait."""
+
+
+def _set_launch_times(inflight: "InFlight", times: LaunchTimes) -> None:
+    inflight.taken_at, inflight.gathered_at, inflight.launched_at = times.taken_at, times.gathered_at, times.launched_at
 
 
 @contextlib.contextmanager
@@ -75,7 +79,9 @@ class InFlight:
     future: Future
     closed_at: float  # when the loop decided to close the cycle
     planned_visible_at: float | None = None  # when the latency budget's plan expects it visible
-    launched_at: float | None = None  # when its batch was queued on the device (set on the GPU thread)
+    taken_at: float | None = None  # when the GPU thread took it (set on the GPU thread, as the next two)
+    gathered_at: float | None = None  # when the GPU thread had its tokenized states
+    launched_at: float | None = None  # when its batch was queued on the device
     scored_at: float | None = None  # when its scores were ready (set on the scoring thread)
 
 
@@ -288,7 +294,7 @@ class Worker:
         if jobs:  # one GPU batch, every schema's states together
             metrics.BATCH_SIZE.observe(sum(len(job.rows) for job in jobs))
         inflight = InFlight(cycle, keys, Future(), closed_at, self._budget.submitted(closed_at, cycle))
-        inflight.future = self._scorer.submit(jobs, on_launched=lambda at: setattr(inflight, "launched_at", at))
+        inflight.future = self._scorer.submit(jobs, on_launched=lambda times: _set_launch_times(inflight, times))
         inflight.future.add_done_callback(lambda _: setattr(inflight, "scored_at", monotonic()))
         self._inflight.append(inflight)
 
@@ -331,15 +337,17 @@ class Worker:
     @staticmethod
     def _latency_fields(inflight: InFlight, committed_at: float) -> dict[str, float | None]:
         """A committed cycle's first state's arrival-to-visible time, what the plan expected under a budget, and
-        where the time went: when, after that arrival, the cycle closed, its batch was queued on the device and its
-        scores were ready (None where it did not happen: a cycle of dead letters only is never launched)."""
+        where the time went: when, after that arrival, the cycle closed, the GPU thread took it and had its tokenized
+        states, its batch was queued on the device and its scores were ready (None where it did not happen: a cycle
+        of dead letters only is never launched)."""
         arrived_at = inflight.cycle.arrived_at
         if arrived_at is None:
             return {}
         since_arrival = lambda at: None if at is None else round((at - arrived_at) * 1000, 2)  # noqa: E731
         return {"arrival_to_visible_ms": since_arrival(committed_at),
                 "planned_visible_ms": since_arrival(inflight.planned_visible_at),
-                "closed_ms": since_arrival(inflight.closed_at), "launched_ms": since_arrival(inflight.launched_at),
+                "closed_ms": since_arrival(inflight.closed_at), "taken_ms": since_arrival(inflight.taken_at),
+                "gathered_ms": since_arrival(inflight.gathered_at), "launched_ms": since_arrival(inflight.launched_at),
                 "scored_ms": since_arrival(inflight.scored_at)}
 
     def _gpu_busy(self) -> bool:

@@ -94,6 +94,16 @@ def _warn_captured(requests: Sequence[tuple[Any, Any]], seconds: float) -> None:
                 seconds * 1000)
 
 
+@dataclass(frozen=True)
+class LaunchTimes:
+    """When the GPU thread took a cycle, had its tokenized states (the tokenizer pool may still have been on them)
+    and had its batch queued on the device, in ``time.monotonic()`` seconds."""
+
+    taken_at: float
+    gathered_at: float
+    launched_at: float
+
+
 @dataclass
 class _Launch:
     """A cycle's batch between the GPU thread, which launched it, and the collector, which reads it."""
@@ -229,15 +239,15 @@ class Scorer:
         """A future of the engine's tokenized row for ``text`` (runs on the tokenizer pool)."""
         return self._tokenizers.submit(lambda: self._se.tokenize(handle_future.result(), text))
 
-    def submit(self, jobs: Sequence[BatchJob], on_launched: Callable[[float], None] | None = None) -> Future:
+    def submit(self, jobs: Sequence[BatchJob], on_launched: Callable[["LaunchTimes"], None] | None = None) -> Future:
         """Score a cycle's batches, every schema's states in one mixed GPU batch (the engine reads each row's prefix by
         index): a future of, per job, one ``ScoredState`` per state.
 
         The GPU thread only launches the batch; the collector thread waits for it and reads the scores. So a cycle
         submitted while the one before it is still on the device is queued right behind it, and the device does not
         wait for the previous cycle's scores to be read, nor for the GPU thread to get the GIL back from the loop.
-        ``on_launched(t)`` is called (on the GPU thread) once the batch is queued on the device, ``t`` in
-        ``time.monotonic()`` seconds."""
+        ``on_launched(times)`` is called (on the GPU thread) once the batch is queued on the device, with when the
+        GPU thread took the cycle, had its tokenized states and had queued it (``LaunchTimes``)."""
         scored: Future = Future()
         if not jobs:  # a cycle of dead letters only: nothing to wait for behind the GPU's queue
             scored.set_result([])
@@ -245,11 +255,14 @@ class Scorer:
         self._gpu.submit(self._launch_jobs, list(jobs), scored, on_launched)
         return scored
 
-    def _launch_jobs(self, jobs: list[BatchJob], scored: Future, on_launched: Callable[[float], None] | None) -> None:
+    def _launch_jobs(self, jobs: list[BatchJob], scored: Future,
+                     on_launched: Callable[["LaunchTimes"], None] | None) -> None:
         """(GPU thread) Launch the jobs' ready states; hand the rest of the work to the collector."""
-        started = time.perf_counter()
+        started, taken_at = time.perf_counter(), time.monotonic()
         try:
-            launch = _Launch(*self._gather(jobs), time.perf_counter())
+            gathered = self._gather(jobs)
+            gathered_at = time.monotonic()
+            launch = _Launch(*gathered, time.perf_counter())
             requests = launch.requests()
             if requests:
                 captures = self._se.graph_stats()["captures"]
@@ -261,7 +274,7 @@ class Scorer:
                 if self._se.graph_stats()["captures"] > captures:
                     _warn_captured(requests, time.perf_counter() - started)
                 if on_launched is not None:
-                    on_launched(time.monotonic())
+                    on_launched(LaunchTimes(taken_at, gathered_at, time.monotonic()))
             self._collector.submit(self._collect, launch, scored)
         except BaseException as error:  # noqa: BLE001 - the loop must hear of it, not a thread's log
             scored.set_exception(error)

@@ -113,3 +113,16 @@ def test_cycle_timelines_split_each_cycles_time_to_visibility_and_single_out_the
     assert timelines["late"] == dict(cycles=2, to_close_ms=1.0, close_to_launch_ms=1.0, launch_to_scored_ms=17.0,
                                      scored_to_visible_ms=6.0)
     assert cycle_timelines(events, budget_ms=25, since=T0 + 20) == {"all": {"cycles": 0}, "late": {"cycles": 0}}
+
+
+def test_cycle_timelines_split_close_to_launch_where_the_events_say_when_the_gpu_thread_took_the_cycle():
+    # (closed, taken, gathered, launched, scored, visible) ms after each cycle's first arrival
+    cycles = [(2.0, 2.5, 2.7, 3.0, 10.0, 13.0), (4.0, 4.5, 5.5, 6.0, 14.0, 17.0)]
+    events = _log(*(_line(1.0 + k, "committed", scored=4, dead_letters={}, arrival_to_visible_ms=visible,
+                          closed_ms=closed, taken_ms=taken, gathered_ms=gathered, launched_ms=launched,
+                          scored_ms=scored)
+                    for k, (closed, taken, gathered, launched, scored, visible) in enumerate(cycles)))
+    timelines = cycle_timelines(events, budget_ms=25, since=T0)
+    assert timelines["all"] == dict(cycles=2, to_close_ms=2.0, close_to_launch_ms=1.0, launch_to_scored_ms=7.0,
+                                    scored_to_visible_ms=3.0, close_to_taken_ms=0.5, taken_to_gathered_ms=0.2,
+                                    gathered_to_launch_ms=0.3)
