@@ -331,7 +331,8 @@ class Worker:
                   partition_names(cycle.offsets(), with_offsets=True))
         self._emit("committed", {"scored": scored, "dead_letters": dead_letters,
                                  "samples": out.samples, "batches": {f"{k[0]} v{k[1]}": len(b.members) for k, b in cycle.batches.items()},
-                                 "commit_ms": commit_ms, "offsets": [(tp.partition, tp.offset) for tp in cycle.offsets()],
+                                 "commit_ms": commit_ms, "commit_steps_ms": self._txns.last_steps_ms,
+                                 "offsets": [(tp.partition, tp.offset) for tp in cycle.offsets()],
                                  **self._latency_fields(inflight, committed_at)})
 
     @staticmethod

@@ -100,6 +100,20 @@ class _Watchdog:
         os._exit(self.EXIT_CODE)
 
 
+class _StepClock:
+    """Milliseconds between laps: where a transaction's time went (a slow commit's step: a broker round trip, or this
+    thread waiting for the GIL between two client calls)."""
+
+    def __init__(self) -> None:
+        self._last = time.perf_counter()
+        self.ms: dict[str, float] = {}
+
+    def lap(self, step: str) -> None:
+        now = time.perf_counter()
+        self.ms[step] = round((now - self._last) * 1000, 3)
+        self._last = now
+
+
 class Transactions:
     """Runs one transaction at a time on a transactional producer, committing ``consumer``'s offsets with it."""
 
@@ -125,6 +139,8 @@ class Transactions:
         self._watchdog = _Watchdog(broker)
         self._generation = 0
         self._producer = self._new_producer()
+        # the last committed transaction's ms per step (offsets: begin and send_offsets; produce; flush; commit)
+        self.last_steps_ms: dict[str, float] = {}
 
     def _new_producer(self) -> Producer:
         self._generation += 1
@@ -153,6 +169,7 @@ class Transactions:
         self._broker.succeeded()
 
     def _commit_steps(self, records: Sequence[OutgoingRecord], offsets: Sequence[TopicPartition]) -> None:
+        steps = _StepClock()
         # 1. Begin: nothing produced from here on is visible until step 5 succeeds.
         self._call("begin_transaction", lambda _timeout: self._producer.begin_transaction())
         self._open = True
@@ -168,12 +185,15 @@ class Transactions:
                 "send_offsets_to_transaction",
                 lambda timeout: self._producer.send_offsets_to_transaction(list(offsets), metadata, timeout),
             )
+        steps.lap("offsets")
         # 3. Produce every output record and dead letter into the transaction.
         self._delivery_errors.clear()
         for record in records:
             self._produce(record)
+        steps.lap("produce")
         # 4. Flush, then check every delivery report: a lost record must not be committed around.
         remaining = self._flush()
+        steps.lap("flush")
         if self._fatal is not None:
             self._raise_classified("produce", self._fatal)
         if remaining:
@@ -185,6 +205,8 @@ class Transactions:
         # 5. Commit: records and offsets become visible together, or not at all.
         self._call("commit_transaction", self._producer.commit_transaction)
         self._open = False
+        steps.lap("commit")
+        self.last_steps_ms = steps.ms
 
     def abort(self) -> None:
         """Abort the open transaction, if any. The single abort path; safe to call twice."""

@@ -76,6 +76,9 @@ def test_commit_publishes_records_and_offsets_together(stream):
         txns.commit(_records(stream, 5, "ok"), [TopicPartition(stream.topics.states, 0, 17)])
         assert _read_keys(stream) == sorted(f"ok-{i}" for i in range(5))
         assert stream.committed_offsets()[0] == 17
+        # where the transaction's time went, for the committed event
+        assert list(txns.last_steps_ms) == ["offsets", "produce", "flush", "commit"]
+        assert all(ms >= 0 for ms in txns.last_steps_ms.values())
 
 
 def test_abort_leaves_nothing_visible_and_no_offsets(stream):
