@@ -8,9 +8,11 @@ are timed in turns, round after round. Timing two checkouts in two processes (`b
         --variant "conv-16:engine.triton_kernels.CONV_CONFIG=(16, 2)" \\
         --variant "fused-128:engine.indexed_delta_rule.FUSED_CONFIG=(128, 8, 2)"
 
-A variant is NAME:module.ATTR=python literal[;module.ATTR=literal...]; the variant "base" (the code as it is) always
-runs first. Prints per batch size each variant's median over rounds of its p50 step, and the largest difference of
-its probabilities from base's (0 where the change keeps the bits). --quick: the tiny model on the CPU, eager.
+A variant is NAME:module.ATTR=python literal[;module.ATTR=literal...]; the variant "base" is the code as it is. Each
+round starts at another variant: the first timing after a change of batch size runs slower. Prints per batch size
+each variant's median over rounds of its p50 step, and the largest difference of its probabilities from base's (0
+where the change keeps the bits). --deterministic: the workers' batch-invariant kernel table. --quick: the tiny model
+on the CPU, eager.
 """
 from __future__ import annotations
 
