@@ -117,7 +117,10 @@ def _wy_representation(k, v, g, beta):
     else:
         solve_into(A, k, g, beta, solve)
     w, u = k.new_empty(B, T, HV, K), torch.empty_like(v)
-    w_u_into(w, u, k, v, beta, A, g, w_u, lower_only=FUSED_INPUTS)
+    if FUSED_INPUTS:
+        delta_rule_inputs.w_u_into(w, u, k, v, beta, A, g, CHUNK, w_u)
+    else:
+        w_u_into(w, u, k, v, beta, A, g, w_u)
     return w, u
 
 
@@ -133,11 +136,8 @@ def solve_into(A: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: torch.Te
 
 
 def w_u_into(w: torch.Tensor, u: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, A: torch.Tensor,
-             g: torch.Tensor, launch: tuple[int, int], lower_only: bool = False) -> None:
-    """fla's w/u kernel into w [B, T, Hv, K] and u [B, T, Hv, V] at launch (warps, stages), from `solve_into`'s A;
-    lower_only: `engine.delta_rule_inputs.w_u_into`, which reads A's lower triangle only (A need not be zero-filled)."""
-    if lower_only:
-        return delta_rule_inputs.w_u_into(w, u, k, v, beta, A, g, CHUNK, launch)
+             g: torch.Tensor, launch: tuple[int, int]) -> None:
+    """fla's w/u kernel into w [B, T, Hv, K] and u [B, T, Hv, V] at launch (warps, stages), from `solve_into`'s A."""
     B, T, H, K = k.shape
     HV, V = v.shape[2], v.shape[3]
     recompute_w_u_fwd_kernel.fn.fn[(triton.cdiv(T, CHUNK), B * HV)](
