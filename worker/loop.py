@@ -28,7 +28,7 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import Future, wait
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 
 from confluent_kafka import KafkaException
 
@@ -53,10 +53,6 @@ SLOW_STEP_S = 0.1
 """A blocking step of the loop that takes this long is logged as a warning: the states consumed meanwhile wait."""
 
 
-def _set_launch_times(inflight: "InFlight", times: LaunchTimes) -> None:
-    inflight.taken_at, inflight.gathered_at, inflight.launched_at = times.taken_at, times.gathered_at, times.launched_at
-
-
 @contextlib.contextmanager
 def _blocking_step(step: str, warn: bool = True):
     """Time a step that blocks the loop into ``decider_loop_step_seconds``; warn when it took SLOW_STEP_S or more."""
@@ -79,9 +75,7 @@ class InFlight:
     future: Future
     closed_at: float  # when the loop decided to close the cycle
     planned_visible_at: float | None = None  # when the latency budget's plan expects it visible
-    taken_at: float | None = None  # when the GPU thread took it (set on the GPU thread, as the next two)
-    gathered_at: float | None = None  # when the GPU thread had its tokenized states
-    launched_at: float | None = None  # when its batch was queued on the device
+    launch: LaunchTimes | None = None  # when the GPU thread took it, had its states and queued its batch (set there)
     scored_at: float | None = None  # when its scores were ready (set on the scoring thread)
 
 
@@ -294,7 +288,7 @@ class Worker:
         if jobs:  # one GPU batch, every schema's states together
             metrics.BATCH_SIZE.observe(sum(len(job.rows) for job in jobs))
         inflight = InFlight(cycle, keys, Future(), closed_at, self._budget.submitted(closed_at, cycle))
-        inflight.future = self._scorer.submit(jobs, on_launched=lambda times: _set_launch_times(inflight, times))
+        inflight.future = self._scorer.submit(jobs, on_launched=lambda times: setattr(inflight, "launch", times))
         inflight.future.add_done_callback(lambda _: setattr(inflight, "scored_at", monotonic()))
         self._inflight.append(inflight)
 
@@ -324,7 +318,8 @@ class Worker:
         self._release_pins(cycle)
         self._assignment.on_committed(offsets)
         committed_at = monotonic()
-        self._budget.committed(cycle, inflight.closed_at, inflight.scored_at, committed_at, inflight.launched_at)
+        launched_at = inflight.launch.launched_at if inflight.launch else None
+        self._budget.committed(cycle, inflight.closed_at, inflight.scored_at, committed_at, launched_at)
         scored, dead_letters = sum(out.scored.values()), out.dead_letters_by_code()
         metrics.count_committed(committed_at - (cycle.arrived_at or committed_at), out.scored, dead_letters)
         log.debug("committed %d scored, %s dead letters, offsets %s", scored, dead_letters,
@@ -345,10 +340,11 @@ class Worker:
         if arrived_at is None:
             return {}
         since_arrival = lambda at: None if at is None else round((at - arrived_at) * 1000, 2)  # noqa: E731
+        taken, gathered, launched = astuple(inflight.launch) if inflight.launch else (None, None, None)
         return {"arrival_to_visible_ms": since_arrival(committed_at),
                 "planned_visible_ms": since_arrival(inflight.planned_visible_at),
-                "closed_ms": since_arrival(inflight.closed_at), "taken_ms": since_arrival(inflight.taken_at),
-                "gathered_ms": since_arrival(inflight.gathered_at), "launched_ms": since_arrival(inflight.launched_at),
+                "closed_ms": since_arrival(inflight.closed_at), "taken_ms": since_arrival(taken),
+                "gathered_ms": since_arrival(gathered), "launched_ms": since_arrival(launched),
                 "scored_ms": since_arrival(inflight.scored_at)}
 
     def _gpu_busy(self) -> bool:

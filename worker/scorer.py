@@ -239,7 +239,7 @@ class Scorer:
         """A future of the engine's tokenized row for ``text`` (runs on the tokenizer pool)."""
         return self._tokenizers.submit(lambda: self._se.tokenize(handle_future.result(), text))
 
-    def submit(self, jobs: Sequence[BatchJob], on_launched: Callable[["LaunchTimes"], None] | None = None) -> Future:
+    def submit(self, jobs: Sequence[BatchJob], on_launched: Callable[[LaunchTimes], None] | None = None) -> Future:
         """Score a cycle's batches, every schema's states in one mixed GPU batch (the engine reads each row's prefix by
         index): a future of, per job, one ``ScoredState`` per state.
 
@@ -256,7 +256,7 @@ class Scorer:
         return scored
 
     def _launch_jobs(self, jobs: list[BatchJob], scored: Future,
-                     on_launched: Callable[["LaunchTimes"], None] | None) -> None:
+                     on_launched: Callable[[LaunchTimes], None] | None) -> None:
         """(GPU thread) Launch the jobs' ready states; hand the rest of the work to the collector."""
         started, taken_at = time.perf_counter(), time.monotonic()
         try:
