@@ -4,7 +4,9 @@ One record's path, one direction: poll -> decode (``worker.records``) -> route t
 open cycle (``worker.batcher``; the schema is prepared and the state tokenized by ``worker.scorer``) -> score
 on the GPU thread -> one output record per state (``worker.outputs``) -> one transaction per cycle with the
 input offsets (``worker.transactions``). While cycle N is scored the loop keeps consuming and tokenizing cycle
-N+1; N+1 is submitted to the GPU before N commits, so the GPU is not idle during the commit. Where states come
+N+1; N+1 is submitted to the GPU before N commits, so the GPU is not idle during the commit. Once N's batch is on
+the device (and N-1 committed), N's transaction is begun and its offsets sent, so those broker round trips overlap
+the scoring; its records follow when the scores are ready. Where states come
 from and where committed positions go is the ``Assignment``'s (``worker.assignment``): the consumer group for
 ``decider worker``, a fixed range for ``decider replay``.
 
@@ -13,7 +15,8 @@ Failure rules:
 - the broker unreachable -> nothing commits; the transactional producer is replaced where librdkafka needs it
   (``worker.transactions``), and once the broker answers again the loop rewinds to the committed offsets and goes on;
   after --broker-outage-s without an answer -> ``BrokerOutageError`` (exit 5);
-- partitions revoked or lost -> drop all uncommitted work (never commit for partitions we may not own);
+- partitions revoked or lost -> drop all uncommitted work and abort a transaction opened for it (never commit for
+  partitions we may not own);
 - fenced (another process with this --worker-id) or fatal client error -> ``FatalError`` to the CLI;
 - stop requested (SIGTERM/SIGINT) -> score and commit the open cycle if it can close now, else drop it,
   then close the clients.
@@ -27,8 +30,8 @@ import math
 import threading
 import time
 from collections import deque
-from concurrent.futures import Future, wait
-from dataclasses import astuple, dataclass
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+from dataclasses import astuple, dataclass, field
 
 from confluent_kafka import KafkaException
 
@@ -76,7 +79,14 @@ class InFlight:
     closed_at: float  # when the loop decided to close the cycle
     planned_visible_at: float | None = None  # when the latency budget's plan expects it visible
     launch: LaunchTimes | None = None  # when the GPU thread took it, had its states and queued its batch (set there)
+    launched: Future = field(default_factory=Future)  # done once ``launch`` is set
     scored_at: float | None = None  # when its scores were ready (set on the scoring thread)
+    offsets: list | None = None  # what its transaction commits, once ``Transactions.open`` sent them ahead
+
+    def on_launched(self, times: LaunchTimes) -> None:
+        """(GPU thread) Its batch is queued on the device."""
+        self.launch = times
+        self.launched.set_result(None)
 
 
 class Worker:
@@ -166,6 +176,7 @@ class Worker:
         now = monotonic()
         if self._inflight and self._inflight[0].future.done():
             self._commit_oldest()
+        self._open_transaction()     # where the oldest cycle in flight is on the device now
         if self._should_close(now):
             self._close_cycle()
         if self._assignment.exhausted() and not len(self._cycle):
@@ -216,18 +227,20 @@ class Worker:
             message = self._consumer.poll(0)
 
     def _next_message(self, timeout: float):
-        """The next message, waiting up to ``timeout`` for one or, while a cycle is being scored, for its scores: a
-        consumer's poll cannot be woken by another thread, so the loop waits on the scores and takes the messages
-        fetched meanwhile when they are ready. The cycle is then committed at once rather than at the end of a poll
-        (a wait of up to its timeout, spent from every record's latency)."""
-        scoring = self._inflight[0].future if self._inflight else None
-        if scoring is None:
+        """The next message, waiting up to ``timeout`` for one or, while a cycle is being scored, for its scores (and
+        for its launch, when its transaction is to be opened then): a consumer's poll cannot be woken by another
+        thread, so the loop waits on the scores and takes the messages fetched meanwhile when they are ready. The
+        cycle is then committed at once rather than at the end of a poll (a wait of up to its timeout, spent from
+        every record's latency)."""
+        if not self._inflight:
             return self._consumer.poll(timeout)
-        if scoring.done() or timeout <= 0:
-            return self._consumer.poll(0)     # scored already: its commit is due now, not after a wait
+        oldest = self._inflight[0]
+        opened = self._txns.is_open_for(oldest.offsets)
+        if oldest.future.done() or timeout <= 0 or (oldest.launched.done() and not opened):
+            return self._consumer.poll(0)     # its commit, or the opening of its transaction, is due now
         message = self._consumer.poll(0)
         if message is None:
-            wait([scoring], timeout)
+            wait([oldest.future] if opened else [oldest.future, oldest.launched], timeout, return_when=FIRST_COMPLETED)
             message = self._consumer.poll(0)
         return message
 
@@ -288,7 +301,7 @@ class Worker:
         if jobs:  # one GPU batch, every schema's states together
             metrics.BATCH_SIZE.observe(sum(len(job.rows) for job in jobs))
         inflight = InFlight(cycle, keys, Future(), closed_at, self._budget.submitted(closed_at, cycle))
-        inflight.future = self._scorer.submit(jobs, on_launched=lambda times: setattr(inflight, "launch", times))
+        inflight.future = self._scorer.submit(jobs, on_launched=lambda times: inflight.on_launched(times))
         inflight.future.add_done_callback(lambda _: setattr(inflight, "scored_at", monotonic()))
         self._inflight.append(inflight)
 
@@ -303,15 +316,13 @@ class Worker:
             return  # dropped by a rebalance while we waited
         cycle = inflight.cycle
         out = self._outputs.of_cycle(cycle, dict(zip(inflight.keys, results)))
-        offsets = self._assignment.commit_offsets(cycle.offsets())
+        offsets = inflight.offsets or self._assignment.commit_offsets(cycle.offsets())
         started = time.perf_counter()
         try:
             with _blocking_step("commit"):
                 self._txns.commit(out.records, offsets)
         except AbortableError as exc:
-            metrics.TRANSACTIONS.labels("aborted").inc()
-            self._emit("aborted", {"error": str(exc)})
-            self._rewind()
+            self._aborted(exc)
             return
         commit_ms = (time.perf_counter() - started) * 1000
         self._inflight.popleft()
@@ -327,8 +338,33 @@ class Worker:
         self._emit("committed", {"scored": scored, "dead_letters": dead_letters,
                                  "samples": out.samples, "batches": {f"{k[0]} v{k[1]}": len(b.members) for k, b in cycle.batches.items()},
                                  "commit_ms": commit_ms, "commit_steps_ms": self._txns.last_steps_ms,
+                                 "opened_ahead": self._txns.last_opened_ahead,
                                  "offsets": [(tp.partition, tp.offset) for tp in cycle.offsets()],
                                  **self._latency_fields(inflight, committed_at)})
+        self._open_transaction()     # the next cycle's, while the GPU scores it
+
+    def _open_transaction(self) -> None:
+        """Begin the transaction of the oldest cycle in flight and send its offsets while the GPU scores it, so that
+        these round trips to the broker overlap the scoring. Only once its batch is on the device: a cycle still
+        queued behind a schema's preparation (graph captures: seconds) would hold a transaction open meanwhile."""
+        if not self._inflight or self._txns.is_open_for(self._inflight[0].offsets):
+            return
+        inflight = self._inflight[0]
+        if inflight.launch is None or inflight.future.done():
+            return  # not launched yet, or nothing to overlap any more (``_commit_oldest`` opens it itself)
+        offsets = self._assignment.commit_offsets(inflight.cycle.offsets())
+        try:
+            with _blocking_step("open_transaction"):
+                self._txns.open(offsets)
+        except AbortableError as exc:
+            self._aborted(exc)
+            return
+        inflight.offsets = offsets
+
+    def _aborted(self, exc: AbortableError) -> None:
+        metrics.TRANSACTIONS.labels("aborted").inc()
+        self._emit("aborted", {"error": str(exc)})
+        self._rewind()
 
     @staticmethod
     def _latency_fields(inflight: InFlight, committed_at: float) -> dict[str, float | None]:
@@ -360,6 +396,7 @@ class Worker:
 
     def _drop_uncommitted(self, why: str) -> None:
         dropped = len(self._cycle) + sum(len(f.cycle) for f in self._inflight)
+        self._txns.discard(why)  # a transaction opened ahead for dropped states must not commit their offsets
         for cycle in [self._cycle, *(f.cycle for f in self._inflight)]:
             self._release_pins(cycle)
         self._cycle, self._inflight = Cycle(), deque()

@@ -133,14 +133,18 @@ class Transactions:
         self._outage_s = outage_s
         self._broker = broker
         self._open = False
+        self._opened_for: Sequence[TopicPartition] | None = None  # the offsets `open` began the open transaction for
+        self._opening_ms = 0.0  # how long the open transaction's begin and send_offsets took
         self._in_doubt = False  # a request went unanswered: this producer must be replaced, not reused
         self._failing_since: float | None = None  # monotonic time of the first failure since the last commit
         self._delivery_errors: list[KafkaError] = []
         self._watchdog = _Watchdog(broker)
         self._generation = 0
         self._producer = self._new_producer()
-        # the last committed transaction's ms per step (offsets: begin and send_offsets; produce; flush; commit)
+        # the last committed transaction's ms per step (offsets: begin and send_offsets; produce; flush; commit) and
+        # whether `open` began it ahead of its records (then its offsets step overlapped the scoring)
         self.last_steps_ms: dict[str, float] = {}
+        self.last_opened_ahead = False
 
     def _new_producer(self) -> Producer:
         self._generation += 1
@@ -155,11 +159,38 @@ class Transactions:
         aborts whatever transaction it left open, so its partial output never becomes visible."""
         self._init_until_answered()
 
+    def open(self, offsets: Sequence[TopicPartition]) -> None:
+        """Begin a transaction and send ``offsets`` with it (steps 1 and 2 of a commit) ahead of its records: the
+        caller does it while the GPU scores them, so these broker round trips (the transaction and group
+        coordinators) overlap the scoring instead of following it. ``commit`` with the same list finishes it; the
+        caller must ``discard`` it if those offsets' states are dropped (partitions revoked) instead."""
+        if self._open:
+            raise RuntimeError("a transaction is already open")
+        self._guarded(lambda: self._open_steps(offsets))
+
+    def is_open_for(self, offsets: Sequence[TopicPartition]) -> bool:
+        """Whether ``open(offsets)`` (this very list) began the transaction open now."""
+        return self._open and self._opened_for is offsets
+
     def commit(self, records: Sequence[OutgoingRecord], offsets: Sequence[TopicPartition]) -> None:
-        """Publish ``records`` and commit ``offsets`` (next offset to read, per input partition) atomically."""
+        """Publish ``records`` and commit ``offsets`` (next offset to read, per input partition) atomically; the
+        transaction ``open(offsets)`` began, if it did."""
+        if self._open and self._opened_for is not offsets:
+            raise RuntimeError("the open transaction was begun for other offsets")
+        self._guarded(lambda: self._commit_steps(records, offsets))
+
+    def discard(self, why: str) -> None:
+        """Abort the transaction ``open`` began, if one is open: its offsets' states were dropped (``why``). Where the
+        abort fails the producer is replaced (which aborts it too); ``FencedError`` if another instance took over."""
+        if self._open:
+            log.info("aborting the open transaction: %s", why)
+            self._abort_or_replace(why)
+
+    def _guarded(self, steps: Callable[[], None]) -> None:
+        # an AbortableError leaves no transaction open: aborted here, or its producer replaced
         try:
             with self._broker.call("commit"):
-                self._commit_steps(records, offsets)
+                steps()
         except AbortableError as exc:
             if self._failing_since is None:
                 self._failing_since = time.monotonic()
@@ -168,11 +199,12 @@ class Transactions:
         self._failing_since = None
         self._broker.succeeded()
 
-    def _commit_steps(self, records: Sequence[OutgoingRecord], offsets: Sequence[TopicPartition]) -> None:
-        steps = _StepClock()
+    def _open_steps(self, offsets: Sequence[TopicPartition]) -> None:
+        started = time.perf_counter()
         # 1. Begin: nothing produced from here on is visible until step 5 succeeds.
         self._call("begin_transaction", lambda _timeout: self._producer.begin_transaction())
         self._open = True
+        self._opened_for = offsets
         # 2. Send the input offsets with the group metadata, so the group coordinator rejects them
         #    if this worker is no longer the group's owner of those partitions (zombie fencing).
         #    First, before any record: if this call hangs (seen on the embedded broker right after a
@@ -185,7 +217,13 @@ class Transactions:
                 "send_offsets_to_transaction",
                 lambda timeout: self._producer.send_offsets_to_transaction(list(offsets), metadata, timeout),
             )
-        steps.lap("offsets")
+        self._opening_ms = round((time.perf_counter() - started) * 1000, 3)
+
+    def _commit_steps(self, records: Sequence[OutgoingRecord], offsets: Sequence[TopicPartition]) -> None:
+        opened_ahead = self._open
+        if not opened_ahead:
+            self._open_steps(offsets)
+        steps = _StepClock()
         # 3. Produce every output record and dead letter into the transaction.
         self._delivery_errors.clear()
         for record in records:
@@ -205,14 +243,17 @@ class Transactions:
         # 5. Commit: records and offsets become visible together, or not at all.
         self._call("commit_transaction", self._producer.commit_transaction)
         self._open = False
+        self._opened_for = None
         steps.lap("commit")
-        self.last_steps_ms = steps.ms
+        self.last_steps_ms = {"offsets": self._opening_ms, **steps.ms}
+        self.last_opened_ahead = opened_ahead
 
     def abort(self) -> None:
         """Abort the open transaction, if any. The single abort path; safe to call twice."""
         if not self._open:
             return
         self._open = False
+        self._opened_for = None
         try:
             self._call("abort_transaction", self._producer.abort_transaction)
         except AbortableError as exc:
@@ -247,6 +288,7 @@ class Transactions:
                     "old one's requests and aborts its open transaction", why)
         old, self._producer = self._producer, self._new_producer()
         self._open = self._in_doubt = False
+        self._opened_for = None
         # Destroying a producer may wait for its requests in flight: let that happen off the loop's thread.
         threading.Thread(target=_retire, args=(old,), name="decider-producer-retire", daemon=True).start()
         del old

@@ -144,10 +144,14 @@ class Stream:
 
     # ---- workers ---------------------------------------------------------------------------------------------
     def start_worker(self, model_dir: Path, worker_id: str, *extra: str, env: dict[str, str] | None = None,
-                     fail_on: str | None = None) -> WorkerProcess:
-        """A worker on this stream; with ``fail_on``, states containing that text fail in the scoring step
-        (``tests.worker.faults``)."""
-        entry = ["-m", "worker"] if fail_on is None else ["-m", "tests.worker.faults", fail_on]
+                     fail_on: str | None = None, scores_late_s: float | None = None) -> WorkerProcess:
+        """A worker on this stream; with ``fail_on``, states containing that text fail in the scoring step; with
+        ``scores_late_s``, each batch's scores are ready that long after its launch (``tests.worker.faults``)."""
+        entry = ["-m", "worker"]
+        if fail_on is not None:
+            entry = ["-m", "tests.worker.faults", f"fail-on={fail_on}"]
+        elif scores_late_s is not None:
+            entry = ["-m", "tests.worker.faults", f"scores-late={scores_late_s}"]
         args = [sys.executable, *entry, "worker", "-b", self.bootstrap, "--model", str(model_dir),
                 "--worker-id", worker_id, "--group", self.group,
                 "--states-topic", self.topics.states, "--schemas-topic", self.topics.schemas,

@@ -1,15 +1,21 @@
-"""Fault injection from the test side: a ``SchemaEngine`` that fails on marked states, and a ``decider`` entry point
-that runs with it.
+"""Fault injection from the test side: a ``SchemaEngine`` that fails on marked states, or whose scores come late, and
+a ``decider`` entry point that runs with it.
 
 Nothing on CPU fails per state naturally, yet the worker's isolation path (a batch fails -> each state scored alone
--> only the bad one dead-lettered) must run end to end. ``python -m tests.worker.faults MARKER ARGS...`` runs
+-> only the bad one dead-lettered) must run end to end. ``python -m tests.worker.faults fail-on=MARKER ARGS...`` runs
 ``decider ARGS...`` with every state whose text contains MARKER failing inside the scoring step, as a device
 failure on one state would (an out-of-memory on one huge state).
+
+Nor does a CPU keep a launched batch busy: its forward runs inside the launch, so the scores are ready when the
+launch returns. ``python -m tests.worker.faults scores-late=SECONDS ARGS...`` hands each launched batch's scores over
+SECONDS later, as a GPU busy with a large batch would, so that what the loop does meanwhile (open the cycle's
+transaction, take a rebalance) runs end to end.
 """
 
 from __future__ import annotations
 
 import sys
+import time
 
 from engine import SchemaEngine
 from engine.schema_engine import TokenizedState
@@ -42,9 +48,34 @@ def failing_on(marker: str) -> type[SchemaEngine]:
     return FaultySchemaEngine
 
 
+class _LateScores:
+    """A launched batch's pending scores, handed over ``seconds`` after they are first asked for."""
+
+    def __init__(self, pending, seconds: float) -> None:
+        self._pending, self._seconds = pending, seconds
+
+    def result(self):
+        time.sleep(self._seconds)
+        return self._pending.result()
+
+
+def scores_late(seconds: float) -> type[SchemaEngine]:
+    """A ``SchemaEngine`` class whose launched batches' scores are ready ``seconds`` after the launch returns."""
+
+    class LateSchemaEngine(SchemaEngine):
+        def launch_mixed(self, requests):
+            return _LateScores(super().launch_mixed(requests), seconds)
+
+    return LateSchemaEngine
+
+
+FAULTS = {"fail-on": failing_on, "scores-late": lambda seconds: scores_late(float(seconds))}
+
+
 if __name__ == "__main__":
     import engine
     from worker.cli import main
 
-    engine.SchemaEngine = failing_on(sys.argv[1])  # the worker loads its engine through engine.SchemaEngine
+    kind, _, value = sys.argv[1].partition("=")
+    engine.SchemaEngine = FAULTS[kind](value)  # the worker loads its engine through engine.SchemaEngine
     main(sys.argv[2:])

@@ -44,6 +44,46 @@ def test_one_worker_stops_mid_stream_and_the_other_takes_its_partitions(stream_f
     assert second.stop() == 0, second.log()
 
 
+def test_a_rebalance_among_transactions_opened_ahead_scores_each_state_once(stream_factory, model_dir):
+    """A cycle's transaction is opened (its offsets sent) while the GPU scores it. A second worker joining revokes the
+    first one's partitions, often while such a transaction is open (then it is aborted: the abort itself is checked in
+    tests/worker/test_loop_steps.py, without the timing): every state is scored exactly once."""
+    stream = stream_factory(partitions=4)
+    stream.put_schema("tickets", QUESTIONS)
+    # each batch's scores half a second after its launch, and states arriving faster than that drains them: until the
+    # revoke the first worker is mostly waiting on a cycle, with its transaction open once the batch is launched
+    first = stream.start_worker(model_dir, "late-a", scores_late_s=0.5)
+    first.wait_for_log("assigned", timeout_s=90)
+    texts = iter(state_texts(2000, seed=11))
+    inputs: list[tuple[str, bytes]] = []
+
+    def feed(count: int) -> None:
+        chunk = [(f"r-{len(inputs) + i}", next(texts)) for i in range(count)]
+        chunk = [(state_id, encode_state(state_id, "tickets", text)) for state_id, text in chunk]
+        inputs.extend(chunk)
+        feed_states(stream, chunk, threading.Event(), chunk=count, pause_s=0.2)
+
+    while len(inputs) < 40:
+        feed(4)
+    second = stream.start_worker(model_dir, "late-b", scores_late_s=0.5)
+    deadline = time.monotonic() + 90
+    while "assigned" not in second.log() and time.monotonic() < deadline:
+        feed(4)
+    assert "assigned" in second.log(), second.log()
+    for _ in range(5):
+        feed(4)
+
+    probabilities, dead = stream.collect(len(inputs), timeout_s=120, settle_s=2.0)
+    assert dead == []
+    counts = Counter(r["state_id"] for r in probabilities)
+    assert not {k: v for k, v in counts.items() if v > 1}, "a state was scored twice"
+    assert set(counts) == {state_id for state_id, _ in inputs}
+    assert "opened_ahead=True" in first.log(), first.log()
+    assert stream.committed_offsets() == stream.end_offsets()
+    assert first.stop() == 0, first.log()
+    assert second.stop() == 0, second.log()
+
+
 def _wait_for_outputs(stream, at_least: int, timeout_s: float = 60.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
