@@ -41,7 +41,7 @@ CONSUMER_LAG = Gauge("decider_consumer_lag", "Offsets between the worker's read 
                      "offset (librdkafka statistics)", ["topic", "partition"])
 LOOP_STEP_SECONDS = Histogram(
     "decider_loop_step_seconds", "Steps that block the consume loop: the schema catch-up before a cycle closes, the "
-    "wait for a cycle's scores, the transaction", ["step"],
+    "wait for a cycle's scores, the transaction's opening while the batch is scored, the commit", ["step"],
     buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5),
 )
 GC_PAUSE_SECONDS = Histogram(
