@@ -142,6 +142,10 @@ _SEGMENTS = (("to_close_ms", None, "closed_ms"), ("close_to_launch_ms", "closed_
                                                                     "arrival_to_visible_ms"))
 # close to launch in three, where the events carry the GPU thread's times (workers since 2026-12-01): the schema
 # catch-up and the wait for the GPU thread; the wait for the tokenizers; the batch's inputs built and queued
+# close to taken in two, where the events say when the loop handed the cycle to the GPU thread (since session 12): the
+# schema catch-up and the batches built; the GPU thread's wait to take it
+_HANDOFF_SEGMENTS = (("close_to_submitted_ms", "closed_ms", "submitted_ms"),
+                     ("submitted_to_taken_ms", "submitted_ms", "taken_ms"))
 _LAUNCH_SEGMENTS = (("close_to_taken_ms", "closed_ms", "taken_ms"),
                     ("taken_to_gathered_ms", "taken_ms", "gathered_ms"),
                     ("gathered_to_launch_ms", "gathered_ms", "launched_ms"))
@@ -153,8 +157,8 @@ def cycle_timelines(events: list[dict], budget_ms: float, since: float = 0.0) ->
     the launch; launch to scores ready, which covers the wait behind the batch ahead; scores to visible, which covers
     the records and the transaction) over all cycles and over those visible later than ``budget_ms``, from the
     ``committed`` events' ``closed_ms``, ``launched_ms`` and ``scored_ms``; close to launch split further where every
-    cycle's event has ``taken_ms`` and ``gathered_ms``; and how many cycles had their transaction opened while the GPU
-    scored them (``opened_ahead``), where every event says."""
+    cycle's event has ``taken_ms`` and ``gathered_ms``, and close to taken where they have ``submitted_ms``; and how
+    many cycles had their transaction opened while the GPU scored them (``opened_ahead``), where every event says."""
     cycles = [e for e in _commits(events) if e["t"] >= since
               and all(e.get(k) is not None for k in ("closed_ms", "launched_ms", "scored_ms", "arrival_to_visible_ms"))]
 
@@ -163,7 +167,8 @@ def cycle_timelines(events: list[dict], budget_ms: float, since: float = 0.0) ->
             return {"cycles": 0}
         out: dict = {"cycles": len(group)}
         split = all(e.get("taken_ms") is not None and e.get("gathered_ms") is not None for e in group)
-        for name, start, end in _SEGMENTS + (_LAUNCH_SEGMENTS if split else ()):
+        handoff = split and all(e.get("submitted_ms") is not None for e in group)
+        for name, start, end in _SEGMENTS + (_LAUNCH_SEGMENTS if split else ()) + (_HANDOFF_SEGMENTS if handoff else ()):
             spans = sorted(e[end] - (e[start] if start else 0.0) for e in group)
             out[name] = round(spans[(len(spans) - 1) // 2], 2)
         if all("opened_ahead" in e for e in group):   # workers since 2026-12-01 (session 12)

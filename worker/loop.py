@@ -78,6 +78,7 @@ class InFlight:
     future: Future
     closed_at: float  # when the loop decided to close the cycle
     planned_visible_at: float | None = None  # when the latency budget's plan expects it visible
+    submitted_at: float | None = None  # when the loop handed it to the GPU thread (schemas caught up, batches built)
     launch: LaunchTimes | None = None  # when the GPU thread took it, had its states and queued its batch (set there)
     launched: Future = field(default_factory=Future)  # done once ``launch`` is set
     scored_at: float | None = None  # when its scores were ready (set on the scoring thread)
@@ -301,6 +302,7 @@ class Worker:
         if jobs:  # one GPU batch, every schema's states together
             metrics.BATCH_SIZE.observe(sum(len(job.rows) for job in jobs))
         inflight = InFlight(cycle, keys, Future(), closed_at, self._budget.submitted(closed_at, cycle))
+        inflight.submitted_at = monotonic()
         inflight.future = self._scorer.submit(jobs, on_launched=lambda times: inflight.on_launched(times))
         inflight.future.add_done_callback(lambda _: setattr(inflight, "scored_at", monotonic()))
         self._inflight.append(inflight)
@@ -369,9 +371,9 @@ class Worker:
     @staticmethod
     def _latency_fields(inflight: InFlight, committed_at: float) -> dict[str, float | None]:
         """A committed cycle's first state's arrival-to-visible time, what the plan expected under a budget, and
-        where the time went: when, after that arrival, the cycle closed, the GPU thread took it and had its tokenized
-        states, its batch was queued on the device and its scores were ready (None where it did not happen: a cycle
-        of dead letters only is never launched)."""
+        where the time went: when, after that arrival, the cycle closed, the loop handed it to the GPU thread (after
+        the schema catch-up), that thread took it and had its tokenized states, its batch was queued on the device and
+        its scores were ready (None where it did not happen: a cycle of dead letters only is never launched)."""
         arrived_at = inflight.cycle.arrived_at
         if arrived_at is None:
             return {}
@@ -379,7 +381,8 @@ class Worker:
         taken, gathered, launched = astuple(inflight.launch) if inflight.launch else (None, None, None)
         return {"arrival_to_visible_ms": since_arrival(committed_at),
                 "planned_visible_ms": since_arrival(inflight.planned_visible_at),
-                "closed_ms": since_arrival(inflight.closed_at), "taken_ms": since_arrival(taken),
+                "closed_ms": since_arrival(inflight.closed_at), "submitted_ms": since_arrival(inflight.submitted_at),
+                "taken_ms": since_arrival(taken),
                 "gathered_ms": since_arrival(gathered), "launched_ms": since_arrival(launched),
                 "scored_ms": since_arrival(inflight.scored_at)}
 

@@ -52,7 +52,9 @@ def test_stream_bench_quick_runs_end_to_end_exactly_once():
     assert timeline["cycles"] > 0 and all(timeline[k] >= 0 for k in ("to_close_ms", "close_to_launch_ms",
                                                                        "launch_to_scored_ms", "scored_to_visible_ms",
                                                                        "close_to_taken_ms", "taken_to_gathered_ms",
-                                                                       "gathered_to_launch_ms"))
+                                                                       "gathered_to_launch_ms",
+                                                                       "close_to_submitted_ms",
+                                                                       "submitted_to_taken_ms"))
     # the replay scored every state of the live latency phase, and each has a live record to compare with
     assert replay["exit_code"] == 0 and replay["states_per_s"] > 0, replay
     assert replay["states"] == replay["compared"] > 0, replay

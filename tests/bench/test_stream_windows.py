@@ -126,3 +126,16 @@ def test_cycle_timelines_split_close_to_launch_where_the_events_say_when_the_gpu
     assert timelines["all"] == dict(cycles=2, to_close_ms=2.0, close_to_launch_ms=1.0, launch_to_scored_ms=7.0,
                                     scored_to_visible_ms=3.0, close_to_taken_ms=0.5, taken_to_gathered_ms=0.2,
                                     gathered_to_launch_ms=0.3)
+
+
+def test_cycle_timelines_split_close_to_taken_and_count_transactions_opened_ahead_where_the_events_say():
+    # (closed, submitted, taken, gathered, launched, scored, visible, opened ahead) ms after each first arrival
+    cycles = [(2.0, 2.1, 2.5, 2.7, 3.0, 10.0, 13.0, True), (4.0, 4.4, 4.5, 5.5, 6.0, 14.0, 17.0, False),
+              (3.0, 3.3, 3.9, 4.0, 4.2, 9.0, 12.0, True)]
+    events = _log(*(_line(1.0 + k, "committed", scored=4, dead_letters={}, arrival_to_visible_ms=visible,
+                          closed_ms=closed, submitted_ms=submitted, taken_ms=taken, gathered_ms=gathered,
+                          launched_ms=launched, scored_ms=scored, opened_ahead=ahead)
+                    for k, (closed, submitted, taken, gathered, launched, scored, visible, ahead) in enumerate(cycles)))
+    timelines = cycle_timelines(events, budget_ms=25, since=T0)["all"]
+    assert timelines["close_to_submitted_ms"] == 0.3 and timelines["submitted_to_taken_ms"] == 0.4
+    assert timelines["close_to_taken_ms"] == 0.5 and timelines["opened_ahead"] == 2
