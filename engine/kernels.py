@@ -50,6 +50,9 @@ class Kernels:
     gate_attention(engine.attention.AttentionOut, gate [B, T, Hq, D]) -> [B, T, Hq * D]: the merge of a prefix/suffix
         split attention (if any), then transformers' sigmoid output gate;
     linear(x [..., K], weight [N, K]) -> [..., N]: every projection (bias-free), the label read-out included;
+    add_linear(h [..., N] contiguous, x [..., K], weight [N, K]) -> h + x @ weight^T, written into h, the sum rounded
+        once (the projection's epilogue adds the residual); None: the table keeps transformers' two roundings, and
+        `engine.model.FUSED_RESIDUAL` is ignored;
     attention(q [Z, H, M, D], k, v [Z, Hkv, N, D], causal, scale) -> (out [Z, H, M, D], lse [Z, H, M] float32): the
         suffix half of a suffix pass's attention (causal) and, by row, its prefix half;
     indexed_attention(q [Z, Hkv, M, D], k, v [S, Hkv, N, D], scale, key_lengths [S] int32, kv_index [Z] int64) ->
@@ -71,6 +74,7 @@ class Kernels:
     qk_norm_rope: Callable
     gate_attention: Callable
     linear: Callable = F.linear
+    add_linear: Callable | None = None
     attention: Callable = sdpa_with_lse
     indexed_attention: Callable | None = None
     suffix_attention: Callable | None = None
@@ -120,8 +124,8 @@ def fla_kernels() -> Kernels:
     # kernel that reads the prefix bank by index (torch's flash op takes no index; on the H200 the Triton kernel
     # also ran a shared prefix faster than flash did: engine.batch_invariant)
     return Kernels("fla", f.delta_rule, f.conv_qkv, f.row_norm, f.gated_rms_norm, f.swiglu, f.add_rms_norm,
-                   f.qk_norm_rope, f.gate_attention, f.linear, indexed_attention=bi.indexed_attention,
-                   suffix_attention=suffix_attention)
+                   f.qk_norm_rope, f.gate_attention, f.linear, add_linear=torch_k.torch_add_linear,
+                   indexed_attention=bi.indexed_attention, suffix_attention=suffix_attention)
 
 
 def batch_invariant_kernels(table: Kernels, gemm_weights: Sequence[torch.Tensor]) -> Kernels:
@@ -143,6 +147,7 @@ def batch_invariant_kernels(table: Kernels, gemm_weights: Sequence[torch.Tensor]
     return replace(table, name=f"{table.name}+batch-invariant(cuBLAS {floors}; Triton {sorted(linear.triton)}; "
                               f"small tile {sorted(linear.small)})",
                    linear=linear,
+                   add_linear=None,               # its GEMMs' row-count invariance is checked for F.linear alone
                    attention=bi.attention,
                    indexed_attention=bi.indexed_attention,
                    suffix_attention=None)        # the split path, whose batch-invariance the GPU tests check

@@ -35,6 +35,13 @@ so a CUDA graph keeps the setting it was captured under."""
 FUSED_ATTENTION = True
 """Whether a suffix pass takes the kernel table's one-kernel attention (`Kernels.suffix_attention`) where it has one
 (False: the split path; read when a step is traced, like `ANSWER_ROWS_ONLY`)."""
+FUSED_RESIDUAL = False
+"""Whether the residual adds go into the projections before them where the kernel table can (`Kernels.add_linear`:
+cuBLAS adds the residual in its epilogue, in place), the norms after them then reading the residual alone: at batch
+128 each of the 48 adds a step reads and writes 96 MB fewer (about 1 ms of a 60 ms step on the H200, from bytes). The
+sum is rounded once, where transformers rounds the projection, then the sum: not the bits of the path without it, and
+so never in a deterministic table. Off: NOT timed on a GPU yet (`bench/variant_ab.py --variant
+"residual:engine.model.FUSED_RESIDUAL=True"`). Read when a step is traced, like `ANSWER_ROWS_ONLY`."""
 
 
 @dataclass
@@ -236,25 +243,42 @@ class HybridForward:
         cos, sin = self.core.rotary_emb(h, positions[None].expand(3, -1, -1))
         x = self.kernels.rms_norm(h, self.w[0]["in_norm"], self.eps)
         last = len(self.core.layers) - 1
-        # Each residual add is fused with the norm that reads its result (one pass over the stream, not two).
+        fused = FUSED_RESIDUAL and self.kernels.add_linear is not None
         for i, layer in enumerate(self.core.layers):
             w = self.w[i]
+            # the token mixer's output before its projection
             if layer.block_type == "linear_attention":
-                x = self._gated_delta_net(layer.linear_attn, w, x, i, ctx)
+                y, projection = self._gated_delta_net(layer.linear_attn, w, x, i, ctx)
             else:
-                x = self._attention(layer.self_attn, w, x, cos, sin, i, ctx)
-            if i == last and rows is not None and ANSWER_ROWS_ONLY:
-                x, h = _at_rows(x, rows), _at_rows(h, rows)                                   # [S, hidden]
-            x, h = self.kernels.add_rms_norm(h, x, w["post_norm"], self.eps)
-            x = self._mlp(layer.mlp, w, x)
+                y, projection = self._attention(layer.self_attn, w, x, cos, sin, i, ctx)
+            answer_rows = rows if i == last and rows is not None and ANSWER_ROWS_ONLY else None
+            x, h = self._add_projected(h, y, projection, w["post_norm"], fused, answer_rows)
+            y = self._mlp(layer.mlp, w, x)
             if i == last:
-                out = h + x
+                out = self._add_projected(h, y, layer.mlp.down_proj.weight, None, fused)[1]
                 return out if rows is None or ANSWER_ROWS_ONLY else _at_rows(out, rows)
-            x, h = self.kernels.add_rms_norm(h, x, self.w[i + 1]["in_norm"], self.eps)
+            x, h = self._add_projected(h, y, layer.mlp.down_proj.weight, self.w[i + 1]["in_norm"], fused)
+
+    def _add_projected(self, h, y, projection, norm_w, fused: bool, rows: torch.Tensor | None = None):
+        """(the norm with norm_w, the sum) of the residual stream h plus y's projection; norm_w None: (None, the sum);
+        rows: of those token rows alone ([S, hidden] each), selected after the projection. Each residual add is fused
+        with the norm that reads its result (one pass over the stream, not two), or, fused, with the projection
+        (`FUSED_RESIDUAL`)."""
+        if fused:
+            h = self.kernels.add_linear(h, y, projection)
+            h = h if rows is None else _at_rows(h, rows)
+            return (None if norm_w is None else self.kernels.rms_norm(h, norm_w, self.eps)), h
+        x = self.kernels.linear(y, projection)
+        if rows is not None:
+            x, h = _at_rows(x, rows), _at_rows(h, rows)
+        if norm_w is None:
+            return None, h + x
+        return self.kernels.add_rms_norm(h, x, norm_w, self.eps)
 
     def _mlp(self, mlp, w, x):
+        """The MLP before its down projection (which `_add_projected` runs)."""
         gate, up = self.kernels.linear(x, w["mlp_in"]).split(mlp.intermediate_size, dim=-1)
-        return self.kernels.linear(self.kernels.swiglu(gate, up), mlp.down_proj.weight)
+        return self.kernels.swiglu(gate, up)
 
     def _attention(self, attn, w, x, cos, sin, i, ctx):
         B, T, _ = x.shape
@@ -265,7 +289,7 @@ class HybridForward:
         q, k = self.kernels.qk_norm_rope(q, k.view(B, T, -1, D), w["q_norm"], w["k_norm"], cos, sin, self.eps)
         v = v.reshape(B, T, -1, D).transpose(1, 2)                                         # q, k, v: [B, H, T, D]
         out = ctx.attend_gated(i, q, k, v, attn.scaling, self.kernels, gate)              # [B, T, Hq * D]
-        return self.kernels.linear(out, attn.o_proj.weight)
+        return out, attn.o_proj.weight                                                     # o_proj: `_add_projected`
 
     def _gated_delta_net(self, lin, w, x, i, ctx):
         B, T, _ = x.shape                                                                  # x: [B, T, hidden]
@@ -286,7 +310,7 @@ class HybridForward:
             ctx.keep("rec", i, final)
         out = self.kernels.gated_rms_norm(out, z.view(B, T, H, lin.head_v_dim), lin.norm.weight,
                                           lin.norm.variance_epsilon)                       # [B, T, Hv, Dv]
-        return self.kernels.linear(out.reshape(B, T, -1), lin.out_proj.weight)            # [B, T, hidden]
+        return out.reshape(B, T, -1), lin.out_proj.weight                                  # out_proj: `_add_projected`
 
 
 def _fuse(linears) -> torch.Tensor:

@@ -87,6 +87,14 @@ def torch_add_rms_norm(h: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, e
     return torch_rms_norm(h, weight, eps), h
 
 
+def torch_add_linear(h: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """h += x @ weight^T in place, by one GEMM whose epilogue adds h (cuBLAS's beta = 1): the sum is rounded once,
+    where transformers rounds the projection, then the sum. `Kernels.add_linear`; h contiguous."""
+    rows = h.view(-1, h.shape[-1])
+    rows.addmm_(x.reshape(-1, x.shape[-1]), weight.t())
+    return h
+
+
 def torch_gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # transformers' order: normalise in float32, cast, scale, then gate in float32
     xf = x.float()

@@ -107,3 +107,47 @@ def test_last_layer_on_the_answer_rows_equals_the_whole_pass_at_those_rows(tiny_
         assert torch.equal(some, want)
     else:
         torch.testing.assert_close(some, want, atol=1e-5, rtol=1e-5)
+
+
+def test_residual_adds_fused_into_the_projections_still_equal_the_oracle(tiny_dir, monkeypatch):
+    """`engine.model.FUSED_RESIDUAL` with a table that has `add_linear` (the CUDA table's, here on the CPU): each
+    residual add goes into the projection before it, two a layer, and the scores stay within the oracle's tolerance;
+    a table without `add_linear` ignores the setting."""
+    from dataclasses import replace
+
+    from engine import Engine, SchemaEngine, model
+    from engine.torch_kernels import torch_add_linear
+
+    qs = make_questions([2, 3, 4])
+    states = make_states(6, seed=3)
+    eng = Engine.load(tiny_dir, device="cpu", dtype="float32")
+    se = SchemaEngine(eng)
+    plain = torch.stack(se.score(se.prepare(qs), states))
+    monkeypatch.setattr(model, "FUSED_RESIDUAL", True)
+    ignored = SchemaEngine(eng)
+    assert torch.equal(torch.stack(ignored.score(ignored.prepare(qs), states)), plain)   # no add_linear: unchanged
+    calls = []
+
+    def add_linear(h, x, weight):
+        calls.append(x.shape[:-1])
+        return torch_add_linear(h, x, weight)
+
+    eng.forward.kernels = replace(eng.forward.kernels, add_linear=add_linear)
+    fused = SchemaEngine(eng)
+    handle = fused.prepare(qs)
+    calls.clear()
+    got = torch.stack(fused.score(handle, states))
+    assert len(calls) == 2 * len(eng.forward.core.layers)                 # one suffix pass: both adds of every layer
+    assert (got - torch.stack(score_full(eng, qs, states))).abs().max().item() < ATOL
+
+
+def test_add_linear_adds_the_projection_into_the_residual_in_place_rounding_once():
+    from engine.torch_kernels import torch_add_linear
+
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(2, 5, 16, generator=g).bfloat16()
+    x, w = torch.randn(2, 5, 24, generator=g).bfloat16(), torch.randn(16, 24, generator=g).bfloat16()
+    want = (h.float() + x.float() @ w.float().t())
+    out = torch_add_linear(h, x, w)
+    assert out.data_ptr() == h.data_ptr() and out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), want, atol=0.05, rtol=1e-2)       # one bf16 rounding of the exact sum
