@@ -158,7 +158,8 @@ def cycle_timelines(events: list[dict], budget_ms: float, since: float = 0.0) ->
     the records and the transaction) over all cycles and over those visible later than ``budget_ms``, from the
     ``committed`` events' ``closed_ms``, ``launched_ms`` and ``scored_ms``; close to launch split further where every
     cycle's event has ``taken_ms`` and ``gathered_ms``, and close to taken where they have ``submitted_ms``; and how
-    many cycles had their transaction opened while the GPU scored them (``opened_ahead``), where every event says."""
+    many cycles had their transaction opened while the GPU scored them (``opened_ahead``), where every event says; and
+    the median number of states a cycle scored (``states``: late cycles are often the larger ones)."""
     cycles = [e for e in _commits(events) if e["t"] >= since
               and all(e.get(k) is not None for k in ("closed_ms", "launched_ms", "scored_ms", "arrival_to_visible_ms"))]
 
@@ -171,6 +172,8 @@ def cycle_timelines(events: list[dict], budget_ms: float, since: float = 0.0) ->
         for name, start, end in _SEGMENTS + (_LAUNCH_SEGMENTS if split else ()) + (_HANDOFF_SEGMENTS if handoff else ()):
             spans = sorted(e[end] - (e[start] if start else 0.0) for e in group)
             out[name] = round(spans[(len(spans) - 1) // 2], 2)
+        states = sorted(e.get("scored", 0) for e in group)
+        out["states"] = states[(len(states) - 1) // 2]                # a cycle's scored states, the median
         if all("opened_ahead" in e for e in group):   # workers since 2026-12-01 (session 12)
             out["opened_ahead"] = sum(bool(e["opened_ahead"]) for e in group)
         return out

@@ -109,9 +109,9 @@ def test_cycle_timelines_split_each_cycles_time_to_visibility_and_single_out_the
                         closed_ms=1.0, launched_ms=None, scored_ms=2.0))
     timelines = cycle_timelines(events, budget_ms=25, since=T0 + 0.9)
     assert timelines["all"] == dict(cycles=4, to_close_ms=2.0, close_to_launch_ms=1.0, launch_to_scored_ms=8.0,
-                                    scored_to_visible_ms=3.0)
+                                    scored_to_visible_ms=3.0, states=4)
     assert timelines["late"] == dict(cycles=2, to_close_ms=1.0, close_to_launch_ms=1.0, launch_to_scored_ms=17.0,
-                                     scored_to_visible_ms=6.0)
+                                     scored_to_visible_ms=6.0, states=4)
     assert cycle_timelines(events, budget_ms=25, since=T0 + 20) == {"all": {"cycles": 0}, "late": {"cycles": 0}}
 
 
@@ -125,17 +125,18 @@ def test_cycle_timelines_split_close_to_launch_where_the_events_say_when_the_gpu
     timelines = cycle_timelines(events, budget_ms=25, since=T0)
     assert timelines["all"] == dict(cycles=2, to_close_ms=2.0, close_to_launch_ms=1.0, launch_to_scored_ms=7.0,
                                     scored_to_visible_ms=3.0, close_to_taken_ms=0.5, taken_to_gathered_ms=0.2,
-                                    gathered_to_launch_ms=0.3)
+                                    gathered_to_launch_ms=0.3, states=4)
 
 
 def test_cycle_timelines_split_close_to_taken_and_count_transactions_opened_ahead_where_the_events_say():
-    # (closed, submitted, taken, gathered, launched, scored, visible, opened ahead) ms after each first arrival
-    cycles = [(2.0, 2.1, 2.5, 2.7, 3.0, 10.0, 13.0, True), (4.0, 4.4, 4.5, 5.5, 6.0, 14.0, 17.0, False),
-              (3.0, 3.3, 3.9, 4.0, 4.2, 9.0, 12.0, True)]
-    events = _log(*(_line(1.0 + k, "committed", scored=4, dead_letters={}, arrival_to_visible_ms=visible,
+    # (closed, submitted, taken, gathered, launched, scored, visible, opened ahead, states) ms after each first arrival
+    cycles = [(2.0, 2.1, 2.5, 2.7, 3.0, 10.0, 13.0, True, 4), (4.0, 4.4, 4.5, 5.5, 6.0, 14.0, 17.0, False, 20),
+              (3.0, 3.3, 3.9, 4.0, 4.2, 9.0, 12.0, True, 9)]
+    events = _log(*(_line(1.0 + k, "committed", scored=n, dead_letters={}, arrival_to_visible_ms=visible,
                           closed_ms=closed, submitted_ms=submitted, taken_ms=taken, gathered_ms=gathered,
                           launched_ms=launched, scored_ms=scored, opened_ahead=ahead)
-                    for k, (closed, submitted, taken, gathered, launched, scored, visible, ahead) in enumerate(cycles)))
+                    for k, (closed, submitted, taken, gathered, launched, scored, visible, ahead, n)
+                    in enumerate(cycles)))
     timelines = cycle_timelines(events, budget_ms=25, since=T0)["all"]
     assert timelines["close_to_submitted_ms"] == 0.3 and timelines["submitted_to_taken_ms"] == 0.4
-    assert timelines["close_to_taken_ms"] == 0.5 and timelines["opened_ahead"] == 2
+    assert timelines["close_to_taken_ms"] == 0.5 and timelines["opened_ahead"] == 2 and timelines["states"] == 9
