@@ -142,13 +142,13 @@ _SEGMENTS = (("to_close_ms", None, "closed_ms"), ("close_to_launch_ms", "closed_
                                                                     "arrival_to_visible_ms"))
 # close to launch in three, where the events carry the GPU thread's times (workers since 2026-12-01): the schema
 # catch-up and the wait for the GPU thread; the wait for the tokenizers; the batch's inputs built and queued
+_LAUNCH_SEGMENTS = (("close_to_taken_ms", "closed_ms", "taken_ms"),
+                    ("taken_to_gathered_ms", "taken_ms", "gathered_ms"),
+                    ("gathered_to_launch_ms", "gathered_ms", "launched_ms"))
 # close to taken in two, where the events say when the loop handed the cycle to the GPU thread (since session 12): the
 # schema catch-up and the batches built; the GPU thread's wait to take it
 _HANDOFF_SEGMENTS = (("close_to_submitted_ms", "closed_ms", "submitted_ms"),
                      ("submitted_to_taken_ms", "submitted_ms", "taken_ms"))
-_LAUNCH_SEGMENTS = (("close_to_taken_ms", "closed_ms", "taken_ms"),
-                    ("taken_to_gathered_ms", "taken_ms", "gathered_ms"),
-                    ("gathered_to_launch_ms", "gathered_ms", "launched_ms"))
 
 
 def cycle_timelines(events: list[dict], budget_ms: float, since: float = 0.0) -> dict:
