@@ -79,15 +79,18 @@ class InFlight:
     closed_at: float  # when the loop decided to close the cycle
     planned_visible_at: float | None = None  # when the latency budget's plan expects it visible
     submitted_at: float | None = None  # when the loop handed it to the GPU thread (schemas caught up, batches built)
-    launch: LaunchTimes | None = None  # when the GPU thread took it, had its states and queued its batch (set there)
-    launched: Future = field(default_factory=Future)  # done once ``launch`` is set
+    launched: Future = field(default_factory=Future)  # its ``LaunchTimes``, once its batch is queued on the device
     scored_at: float | None = None  # when its scores were ready (set on the scoring thread)
     offsets: list | None = None  # what its transaction commits, once ``Transactions.open`` sent them ahead
 
     def on_launched(self, times: LaunchTimes) -> None:
         """(GPU thread) Its batch is queued on the device."""
-        self.launch = times
-        self.launched.set_result(None)
+        self.launched.set_result(times)
+
+    @property
+    def launch(self) -> LaunchTimes | None:
+        """When the GPU thread took it, had its states and queued its batch; None until then."""
+        return self.launched.result() if self.launched.done() else None
 
 
 class Worker:

@@ -132,8 +132,8 @@ class Transactions:
         self._timeout_s = timeout_s
         self._outage_s = outage_s
         self._broker = broker
-        self._open = False
-        self._opened_for: Sequence[TopicPartition] | None = None  # the offsets `open` began the open transaction for
+        # the offsets the open transaction commits (None: no transaction open); `open` compares them by identity
+        self._opened_for: Sequence[TopicPartition] | None = None
         self._opening_ms = 0.0  # how long the open transaction's begin and send_offsets took
         self._in_doubt = False  # a request went unanswered: this producer must be replaced, not reused
         self._failing_since: float | None = None  # monotonic time of the first failure since the last commit
@@ -145,6 +145,11 @@ class Transactions:
         # whether `open` began it ahead of its records (then its offsets step overlapped the scoring)
         self.last_steps_ms: dict[str, float] = {}
         self.last_opened_ahead = False
+
+    @property
+    def _open(self) -> bool:
+        """Whether a transaction is open (begun, not yet committed or aborted)."""
+        return self._opened_for is not None
 
     def _new_producer(self) -> Producer:
         self._generation += 1
@@ -203,7 +208,6 @@ class Transactions:
         started = time.perf_counter()
         # 1. Begin: nothing produced from here on is visible until step 5 succeeds.
         self._call("begin_transaction", lambda _timeout: self._producer.begin_transaction())
-        self._open = True
         self._opened_for = offsets
         # 2. Send the input offsets with the group metadata, so the group coordinator rejects them
         #    if this worker is no longer the group's owner of those partitions (zombie fencing).
@@ -242,7 +246,6 @@ class Transactions:
             raise AbortableError(f"record delivery failed: {self._delivery_errors[0].str()}")
         # 5. Commit: records and offsets become visible together, or not at all.
         self._call("commit_transaction", self._producer.commit_transaction)
-        self._open = False
         self._opened_for = None
         steps.lap("commit")
         self.last_steps_ms = {"offsets": self._opening_ms, **steps.ms}
@@ -252,7 +255,6 @@ class Transactions:
         """Abort the open transaction, if any. The single abort path; safe to call twice."""
         if not self._open:
             return
-        self._open = False
         self._opened_for = None
         try:
             self._call("abort_transaction", self._producer.abort_transaction)
@@ -287,8 +289,8 @@ class Transactions:
         log.warning("replacing the transactional producer (%s): a new one with the same transactional id fences the "
                     "old one's requests and aborts its open transaction", why)
         old, self._producer = self._producer, self._new_producer()
-        self._open = self._in_doubt = False
         self._opened_for = None
+        self._in_doubt = False
         # Destroying a producer may wait for its requests in flight: let that happen off the loop's thread.
         threading.Thread(target=_retire, args=(old,), name="decider-producer-retire", daemon=True).start()
         del old

@@ -216,7 +216,8 @@ def test_a_committed_cycles_event_says_where_its_first_states_time_went():
 
     cycle = _cycle_of(2, opened_at=10.000)
     inflight = InFlight(cycle, [], Future(), closed_at=10.004, planned_visible_at=10.030, submitted_at=10.0042,
-                        launch=LaunchTimes(taken_at=10.0045, gathered_at=10.005, launched_at=10.006), scored_at=10.016)
+                        scored_at=10.016)
+    inflight.on_launched(LaunchTimes(taken_at=10.0045, gathered_at=10.005, launched_at=10.006))
     assert Worker._latency_fields(inflight, committed_at=10.019) == dict(
         arrival_to_visible_ms=pytest.approx(19.0), planned_visible_ms=pytest.approx(30.0),
         closed_ms=pytest.approx(4.0), submitted_ms=pytest.approx(4.2), taken_ms=pytest.approx(4.5),
