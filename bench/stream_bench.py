@@ -52,8 +52,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import schemas  # noqa: E402
 from bench.engine_bench import QWEN35_08B, questions, states  # noqa: E402
-from bench.stream_windows import (all_workers_window, budget_plan_errors, cycle_timelines, held_partitions,  # noqa: E402
-                                  log_events, read_log_events, replay_timing)
+from bench.stream_windows import (all_workers_window, budget_plan_errors, cycle_timelines, gpu_pipeline,  # noqa: E402
+                                  held_partitions, log_events, read_log_events, replay_timing)
 from worker.commands import put_schema  # noqa: E402
 from worker.config import Topics  # noqa: E402
 from worker.embedded_broker import EmbeddedBroker, free_port  # noqa: E402
@@ -370,7 +370,8 @@ def latency_phase(args, bootstrap, model_dir, schema_file, texts, logs, max_wait
             latency_budget_ms=latency_budget_ms, over_budget=sum(t > latency_budget_ms for t in lat),
             worker0_cycles_over_budget=stages.get("budget_misses"), worker0_cycles=stages.get("transactions"),
             worker0_plans=budget_plan_errors(stream.worker_events()[0], latency_budget_ms, since=measured_from),
-            worker0_timelines=cycle_timelines(stream.worker_events()[0], latency_budget_ms, since=measured_from))
+            worker0_timelines=cycle_timelines(stream.worker_events()[0], latency_budget_ms, since=measured_from),
+            worker0_pipeline=gpu_pipeline(stream.worker_events()[0], since=measured_from))
         return dict(phase="latency", workers=args.workers, max_wait_ms=max_wait_ms, offered_states_per_s=rate, states=n,
                     unmeasured_warmup_states=len(steady), p50_ms=statistics.median(lat),
                     p99_ms=lat[int(0.99 * (len(lat) - 1))], max_ms=lat[-1], **budget,

@@ -179,3 +179,29 @@ def cycle_timelines(events: list[dict], budget_ms: float, since: float = 0.0) ->
         return out
 
     return {"all": medians(cycles), "late": medians([e for e in cycles if e["arrival_to_visible_ms"] > budget_ms])}
+
+
+def gpu_pipeline(events: list[dict], since: float = 0.0) -> dict:
+    """How closely the worker's cycles followed one another on the GPU, over the cycles committed after wall time
+    ``since`` (``committed`` events with ``arrived_monotonic_ms``: workers since session 13), each cycle placed on the
+    worker's monotonic clock: the fraction of the time the GPU was scoring (from a cycle's launch, or the scores of the
+    one ahead if later, to its scores), the median time the GPU sat idle before a cycle's batch was queued
+    (``idle_before_launch_ms``: its launch after the scores of the cycle ahead, 0 where queued behind them), and the
+    median time a cycle closed before the scores of the cycle ahead (``close_lead_ms``; the launch lead the latency
+    budget plans with is close to launch, so a lead below that idles the GPU)."""
+    cycles = [e for e in _commits(events) if e["t"] >= since
+              and all(e.get(k) is not None for k in ("arrived_monotonic_ms", "closed_ms", "launched_ms", "scored_ms"))]
+    if len(cycles) < 2:
+        return {"cycles": len(cycles)}
+    at = lambda e, key: e["arrived_monotonic_ms"] + e[key]  # noqa: E731
+    cycles.sort(key=lambda e: at(e, "scored_ms"))
+    busy, idle, lead = 0.0, [], []
+    for ahead, cycle in zip(cycles, cycles[1:]):
+        free_at, launched = at(ahead, "scored_ms"), at(cycle, "launched_ms")
+        busy += at(cycle, "scored_ms") - max(launched, free_at)
+        idle.append(max(0.0, launched - free_at))
+        lead.append(free_at - at(cycle, "closed_ms"))
+    span = at(cycles[-1], "scored_ms") - at(cycles[0], "scored_ms")
+    median = lambda xs: round(sorted(xs)[(len(xs) - 1) // 2], 2)  # noqa: E731
+    return {"cycles": len(cycles), "gpu_busy_fraction": round(busy / span, 3) if span > 0 else None,
+            "idle_before_launch_ms": median(idle), "close_lead_ms": median(lead)}

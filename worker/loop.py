@@ -382,7 +382,10 @@ class Worker:
             return {}
         since_arrival = lambda at: None if at is None else round((at - arrived_at) * 1000, 2)  # noqa: E731
         taken, gathered, launched = astuple(inflight.launch) if inflight.launch else (None, None, None)
-        return {"arrival_to_visible_ms": since_arrival(committed_at),
+        # the arrival on the monotonic clock places cycles on one clock finer than the log's milliseconds (the GPU's
+        # idle time between two cycles, for one)
+        return {"arrived_monotonic_ms": round(arrived_at * 1000, 3),
+                "arrival_to_visible_ms": since_arrival(committed_at),
                 "planned_visible_ms": since_arrival(inflight.planned_visible_at),
                 "closed_ms": since_arrival(inflight.closed_at), "submitted_ms": since_arrival(inflight.submitted_at),
                 "taken_ms": since_arrival(taken),

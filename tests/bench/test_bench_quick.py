@@ -55,6 +55,10 @@ def test_stream_bench_quick_runs_end_to_end_exactly_once():
                                                                        "gathered_to_launch_ms",
                                                                        "close_to_submitted_ms",
                                                                        "submitted_to_taken_ms"))
+    # and how its cycles followed one another on the device (the worker's committed events on its monotonic clock)
+    pipeline = budget["worker0_pipeline"]
+    assert pipeline["cycles"] >= 2 and 0 < pipeline["gpu_busy_fraction"] <= 1, pipeline
+    assert pipeline["idle_before_launch_ms"] >= 0, pipeline
     # the replay scored every state of the live latency phase, and each has a live record to compare with
     assert replay["exit_code"] == 0 and replay["states_per_s"] > 0, replay
     assert replay["states"] == replay["compared"] > 0, replay

@@ -3,7 +3,7 @@ import logging
 
 import pytest
 
-from bench.stream_windows import (all_workers_window, budget_plan_errors, cycle_timelines, held_partitions, log_events,
+from bench.stream_windows import (all_workers_window, budget_plan_errors, cycle_timelines, gpu_pipeline, held_partitions, log_events,
                                   replay_timing)
 from worker.logs import JsonFormatter
 
@@ -140,3 +140,21 @@ def test_cycle_timelines_split_close_to_taken_and_count_transactions_opened_ahea
     timelines = cycle_timelines(events, budget_ms=25, since=T0)["all"]
     assert timelines["close_to_submitted_ms"] == 0.3 and timelines["submitted_to_taken_ms"] == 0.4
     assert timelines["close_to_taken_ms"] == 0.5 and timelines["opened_ahead"] == 2 and timelines["states"] == 9
+
+
+def test_gpu_pipeline_places_cycles_on_the_workers_clock_and_measures_the_gpus_idle_gaps():
+    # (arrived, closed, launched, scored) on the worker's monotonic clock, ms; the second cycle closed 2 ms before the
+    # first one's scores and was queued 1 ms after them (1 ms idle); the third, queued behind the second's scores
+    # (no idle), closed 4 ms before them
+    cycles = [(100.0, 102.0, 104.0, 110.0), (105.0, 108.0, 111.0, 118.0), (110.0, 114.0, 116.0, 125.0)]
+    events = _log(*(_line(1.0 + k, "committed", scored=3, dead_letters={}, arrived_monotonic_ms=arrived,
+                          arrival_to_visible_ms=scored - arrived + 3, closed_ms=closed - arrived,
+                          launched_ms=launched - arrived, scored_ms=scored - arrived)
+                    for k, (arrived, closed, launched, scored) in enumerate(cycles)),
+                  _line(9.0, "committed", scored=3, dead_letters={}, arrival_to_visible_ms=5.0, closed_ms=1.0,
+                        launched_ms=2.0, scored_ms=3.0))    # a worker before session 13: no monotonic arrival, left out
+    # busy: 111..118 (7 ms) + 118..125 (7 ms) of the 15 ms from the first cycle's scores to the last one's
+    assert gpu_pipeline(events, since=T0) == dict(cycles=3, gpu_busy_fraction=round(14 / 15, 3),
+                                                  idle_before_launch_ms=0.0, close_lead_ms=2.0)
+    assert gpu_pipeline(events[:2], since=T0)["idle_before_launch_ms"] == 1.0
+    assert gpu_pipeline(events, since=T0 + 20) == {"cycles": 0}

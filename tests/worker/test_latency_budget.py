@@ -219,7 +219,7 @@ def test_a_committed_cycles_event_says_where_its_first_states_time_went():
                         scored_at=10.016)
     inflight.on_launched(LaunchTimes(taken_at=10.0045, gathered_at=10.005, launched_at=10.006))
     assert Worker._latency_fields(inflight, committed_at=10.019) == dict(
-        arrival_to_visible_ms=pytest.approx(19.0), planned_visible_ms=pytest.approx(30.0),
+        arrived_monotonic_ms=pytest.approx(10_000.0), arrival_to_visible_ms=pytest.approx(19.0), planned_visible_ms=pytest.approx(30.0),
         closed_ms=pytest.approx(4.0), submitted_ms=pytest.approx(4.2), taken_ms=pytest.approx(4.5),
         gathered_ms=pytest.approx(5.0),
         launched_ms=pytest.approx(6.0), scored_ms=pytest.approx(16.0))
