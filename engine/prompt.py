@@ -17,6 +17,7 @@ histories whose most recent part is what a decision is about; a marker token seq
 """
 from __future__ import annotations
 
+import os
 import weakref
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -178,12 +179,20 @@ def label_token_ids(tok) -> list[int]:
     return ids
 
 
+# One text at a time: the Rust tokenizer's thread pool would not help (`_encode` goes through its batch call only to
+# release the GIL), and a process that forks after using it is warned on stderr and has it turned off.
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
 def _encode(tok, text: str) -> list[int]:
     # The Rust tokenizer underneath a fast tokenizer gives the same ids without transformers' per-call Python
-    # (about half the cost of a state's tokenization, which the worker pays for every event)
+    # (about half the cost of a state's tokenization, which the worker pays for every event). Its batch call, not its
+    # single one, releases the GIL while it works: the worker's tokenizer threads then leave its loop and its GPU
+    # thread free (a 128-token state is ~60 us of Rust; with `encode` a Python thread beside it ran at half speed,
+    # with `encode_batch` at full speed, on this project's CPU machine)
     backend = getattr(tok, "backend_tokenizer", None)
     if backend is not None:
-        return backend.encode(text, add_special_tokens=False).ids
+        return backend.encode_batch([text], add_special_tokens=False)[0].ids
     return tok.encode(text, add_special_tokens=False)
 
 
