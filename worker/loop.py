@@ -27,10 +27,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import queue
 import threading
 import time
 from collections import deque
-from concurrent.futures import FIRST_COMPLETED, Future, wait
+from concurrent.futures import Future
 from dataclasses import astuple, dataclass, field
 
 from confluent_kafka import KafkaException
@@ -82,10 +83,18 @@ class InFlight:
     launched: Future = field(default_factory=Future)  # its ``LaunchTimes``, once its batch is queued on the device
     scored_at: float | None = None  # when its scores were ready (set on the scoring thread)
     offsets: list | None = None  # what its transaction commits, once ``Transactions.open`` sent them ahead
+    wakes: queue.SimpleQueue | None = None  # told of its launch and of its scores, once the loop waited on it
 
     def on_launched(self, times: LaunchTimes) -> None:
         """(GPU thread) Its batch is queued on the device."""
         self.launched.set_result(times)
+
+    def wake(self, wakeups: queue.SimpleQueue) -> None:
+        """Have ``wakeups`` told (once) when its batch is launched and when its scores are ready."""
+        if self.wakes is None:
+            self.wakes = wakeups
+            for future in (self.launched, self.future):
+                future.add_done_callback(lambda _: wakeups.put(None))
 
     @property
     def launch(self) -> LaunchTimes | None:
@@ -108,6 +117,9 @@ class Worker:
         self._cycle = Cycle()
         self._carried = (0, 0)  # states (all, waiting) the open cycle took over, held back, from the one before it
         self._inflight: deque[InFlight] = deque()
+        # a cycle in flight's launch and scores wake the loop's wait through this (``_next_message``): a C-level
+        # queue, where concurrent.futures.wait built and tore down waiters in Python on every wait
+        self._wakeups: queue.SimpleQueue = queue.SimpleQueue()
         self._budget = CycleBudget(config.latency_budget_ms, self._max_wait_s, self._gpu_busy)
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
@@ -244,9 +256,23 @@ class Worker:
             return self._consumer.poll(0)     # its commit, or the opening of its transaction, is due now
         message = self._consumer.poll(0)
         if message is None:
-            wait([oldest.future] if opened else [oldest.future, oldest.launched], timeout, return_when=FIRST_COMPLETED)
+            self._wait_for(oldest, [oldest.future] if opened else [oldest.future, oldest.launched], timeout)
             message = self._consumer.poll(0)
         return message
+
+    def _wait_for(self, inflight: InFlight, awaited: list[Future], timeout: float) -> None:
+        """Wait up to ``timeout`` for one of ``awaited`` (``inflight``'s launch or scores) to be done. Another cycle's
+        progress may end the wait early: the loop then merely looks again."""
+        inflight.wake(self._wakeups)
+        while True:                            # forget the wake-ups of what is already done
+            try:
+                self._wakeups.get_nowait()
+            except queue.Empty:
+                break
+        if any(future.done() for future in awaited):
+            return
+        with contextlib.suppress(queue.Empty):
+            self._wakeups.get(timeout=timeout)
 
     def _take(self, message) -> None:
         """One polled message: an error to act on, or a record to decode and route."""

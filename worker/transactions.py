@@ -47,50 +47,55 @@ class _Watchdog:
     A transactional call blocked inside librdkafka cannot be interrupted from Python (seen on the embedded
     broker after a restart: send_offsets_to_transaction ignores its timeout). Nothing of the open
     transaction is visible, so exiting is safe, and a restart with the same --worker-id aborts the hung
-    transaction in init_transactions. Exit code 5. From the moment the call overruns its own timeout until it
-    returns, /healthz answers 503 (``worker.liveness``).
+    transaction in init_transactions. Exit code 5. From the moment the call overruns its own timeout (within
+    ``POLL_S``) until it returns, /healthz answers 503 (``worker.liveness``).
 
-    One daemon thread per producer, armed around each call: a thread per call would mean three thread starts per
-    transaction, noticeable at hundreds of small transactions per second.
+    One daemon thread per producer, looking every ``POLL_S`` at the call armed now: arming and disarming only set an
+    attribute under a lock. (Waking the thread on each arming cost six wake-ups a transaction, each taking the GIL
+    from the threads that launch and read batches; a thread per call would cost three thread starts.)
     """
 
     EXIT_CODE = 5
+    POLL_S = 0.05
 
     def __init__(self, broker: liveness.BrokerLiveness) -> None:
         self._broker = broker
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
         self._armed: tuple[str, float, float, float] | None = None  # (step, limit_s, overdue at, deadline)
+        self._flagged: tuple[str, float, float, float] | None = None  # the armed call /healthz reports overdue
         threading.Thread(target=self._watch, name="decider-txn-watchdog", daemon=True).start()
 
     @contextlib.contextmanager
     def guard(self, step: str, timeout_s: float, limit_s: float):
         """Warn (/healthz) once the body runs past ``timeout_s``; exit the process once it runs past ``limit_s``."""
         now = time.monotonic()
-        with self._cond:
-            self._armed = (step, limit_s, now + timeout_s, now + limit_s)
-            self._cond.notify()
+        armed = (step, limit_s, now + timeout_s, now + limit_s)
+        with self._lock:
+            self._armed = armed
         try:
             yield
         finally:
-            with self._cond:
+            with self._lock:
                 self._armed = None
-                self._cond.notify()
-            self._broker.overran(None)
+                if self._flagged is armed:
+                    self._flagged = None
+                    self._broker.overran(None)
 
     def _watch(self) -> None:
-        with self._cond:
-            while True:
-                if self._armed is None:
-                    self._cond.wait()
+        while True:
+            time.sleep(self.POLL_S)
+            with self._lock:
+                armed = self._armed
+                if armed is None:
                     continue
-                step, limit_s, overdue, deadline = self._armed
+                step, limit_s, overdue, deadline = armed
                 now = time.monotonic()
                 if now >= deadline:
                     self._fire(step, limit_s)
-                if now >= overdue:
+                if now >= overdue and self._flagged is not armed:
+                    self._flagged = armed
                     self._broker.overran(f"{step} overran its timeout; the process exits in {deadline - now:.0f} s "
                                          "unless it returns")
-                self._cond.wait((deadline if now >= overdue else overdue) - now)
 
     def _fire(self, step: str, limit_s: float) -> None:
         message = (f"error: {step} did not return within {limit_s:.0f} s; exiting so that a restart with the same "

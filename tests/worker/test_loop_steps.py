@@ -1,5 +1,6 @@
 """The loop's blocking steps are timed, and a slow one is logged (what a stalled stream's log should show)."""
 import logging
+import queue
 import time
 
 from worker import loop, metrics
@@ -39,7 +40,7 @@ def test_the_loop_wakes_when_the_cycle_in_flight_is_launched_then_when_it_is_sco
     from worker.scorer import LaunchTimes
 
     worker = loop.Worker.__new__(loop.Worker)   # only the consumer, the transactions and the cycles in flight take part
-    worker._consumer = _group_consumer(stream)
+    worker._consumer, worker._wakeups = _group_consumer(stream), queue.SimpleQueue()
     with _transactions(stream, "wake-test") as worker._txns:
         try:
             scores = Future()
