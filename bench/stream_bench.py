@@ -19,7 +19,9 @@ partitions (from their `--log-format json` logs), then scores a warm-up before a
    the moment its record becomes visible to a read_committed reader - its event time (set when it was produced);
    then once per --latency-budget-ms B, the same with workers run with `--latency-budget-ms B --max-wait-ms B`:
    how many states were visible later than B after their event time, and how many cycles the worker itself counted
-   as over the budget (it measures from when it consumed a cycle's first state, so it cannot see time in Kafka);
+   as over the budget (it measures from when it consumed a cycle's first state, so it cannot see time in Kafka).
+   With --gil-profile, py-spy samples worker 0's GIL holder over each budget phase's measured window
+   (`bench/gil_profile.py`): which thread held the GIL for what share of the time, and where;
 4. with --replay: `decider replay` of the first latency phase's states topic (live, small deadline-cut batches) into
    new topics at full batches: its scoring rate as it reports it (from `replay_started`, so schema preparation and
    graph capture count), its steady rate from its first commit to its last and the seconds before that first commit
@@ -51,6 +53,7 @@ from urllib.request import urlopen
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import schemas  # noqa: E402
+from bench import gil_profile  # noqa: E402
 from bench.engine_bench import QWEN35_08B, questions, states  # noqa: E402
 from bench.stream_windows import (all_workers_window, budget_plan_errors, cycle_timelines, gpu_pipeline,  # noqa: E402
                                   held_partitions, log_events, read_log_events, replay_timing)
@@ -343,6 +346,26 @@ def throughput_phase(args, bootstrap, model_dir, schema_file, texts, logs) -> di
                     **exactly_once(reader, warm_ids + ids))
 
 
+class GilSampler(threading.Thread):
+    """py-spy on worker 0 over a latency phase's measured window (after its warm-up), in the background."""
+
+    def __init__(self, stream: Stream, args) -> None:
+        super().__init__(daemon=True)
+        self.pid, self.delay_s, self.seconds = stream.workers[0].pid, args.latency_warmup_seconds, args.latency_seconds
+        self.raw_path = stream.logs / f"{stream.name}-w0.gil.txt"
+        self.summary: dict = {"error": "not sampled"}
+        self.start()
+
+    def run(self) -> None:
+        time.sleep(self.delay_s)
+        self.summary = gil_profile.finish(gil_profile.record(self.pid, self.seconds, self.raw_path), self.raw_path,
+                                          self.seconds)
+
+    def result(self) -> dict:
+        self.join(self.seconds + self.delay_s + 90)
+        return self.summary
+
+
 def latency_phase(args, bootstrap, model_dir, schema_file, texts, logs, max_wait_ms: int, rate: float,
                   latency_budget_ms: int | None = None) -> dict:
     """States at `rate`; with `latency_budget_ms`, workers run with that budget and --max-wait-ms as its cap."""
@@ -357,6 +380,7 @@ def latency_phase(args, bootstrap, model_dir, schema_file, texts, logs, max_wait
         start_seen = len(reader.visible)
         before = stream.worker_stage_totals(0)
         measured_from = time.time() + args.latency_warmup_seconds
+        gil = GilSampler(stream, args) if args.gil_profile and latency_budget_ms is not None else None
         produce(bootstrap, stream.topics.states, steady + ids, [texts[i % len(texts)] for i in range(len(steady) + n)],
                 rate=rate)
         reader.wait_for(start_seen + len(steady) + n, 120)
@@ -371,7 +395,8 @@ def latency_phase(args, bootstrap, model_dir, schema_file, texts, logs, max_wait
             worker0_cycles_over_budget=stages.get("budget_misses"), worker0_cycles=stages.get("transactions"),
             worker0_plans=budget_plan_errors(stream.worker_events()[0], latency_budget_ms, since=measured_from),
             worker0_timelines=cycle_timelines(stream.worker_events()[0], latency_budget_ms, since=measured_from),
-            worker0_pipeline=gpu_pipeline(stream.worker_events()[0], since=measured_from))
+            worker0_pipeline=gpu_pipeline(stream.worker_events()[0], since=measured_from),
+            **({"worker0_gil": gil.result()} if gil is not None else {}))
         return dict(phase="latency", workers=args.workers, max_wait_ms=max_wait_ms, offered_states_per_s=rate, states=n,
                     unmeasured_warmup_states=len(steady), p50_ms=statistics.median(lat),
                     p99_ms=lat[int(0.99 * (len(lat) - 1))], max_ms=lat[-1], **budget,
@@ -462,6 +487,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--latency-warmup-seconds", type=float, default=None,
                     help="load at the offered rate before latencies are measured (first-sight graph captures)")
     ap.add_argument("--partitions", type=int, default=None)
+    ap.add_argument("--gil-profile", action="store_true",
+                    help="sample worker 0's GIL holder with py-spy during each budget phase's measured window "
+                         "(bench/gil_profile.py): worker0_gil in the phase's result, the raw samples beside its log")
     ap.add_argument("--replay", action="store_true",
                     help="after the latency phases, replay the first one's states at full batches and compare records")
     ap.add_argument("--engine-seconds", type=float, default=None)

@@ -31,7 +31,8 @@ def test_stream_bench_quick_runs_end_to_end_exactly_once():
     """Embedded broker + a real worker process + load generator, on the CPU; every phase verifies exactly-once."""
     from bench.stream_bench import main as stream_main
 
-    result = stream_main(["--quick", "--states", "60", "--latency-seconds", "2", "--latency-budget-ms", "3000", "--replay"])
+    result = stream_main(["--quick", "--states", "60", "--latency-seconds", "2", "--latency-budget-ms", "3000", "--replay",
+                          "--gil-profile"])
     phases = [r["phase"] for r in result["runs"]]
     assert phases == ["throughput", "latency", "latency", "replay"]
     tput, lat, budget, replay = result["runs"]
@@ -59,6 +60,9 @@ def test_stream_bench_quick_runs_end_to_end_exactly_once():
     pipeline = budget["worker0_pipeline"]
     assert pipeline["cycles"] >= 2 and 0 < pipeline["gpu_busy_fraction"] <= 1, pipeline
     assert pipeline["idle_before_launch_ms"] >= 0, pipeline
+    # and which of its threads held the GIL, sampled by py-spy over the measured window (the loop consumed meanwhile)
+    gil = budget["worker0_gil"]
+    assert "error" not in gil and gil["by_thread"].get("MainThread", 0) > 0, gil
     # the replay scored every state of the live latency phase, and each has a live record to compare with
     assert replay["exit_code"] == 0 and replay["states_per_s"] > 0, replay
     assert replay["states"] == replay["compared"] > 0, replay
