@@ -64,6 +64,12 @@ def committed_records(event: dict) -> int:
     return int(event.get("scored") or 0) + sum((event.get("dead_letters") or {}).values())
 
 
+def _lower_median(values):
+    """The middle value of ``values`` sorted (the lower of the two middle ones for an even count)."""
+    ordered = sorted(values)
+    return ordered[(len(ordered) - 1) // 2]
+
+
 def _commits(events: list[dict]) -> list[dict]:
     return [e for e in events if e["event"] == "committed" and committed_records(e)]
 
@@ -133,7 +139,7 @@ def budget_plan_errors(events: list[dict], budget_ms: float, since: float = 0.0)
         return dict(planned_cycles=0, planned_over_budget=0, later_than_planned=0, plan_error_p50_ms=None,
                     plan_error_p90_ms=None)
     return dict(planned_cycles=len(errors), planned_over_budget=sum(planned > budget_ms for planned, _ in plans),
-                later_than_planned=sum(x > 0 for x in errors), plan_error_p50_ms=errors[(len(errors) - 1) // 2],
+                later_than_planned=sum(x > 0 for x in errors), plan_error_p50_ms=_lower_median(errors),
                 plan_error_p90_ms=errors[int(0.9 * (len(errors) - 1))])
 
 
@@ -170,10 +176,8 @@ def cycle_timelines(events: list[dict], budget_ms: float, since: float = 0.0) ->
         split = all(e.get("taken_ms") is not None and e.get("gathered_ms") is not None for e in group)
         handoff = split and all(e.get("submitted_ms") is not None for e in group)
         for name, start, end in _SEGMENTS + (_LAUNCH_SEGMENTS if split else ()) + (_HANDOFF_SEGMENTS if handoff else ()):
-            spans = sorted(e[end] - (e[start] if start else 0.0) for e in group)
-            out[name] = round(spans[(len(spans) - 1) // 2], 2)
-        states = sorted(e.get("scored", 0) for e in group)
-        out["states"] = states[(len(states) - 1) // 2]                # a cycle's scored states, the median
+            out[name] = round(_lower_median(e[end] - (e[start] if start else 0.0) for e in group), 2)
+        out["states"] = _lower_median(e.get("scored", 0) for e in group)        # a cycle's scored states
         if all("opened_ahead" in e for e in group):   # workers since 2026-12-01 (session 12)
             out["opened_ahead"] = sum(bool(e["opened_ahead"]) for e in group)
         return out
@@ -202,6 +206,5 @@ def gpu_pipeline(events: list[dict], since: float = 0.0) -> dict:
         idle.append(max(0.0, launched - free_at))
         lead.append(free_at - at(cycle, "closed_ms"))
     span = at(cycles[-1], "scored_ms") - at(cycles[0], "scored_ms")
-    median = lambda xs: round(sorted(xs)[(len(xs) - 1) // 2], 2)  # noqa: E731
     return {"cycles": len(cycles), "gpu_busy_fraction": round(busy / span, 3) if span > 0 else None,
-            "idle_before_launch_ms": median(idle), "close_lead_ms": median(lead)}
+            "idle_before_launch_ms": round(_lower_median(idle), 2), "close_lead_ms": round(_lower_median(lead), 2)}

@@ -83,7 +83,7 @@ class InFlight:
     launched: Future = field(default_factory=Future)  # its ``LaunchTimes``, once its batch is queued on the device
     scored_at: float | None = None  # when its scores were ready (set on the scoring thread)
     offsets: list | None = None  # what its transaction commits, once ``Transactions.open`` sent them ahead
-    wakes: queue.SimpleQueue | None = None  # told of its launch and of its scores, once the loop waited on it
+    wakes_loop: bool = False  # its launch and its scores put a wake-up on the loop's queue (once it waited on them)
 
     def on_launched(self, times: LaunchTimes) -> None:
         """(GPU thread) Its batch is queued on the device."""
@@ -91,8 +91,8 @@ class InFlight:
 
     def wake(self, wakeups: queue.SimpleQueue) -> None:
         """Have ``wakeups`` told (once) when its batch is launched and when its scores are ready."""
-        if self.wakes is None:
-            self.wakes = wakeups
+        if not self.wakes_loop:
+            self.wakes_loop = True
             for future in (self.launched, self.future):
                 future.add_done_callback(lambda _: wakeups.put(None))
 
@@ -252,11 +252,12 @@ class Worker:
             return self._consumer.poll(timeout)
         oldest = self._inflight[0]
         opened = self._txns.is_open_for(oldest.offsets)
-        if oldest.future.done() or timeout <= 0 or (oldest.launched.done() and not opened):
+        awaited = [oldest.future] if opened else [oldest.future, oldest.launched]
+        if timeout <= 0 or any(future.done() for future in awaited):
             return self._consumer.poll(0)     # its commit, or the opening of its transaction, is due now
         message = self._consumer.poll(0)
         if message is None:
-            self._wait_for(oldest, [oldest.future] if opened else [oldest.future, oldest.launched], timeout)
+            self._wait_for(oldest, awaited, timeout)
             message = self._consumer.poll(0)
         return message
 
