@@ -86,8 +86,11 @@ def test_worker_rides_out_a_broker_outage(tmp_path, model_dir):
     try:
         create_topics(broker.bootstrap, stream.topics, 2)
         stream.put_schema("tickets", QUESTIONS)
+        # a transactional call caught by the kill may stay blocked until the broker is back (librdkafka ignores its
+        # timeout there); the watchdog exits after twice the call's timeout (half the transaction's) plus 1 s: 11 s
+        # here, more than this outage lasts on a loaded 2-core machine (at 6 s, 7 s was not, once)
         worker = stream.start_worker(model_dir, "outlasts", "--metrics-port", str(metrics_port),
-                                     "--transaction-timeout-ms", "6000", "--max-batch", "4")
+                                     "--transaction-timeout-ms", "10000", "--max-batch", "4")
         _wait_for(lambda: _status(metrics_port, "/readyz") == 200, 90, "ready", worker.log)
         texts = state_texts(400, seed=8)
         states = [(f"o-{i}", encode_state(f"o-{i}", "tickets", t)) for i, t in enumerate(texts)]
