@@ -10,7 +10,10 @@ from engine.reference import score_full
 
 from .conftest import make_questions, make_states
 
-CPU_ATOL = 2e-6   # float32 on the CPU: another batch changes only the reduction order
+# float32 on the CPU: another batch changes only the reduction order, by how much depends on the CPU's BLAS kernels:
+# up to 4.3e-6 over six seeds on an AMD EPYC (2.5e-6 with the seeds below, over the 2e-6 this bound once was). Still
+# 5x under the bound against the full-forward oracle (1e-4, next test)
+CPU_ATOL = 2e-5
 
 
 def _schemas(se, n: int, seed: int = 0):
