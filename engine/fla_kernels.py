@@ -197,5 +197,6 @@ def gated_rms_norm(x, gate, weight, eps):
     return row_norm(x, weight, eps, GATED, gate)
 
 
-def qk_norm_rope(q, k, q_weight, k_weight, cos, sin, eps):
-    return rms_norm_rope(q, q_weight, cos, sin, eps), rms_norm_rope(k, k_weight, cos, sin, eps)
+def qk_norm_rope(q, k, q_weight, k_weight, cos, sin, eps, q_cos=None, q_sin=None):
+    q_cos, q_sin = (cos, sin) if q_cos is None else (q_cos, q_sin)
+    return rms_norm_rope(q, q_weight, q_cos, q_sin, eps), rms_norm_rope(k, k_weight, cos, sin, eps)

@@ -45,8 +45,9 @@ class Kernels:
     swiglu(gate, up) = silu(gate) * up;
     add_rms_norm(h, x, weight, eps) -> (rms_norm(h + x), h + x), the sum rounded to h's dtype before the norm as
         transformers does (h may be updated in place);
-    qk_norm_rope(q [B, T, Hq, D], k [B, T, Hkv, D], q_weight, k_weight, cos, sin, eps) -> (q, k) as [B, H, T, D]: the
-        attention's per-head RMSNorms, then transformers' `apply_rotary_pos_emb`;
+    qk_norm_rope(q [B, T, Hq, D], k [B, T, Hkv, D], q_weight, k_weight, cos, sin, eps, q_cos=None, q_sin=None) ->
+        (q, k) as [B, H, T, D]: the attention's per-head RMSNorms, then transformers' `apply_rotary_pos_emb`; with
+        q_cos, q_sin, q is rotated by those (q of other rows than k's: [S, 1, Hq, D] at the answer rows);
     gate_attention(engine.attention.AttentionOut, gate [B, T, Hq, D]) -> [B, T, Hq * D]: the merge of a prefix/suffix
         split attention (if any), then transformers' sigmoid output gate;
     linear(x [..., K], weight [N, K]) -> [..., N]: every projection (bias-free), the label read-out included;
@@ -62,6 +63,10 @@ class Kernels:
         slots [B] int64, gate [B, T, Hq, D], scale) -> [B, T, Hq * D]: a suffix pass's whole attention (row b's prefix
         keys from bank entry slots[b], then its causal suffix keys, one softmax) and the output gate, in one kernel;
         None: the split path (`indexed_attention` or gathered keys, `attention`, `gate_attention`);
+    answer_attention(q [S, Hq, D], k, v [B, Hkv, T, D], bank_k, bank_v, key_lengths, slots, rows [S] int64, starts,
+        counts [B] int64, gate [S, Hq, D], scale) -> [S, Hq * D]: `suffix_attention` for queries at S rows alone (row
+        b's at rows[starts[b]:starts[b] + counts[b]]): the last layer's (`engine.model.ANSWER_QUERIES`); None: every
+        token's queries, then the rows;
     attend_by_request: the suffix pass runs attention one row at a time on its own lengths (eager only: a graph
         cannot capture per-batch lengths), for tables whose attention kernel depends on the batch's padded length."""
     name: str
@@ -78,6 +83,7 @@ class Kernels:
     attention: Callable = sdpa_with_lse
     indexed_attention: Callable | None = None
     suffix_attention: Callable | None = None
+    answer_attention: Callable | None = None
     attend_by_request: bool = False
 
 
@@ -117,7 +123,7 @@ def fla_kernels() -> Kernels:
     """`engine.fla_kernels` (CUDA only): ImportError where fla or triton is not installed."""
     from engine import batch_invariant as bi
     from engine import fla_kernels as f      # imports fla and triton, which CPU machines may lack
-    from engine.suffix_attention import suffix_attention
+    from engine.suffix_attention import answer_attention, suffix_attention
     log.info("fla's autotuned kernels pinned to one launch each (the same in every process): %s",
              f.pin_autotuned_launches())
     # the prefix half, where the attention is split (`engine.model.FUSED_ATTENTION` off), by the Triton
@@ -125,7 +131,8 @@ def fla_kernels() -> Kernels:
     # also ran a shared prefix faster than flash did: engine.batch_invariant)
     return Kernels("fla", f.delta_rule, f.conv_qkv, f.row_norm, f.gated_rms_norm, f.swiglu, f.add_rms_norm,
                    f.qk_norm_rope, f.gate_attention, f.linear, add_linear=torch_k.torch_add_linear,
-                   indexed_attention=bi.indexed_attention, suffix_attention=suffix_attention)
+                   indexed_attention=bi.indexed_attention, suffix_attention=suffix_attention,
+                   answer_attention=answer_attention)
 
 
 def batch_invariant_kernels(table: Kernels, gemm_weights: Sequence[torch.Tensor]) -> Kernels:
@@ -150,4 +157,5 @@ def batch_invariant_kernels(table: Kernels, gemm_weights: Sequence[torch.Tensor]
                    add_linear=None,               # its GEMMs' row-count invariance is checked for F.linear alone
                    attention=bi.attention,
                    indexed_attention=bi.indexed_attention,
-                   suffix_attention=None)        # the split path, whose batch-invariance the GPU tests check
+                   suffix_attention=None,        # the split path, whose batch-invariance the GPU tests check
+                   answer_attention=None)

@@ -44,6 +44,15 @@ so never in a deterministic table. Off: on the H200 it saved nothing (run BC, `b
 "residual:engine.model.FUSED_RESIDUAL=True"`: 59.55 against 59.58 ms at batch 128, 2.40 against 2.43 at batch 1, within
 the rounds' spread), though it matches the oracle as the default path does (`tests/engine/test_gpu.py -k residual`).
 Read when a step is traced, like `ANSWER_ROWS_ONLY`."""
+ANSWER_QUERIES = False
+"""With `layers(..., rows=)` in a suffix pass whose kernel table has `answer_attention`, compute the last layer's
+queries, attention, output gate and output projection at those rows alone (its keys and values still at every token):
+where the last layer is a full-attention layer (Qwen3.5's are), no later layer reads another token's output. At
+batch 128 that leaves out, from the FLOP counts and run AX's profile, about 0.27 ms of the q|gate projection (4,096 of
+its 5,120 columns), 0.4 ms of attention and 0.13 ms of the output projection, of a 60 ms step. The projections of
+fewer rows round as cuBLAS does for that row count: the fast table only (the deterministic one has no
+`answer_attention`). Off until timed on a GPU (`bench/variant_ab.py --variant
+"answers:engine.model.ANSWER_QUERIES=True"`); read when a step is traced, like `ANSWER_ROWS_ONLY`."""
 
 
 @dataclass
@@ -60,6 +69,7 @@ class CausalContext:
     """Context of a whole-prompt pass with no cache: plain causal attention, no state kept (the `full_fast` path)."""
 
     records = False   # whether the pass keeps the layer states (`keep`): only a prefix pass does
+    answers = None    # (starts, counts) of each row's answer rows, where attention can run at them alone
 
     def conv_prev(self, i):
         """(the previous conv inputs, an index into them per row or None), as `Kernels.conv_qkv` takes them."""
@@ -107,9 +117,10 @@ class SuffixContext:
     records = False
 
     def __init__(self, bank, slots: torch.Tensor, T: int, key_span: int, lengths: list[int] | None = None,
-                 host_slots: list[int] | None = None):
+                 host_slots: list[int] | None = None, answers: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """answers: ([B] int64 each) where row b's answer rows start among `layers`' rows, and how many it has."""
         self.bank, self.slots, self.T, self.key_span = bank, slots, T, key_span
-        self.lengths, self.host_slots = lengths, host_slots
+        self.lengths, self.host_slots, self.answers = lengths, host_slots, answers
         self.prefix_lengths = bank.lengths.index_select(0, slots)                               # [B] int32
         self.positions = self.prefix_lengths[:, None].long() + torch.arange(T, device=slots.device)[None, :]  # [B, T]
 
@@ -125,6 +136,13 @@ class SuffixContext:
             return kernels.suffix_attention(q, k, v, self.bank.k[i], self.bank.v[i], self.bank.lengths, self.slots,
                                             gate, scale)
         return kernels.gate_attention(self.attend(i, q, k, v, scale, kernels), gate)
+
+    def attend_answers(self, i, q, k, v, scale, kernels, gate, rows) -> torch.Tensor:
+        """`attend_gated` for the queries at the answer rows alone: q, gate [S, Hq, D] at rows ([S] tokens b * T + t);
+        k, v: [B, Hkv, T, D] -> [S, Hq * D]."""
+        starts, counts = self.answers
+        return kernels.answer_attention(q, k, v, self.bank.k[i], self.bank.v[i], self.bank.lengths, self.slots, rows,
+                                        starts, counts, gate, scale)
 
     def attend(self, i, q, k, v, scale, kernels):
         """q: [B, Hq, T, D]; k, v: [B, Hkv, T, D] (this suffix). Softmax over [own prefix keys | causal suffix keys],
@@ -210,6 +228,7 @@ class HybridForward:
         else:
             attn = layer.self_attn
             w["qkv"] = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
+            w["q_proj"], w["kv_proj"] = w["qkv"].split([attn.q_proj.out_features, 2 * attn.k_proj.out_features])
             w["q_norm"] = 1.0 + attn.q_norm.weight.float()
             w["k_norm"] = 1.0 + attn.k_norm.weight.float()
         return w
@@ -248,24 +267,31 @@ class HybridForward:
         fused = FUSED_RESIDUAL and self.kernels.add_linear is not None
         for i, layer in enumerate(self.core.layers):
             w = self.w[i]
-            # the token mixer's output before its projection
+            answer_rows = rows if i == last and rows is not None and ANSWER_ROWS_ONLY else None
+            # the token mixer's output before its projection; at the answer rows alone where it can be
+            at_rows = (answer_rows is not None and ANSWER_QUERIES and layer.block_type != "linear_attention"
+                       and ctx.answers is not None and self.kernels.answer_attention is not None)
             if layer.block_type == "linear_attention":
                 y, projection = self._gated_delta_net(layer.linear_attn, w, x, i, ctx)
+            elif at_rows:
+                y, projection = self._attention_at_rows(layer.self_attn, w, x, cos, sin, i, ctx, answer_rows)
             else:
                 y, projection = self._attention(layer.self_attn, w, x, cos, sin, i, ctx)
-            answer_rows = rows if i == last and rows is not None and ANSWER_ROWS_ONLY else None
-            x, h = self._add_projected(h, y, projection, w["post_norm"], fused, answer_rows)
+            x, h = self._add_projected(h, y, projection, w["post_norm"], fused, answer_rows, y_at_rows=at_rows)
             y = self._mlp(layer.mlp, w, x)
             if i == last:
                 out = self._add_projected(h, y, layer.mlp.down_proj.weight, None, fused)[1]
                 return out if rows is None or ANSWER_ROWS_ONLY else _at_rows(out, rows)
             x, h = self._add_projected(h, y, layer.mlp.down_proj.weight, self.w[i + 1]["in_norm"], fused)
 
-    def _add_projected(self, h, y, projection, norm_w, fused: bool, rows: torch.Tensor | None = None):
+    def _add_projected(self, h, y, projection, norm_w, fused: bool, rows: torch.Tensor | None = None,
+                       y_at_rows: bool = False):
         """(the norm with norm_w, the sum) of the residual stream h plus y's projection; norm_w None: (None, the sum);
-        rows: of those token rows alone ([S, hidden] each), selected after the projection. Each residual add is fused
-        with the norm that reads its result (one pass over the stream, not two), or, fused, with the projection
-        (`FUSED_RESIDUAL`)."""
+        rows: of those token rows alone ([S, hidden] each), selected after the projection, or y_at_rows: y is
+        already [S, ...], at those rows. Each residual add is fused with the norm that reads its result (one pass over
+        the stream, not two), or, fused, with the projection (`FUSED_RESIDUAL`)."""
+        if rows is not None and y_at_rows:
+            h, rows = _at_rows(h, rows), None
         if fused:
             h = self.kernels.add_linear(h, y, projection)
             h = h if rows is None else _at_rows(h, rows)
@@ -292,6 +318,22 @@ class HybridForward:
         v = v.reshape(B, T, -1, D).transpose(1, 2)                                         # q, k, v: [B, H, T, D]
         out = ctx.attend_gated(i, q, k, v, attn.scaling, self.kernels, gate)              # [B, T, Hq * D]
         return out, attn.o_proj.weight                                                     # o_proj: `_add_projected`
+
+    def _attention_at_rows(self, attn, w, x, cos, sin, i, ctx, rows):
+        """`_attention` with its queries at rows alone ([S] tokens): keys and values from every token, the queries and
+        their gate from the rows' own projection -> ([S, Hq * D], the output projection)."""
+        B, T, _ = x.shape
+        D = attn.head_dim
+        kv_dim = attn.k_proj.out_features
+        k, v = self.kernels.linear(x, w["kv_proj"]).split([kv_dim, kv_dim], dim=-1)
+        qg = self.kernels.linear(_at_rows(x, rows), w["q_proj"])                        # [S, Hq * 2D]
+        S = qg.shape[0]
+        q, gate = torch.chunk(qg.view(S, 1, -1, 2 * D), 2, dim=-1)                         # [S, 1, Hq, D] each
+        q, k = self.kernels.qk_norm_rope(q, k.view(B, T, -1, D), w["q_norm"], w["k_norm"], cos, sin, self.eps,
+                                         q_cos=_at_rows(cos, rows)[:, None], q_sin=_at_rows(sin, rows)[:, None])
+        v = v.reshape(B, T, -1, D).transpose(1, 2)                                         # k, v: [B, Hkv, T, D]
+        out = ctx.attend_answers(i, q[:, :, 0], k, v, attn.scaling, self.kernels, gate[:, 0], rows)
+        return out, attn.o_proj.weight
 
     def _gated_delta_net(self, lin, w, x, i, ctx):
         B, T, _ = x.shape                                                                  # x: [B, T, hidden]

@@ -261,13 +261,17 @@ class SchemaEngine:
         flat = [i * T + p for i, r in enumerate(rows) for p in r.answers]
         # the step's small inputs in two host arrays, so that a step costs the GPU thread three pinned copies: every
         # torch call releases the GIL, and taking it back behind the loop's threads can cost a switch interval each
-        ints = np.zeros(R + 2 * A, dtype=np.int64)          # [prefix slot per row | answer positions | option counts]
+        # [prefix slot per row | answer positions | option counts | per row: its first answer's index, its answers]
+        ints = np.zeros(3 * R + 2 * A, dtype=np.int64)
         slots = [r.prefix_slot for r in rows]
         ints[:n] = slots
         ints[n:R] = rows[0].prefix_slot      # padding rows continue a live prefix (a free slot's has no keys at all)
         ints[R:R + len(flat)] = flat
         ints[R + A:R + A + len(flat)] = [k for r in rows for k in r.n_options]
-        ints[R + A + len(flat):] = MAX_OPTIONS
+        ints[R + A + len(flat):R + 2 * A] = MAX_OPTIONS
+        counts = [len(r.answers) for r in rows]
+        ints[R + 2 * A:R + 2 * A + n] = np.cumsum(counts) - counts
+        ints[2 * R + 2 * A:2 * R + 2 * A + n] = counts
         inv_temp = np.ones(A, dtype=np.float32)
         inv_temp[:len(flat)] = [t for r in rows for t in r.inv_temps]
         pin = self.e.dev.type == "cuda"
@@ -294,9 +298,10 @@ class SchemaEngine:
         R = shape.R
 
         def step(ids, ints, inv_temp):
-            slots, flat, n_options = ints[:R], ints[R:R + A], ints[R + A:]
+            slots, flat, n_options = ints[:R], ints[R:R + A], ints[R + A:R + 2 * A]
+            answers = ints[R + 2 * A:2 * R + 2 * A], ints[2 * R + 2 * A:]                   # starts, counts per row
             mask = torch.arange(MAX_OPTIONS, device=ids.device)[None, :] < n_options[:, None]      # [A, MAX_OPTIONS]
-            ctx = SuffixContext(self.bank, slots, shape.T, key_span, lengths, host_slots)
+            ctx = SuffixContext(self.bank, slots, shape.T, key_span, lengths, host_slots, answers)
             hidden = self.fwd.layers(ids, ctx.positions, ctx, rows=flat)                      # [A, H]
             return read_rows(hidden, self.fwd.final_norm, self.e.W, inv_temp[:, None], mask, self.fwd.kernels.linear)
         return step, None

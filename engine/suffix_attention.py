@@ -135,3 +135,90 @@ def suffix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bank_k: 
         KEY_CAP=bank_k.shape[2] if _INTERPRETED else 0, T_CAP=T if _INTERPRETED else 0, num_warps=warps,
         num_stages=stages, **pdl_launch())
     return out
+
+
+ANSWER_CONFIG = (64, 64, 4, 2)
+"""`answer_attention`'s launch: (query rows, keys, warps, stages). A program takes one row's answer queries (up to BM /
+G answers of one kv head's G query heads), so at the 0.8B shape (G = 4, 10 questions) one program holds a row's
+answers. Not yet timed on a GPU."""
+
+
+@triton.jit(do_not_specialize=["T"])
+def _answer_attention_kernel(Q, K, V, KP, VP, PLENS, SLOTS, ROWS, STARTS, COUNTS, GATE, Y, T,
+                             sq_s, sq_h, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, skp_s, skp_h, skp_n, svp_s, svp_h,
+                             svp_n, g_s, g_h, scale, G: tl.constexpr, D: tl.constexpr, BM: tl.constexpr,
+                             BN: tl.constexpr, PRECISION: tl.constexpr, KEY_CAP: tl.constexpr, T_CAP: tl.constexpr):
+    b = tl.program_id(2).to(tl.int64)
+    kvh = tl.program_id(1)
+    m = tl.program_id(0) * BM + tl.arange(0, BM)
+    j = m // G                                      # each query row's answer (of row b's), and its query head
+    h = kvh * G + m % G
+    count = tl.load(COUNTS + b)
+    ok = j < count
+    s = tl.load(STARTS + b) + j                     # the answer's index among the step's answer rows
+    t = tl.load(ROWS + s, mask=ok, other=0) - b * T      # its position in row b's suffix
+    t = tl.where(ok, t, 0)
+    d = tl.arange(0, D)
+    q = tl.load(Q + (s * sq_s + h * sq_h)[:, None] + d[None, :], mask=ok[:, None], other=0.0)
+    qk_scale = scale * 1.4426950408889634
+    m_i = tl.full((BM,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BM,), dtype=tl.float32)
+    acc = tl.zeros((BM, D), dtype=tl.float32)
+
+    # as `_suffix_attention_kernel`: the prefix's keys from the bank entry of row b's slot, then the suffix's own keys
+    # up to the block's last answer, each query masked at its own position; a row with no answers here reads none
+    slot = tl.load(SLOTS + b).to(tl.int64)
+    n_prefix = tl.where(tl.program_id(0) * BM < count * G, tl.load(PLENS + slot), 0)
+    kp = KP + slot * skp_s + kvh * skp_h
+    vp = VP + slot * svp_s + kvh * svp_h
+    for start in range(0, KEY_CAP if KEY_CAP else n_prefix, BN):
+        n = start + tl.arange(0, BN)
+        key_ok = n < n_prefix
+        k = tl.load(kp + n[None, :].to(tl.int64) * skp_n + d[:, None], mask=key_ok[None, :], other=0.0)
+        v = tl.load(vp + n[:, None].to(tl.int64) * svp_n + d[None, :], mask=key_ok[:, None], other=0.0)
+        m_i, l_i, acc = _online_softmax_step(q, k, v, key_ok[None, :], m_i, l_i, acc, qk_scale, PRECISION)
+    last = tl.max(tl.where(ok, t, -1), 0)
+    ks = K + b * sk_b + kvh * sk_h
+    vs = V + b * sv_b + kvh * sv_h
+    for start in range(0, T_CAP if T_CAP else last + 1, BN):
+        n = start + tl.arange(0, BN)
+        key_ok = n <= last
+        k = tl.load(ks + n[None, :].to(tl.int64) * sk_t + d[:, None], mask=key_ok[None, :], other=0.0)
+        v = tl.load(vs + n[:, None].to(tl.int64) * sv_t + d[None, :], mask=key_ok[:, None], other=0.0)
+        m_i, l_i, acc = _online_softmax_step(q, k, v, (n[None, :] <= t[:, None]) & key_ok[None, :], m_i, l_i, acc,
+                                             qk_scale, PRECISION)
+
+    ty = Y.dtype.element_ty
+    o = (acc / l_i[:, None]).to(ty).to(tl.float32)
+    g = tl.load(GATE + (s * g_s + h * g_h)[:, None] + d[None, :], mask=ok[:, None], other=0.0)
+    y = o * tl.sigmoid(g.to(tl.float32)).to(ty).to(tl.float32)
+    Hq = G * tl.num_programs(1)
+    tl.store(Y + (s * Hq + h)[:, None] * D + d[None, :], y.to(ty), mask=ok[:, None])
+
+
+def answer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bank_k: torch.Tensor, bank_v: torch.Tensor,
+                     key_lengths: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, starts: torch.Tensor,
+                     counts: torch.Tensor, gate: torch.Tensor, scale: float) -> torch.Tensor:
+    """`suffix_attention` for the answer slots' queries alone, as the last layer needs them (no later layer reads
+    another token): q [S, Hq, D] at the S answer rows, rows [S] int64 their tokens (b * T + t) in the batch of k, v
+    [B, Hkv, T, D]; row b's answers are rows[starts[b]:starts[b] + counts[b]] ([B] int64 each: consecutive, at most
+    S / B of them); gate [S, Hq, D] -> [S, Hq * D], zero at the rows that are no row's answers (a step's padding). Each
+    answer reads its row's prefix keys (bank entry slots[b]) and its suffix keys up to its own position: the 10 answers
+    of a 184-token row read its keys once, where the whole-row kernel reads them for 184 queries."""
+    S, Hq, D = q.shape
+    B, Hkv, T, _ = k.shape
+    G = Hq // Hkv
+    if any(x.stride(-1) != 1 for x in (q, k, v, bank_k, bank_v, gate)):
+        raise ValueError("answer_attention: the last dimension of every input must be contiguous")
+    out = torch.zeros(S, Hq * D, dtype=q.dtype, device=q.device)
+    if S == 0 or B == 0:
+        return out
+    BM, BN, warps, stages = ANSWER_CONFIG
+    grid = (triton.cdiv(G * triton.cdiv(S, B), BM), Hkv, B)
+    _answer_attention_kernel[grid](
+        q, k, v, bank_k, bank_v, key_lengths, slots, rows, starts, counts, gate, out, T, q.stride(0), q.stride(1),
+        *k.stride()[:3], *v.stride()[:3], *bank_k.stride()[:3], *bank_v.stride()[:3], gate.stride(0), gate.stride(1),
+        scale, G=G, D=D, BM=BM, BN=BN, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        KEY_CAP=bank_k.shape[2] if _INTERPRETED else 0, T_CAP=T if _INTERPRETED else 0, num_warps=warps,
+        num_stages=stages)
+    return out

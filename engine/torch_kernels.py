@@ -64,10 +64,12 @@ def torch_swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def torch_qk_norm_rope(q, k, q_weight, k_weight, cos, sin, eps):
+def torch_qk_norm_rope(q, k, q_weight, k_weight, cos, sin, eps, q_cos=None, q_sin=None):
     q = torch_rms_norm(q, q_weight, eps).transpose(1, 2)                               # [B, Hq, T, D]
     k = torch_rms_norm(k, k_weight, eps).transpose(1, 2)                               # [B, Hkv, T, D]
-    return apply_rotary_pos_emb(q, k, cos, sin)
+    if q_cos is None:
+        return apply_rotary_pos_emb(q, k, cos, sin)
+    return apply_rotary_pos_emb(q, q, q_cos, q_sin)[0], apply_rotary_pos_emb(k, k, cos, sin)[0]
 
 
 def torch_gate_attention(a: AttentionOut, gate: torch.Tensor, sigmoid=torch.sigmoid) -> torch.Tensor:

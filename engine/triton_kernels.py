@@ -76,14 +76,38 @@ splits a row's channels over a warp's threads alike, so the L2 norms sum in the 
 same bits (`tests/engine/test_triton_kernels.py` checks the two launches; `bench/kernel_probe.py --only conv` reports
 every launch's)."""
 CONV_FILL_PROGRAMS = 2048
+CONV_WEIGHT_TILE = False
+"""Whether `conv_qkv` loads each tap's weights as a [tokens, channels] tile in its inputs' layout (True) or as a
+vector broadcast over the tokens (False: what every run so far timed). Compiled for sm_90 by Triton 3.6 as launched at
+(8, 2), each vector load is converted through shared memory: 7 conversions and 13 barriers a program; the tile load
+leaves none of either (`tests/engine/test_triton_ptx.py`), for 30 global load instructions instead of 23 (each thread
+loads the weights of its own channels, which L1 holds). The same arithmetic in the same order: the same bits
+(`tests/engine/test_triton_kernels.py`). At (4, 1), batch 1's launch, one warp converts without barriers. Not yet
+timed on a GPU: read at each call, so `bench/variant_ab.py` can time it (`--variant
+"wtile:engine.triton_kernels.CONV_WEIGHT_TILE=True"`)."""
+NORM_WEIGHT_TILE = False
+"""`CONV_WEIGHT_TILE` for the norms' weights (`row_norm`). Compiled as launched for the 1,024-wide residual norm (4
+rows a program, 4 warps): 2 barriers a program instead of 4 (the other 2 sum a row across its 4 warps); for the gated
+norm of 128-wide heads: none instead of 1. Same bits; not yet timed on a GPU."""
 
 _BLOCK_ELEMENTS = 4096          # elements per program: 4 rows of 1024, 32 rows of 128
+
+
+@triton.jit
+def _per_column(P, rows, offsets, col_ok, TILE: tl.constexpr):
+    # one value per column (at P + offsets), float32, to multiply a [rows, columns] tile by. TILE loads it as a whole
+    # tile, every row the same addresses, so it lands in the tile's own layout; a 1-D load lands in a 1-D layout, which
+    # broadcasting over the rows converts through shared memory, behind a barrier
+    if TILE:
+        return tl.load(P + rows[:, None] * 0 + offsets[None, :], mask=col_ok[None, :], other=0.0).to(tl.float32)
+    else:
+        return tl.load(P + offsets, mask=col_ok, other=0.0).to(tl.float32)[None, :]
 
 
 @triton.jit(do_not_specialize=["n_rows", "heads"])
 def _row_norm_kernel(X, G, W, Y, R, n_rows, heads, x_outer, x_inner, g_outer, g_inner, eps,
                      D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr, KIND: tl.constexpr,
-                     ADD_RESIDUAL: tl.constexpr, PDL: tl.constexpr = False):
+                     ADD_RESIDUAL: tl.constexpr, W_TILE: tl.constexpr = False, PDL: tl.constexpr = False):
     await_previous_kernel(PDL)
     rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
     cols = tl.arange(0, BD)
@@ -99,16 +123,16 @@ def _row_norm_kernel(X, G, W, Y, R, n_rows, heads, x_outer, x_inner, g_outer, g_
         tl.store(p_res, x, mask=mask)
         x = x.to(tl.float32)
     y = x * (1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps))[:, None]
-    w = tl.load(W + cols, mask=in_cols, other=0.0).to(tl.float32)
+    w = _per_column(W, rows, cols, in_cols, W_TILE)
     if KIND == 1:
         # transformers' gated norm rounds to the input dtype after normalising and after the weight, then gates
         # in float32
-        y = (y.to(Y.dtype.element_ty).to(tl.float32) * w[None, :]).to(Y.dtype.element_ty).to(tl.float32)
+        y = (y.to(Y.dtype.element_ty).to(tl.float32) * w).to(Y.dtype.element_ty).to(tl.float32)
         g = tl.load(G + (token * g_outer + head * g_inner)[:, None] + cols[None, :], mask=mask, other=0.0)
         g = g.to(tl.float32)
         y = y * (g * tl.sigmoid(g))
     else:
-        y = y * w[None, :]
+        y = y * w
     tl.store(Y + rows[:, None] * D + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
 
@@ -150,7 +174,7 @@ def row_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, kind: int = RMS,
     _row_norm_kernel[(triton.cdiv(n_rows, BR),)](
         rows, g, weight, out, residual if residual is not None else out, n_rows, heads,
         rows.stride(0), rows.stride(1), g.stride(0), g.stride(1), eps, D=D, BD=BD, BR=BR, KIND=kind,
-        ADD_RESIDUAL=residual is not None, num_warps=4, **pdl_launch())
+        ADD_RESIDUAL=residual is not None, W_TILE=NORM_WEIGHT_TILE, num_warps=4, **pdl_launch())
     return out
 
 
@@ -272,7 +296,8 @@ def gate_attention(a, gate: torch.Tensor) -> torch.Tensor:
 def _conv_qkv_kernel(X, W, PREV, PREV_INDEX, GATES, Q, K, V, BETA, ALPHA, T, x_b, x_t, w_c, w_k, p_b, p_c, p_k,
                      g_b, g_t, eps, HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                      KW: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, NG: tl.constexpr, BG: tl.constexpr,
-                     HAS_PREV: tl.constexpr, HAS_INDEX: tl.constexpr, PDL: tl.constexpr = False):
+                     HAS_PREV: tl.constexpr, HAS_INDEX: tl.constexpr, W_TILE: tl.constexpr = False,
+                     PDL: tl.constexpr = False):
     # one program: BT tokens of one row (b) x one head's channels (seg: q heads, then k heads, then v heads)
     await_previous_kernel(PDL)
     seg = tl.program_id(1)
@@ -290,8 +315,7 @@ def _conv_qkv_kernel(X, W, PREV, PREV_INDEX, GATES, Q, K, V, BETA, ALPHA, T, x_b
         src_t = t - (KW - 1) + j
         m = (t_ok & (src_t >= 0))[:, None] & col_ok[None, :]
         x = tl.load(X + b * x_b + src_t[:, None] * x_t + c[None, :], mask=m, other=0.0).to(tl.float32)
-        w = tl.load(W + c * w_c + j * w_k, mask=col_ok, other=0.0).to(tl.float32)
-        acc += x * w[None, :]
+        acc += x * _per_column(W + j * w_k, t, c * w_c, col_ok, W_TILE)
     if HAS_PREV:
         if tl.program_id(0) == 0:
             # times before the row's first token come from the prefix's state, whose columns 0..KW-2 hold the inputs
@@ -306,8 +330,7 @@ def _conv_qkv_kernel(X, W, PREV, PREV_INDEX, GATES, Q, K, V, BETA, ALPHA, T, x_b
                 mp = (t_ok & (src_t < 0))[:, None] & col_ok[None, :]
                 x_prev = tl.load(PREV + state * p_b + c[None, :] * p_c + (KW - 1 + src_t)[:, None] * p_k, mask=mp,
                                  other=0.0)
-                w_tap = tl.load(W + c * w_c + j * w_k, mask=col_ok, other=0.0)
-                acc += x_prev.to(tl.float32) * w_tap.to(tl.float32)[None, :]
+                acc += x_prev.to(tl.float32) * _per_column(W + j * w_k, t, c * w_c, col_ok, W_TILE)
     ty = Q.dtype.element_ty
     y = (acc * (1.0 / (1.0 + tl.exp(-acc)))).to(ty).to(tl.float32)      # SiLU, rounded as the conv's output
     mask = t_ok[:, None] & col_ok[None, :]
@@ -365,7 +388,7 @@ def conv_qkv(x: torch.Tensor, weight: torch.Tensor, prev: torch.Tensor | None, k
         x, weight, state, index, gates, q, k, v, beta, alpha, T, x.stride(0), x.stride(1), weight.stride(0),
         weight.stride(1), *state_strides, gates.stride(0), gates.stride(1), eps, HK=HK, HV=HV, DK=head_k_dim,
         DV=head_v_dim, KW=KW, BT=BT, BD=BD, NG=NG, BG=triton.next_power_of_2(2 * NG), HAS_PREV=prev is not None,
-        HAS_INDEX=prev_index is not None, num_warps=warps, **pdl_launch())
+        HAS_INDEX=prev_index is not None, W_TILE=CONV_WEIGHT_TILE, num_warps=warps, **pdl_launch())
     return q, k, v, beta, alpha
 
 

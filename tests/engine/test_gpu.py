@@ -100,24 +100,28 @@ def test_pdl_graphs_capture_and_give_the_same_bits(engine, request, monkeypatch)
     assert torch.equal(*runs)
 
 
+@pytest.mark.parametrize("switch", ["FUSED_RESIDUAL", "ANSWER_QUERIES"], ids=["residual", "answer-queries"])
 @pytest.mark.parametrize("batch", [1, 5, 70])
-def test_residual_adds_fused_into_the_projections_match_the_oracle(exact_eng, gpu_eng, batch, monkeypatch):
-    """`engine.model.FUSED_RESIDUAL` on: the residual adds run in cuBLAS's epilogue (rounded once), captured in graphs;
-    held to the oracle as `test_bf16_graphs_match_the_oracle` holds the default path."""
+def test_fast_path_switches_match_the_oracle(exact_eng, gpu_eng, batch, switch, monkeypatch):
+    """A switch of `engine.model` on, captured in graphs, in both prefix modes (independent: one answer a row), held to
+    the oracle as `test_bf16_graphs_match_the_oracle` holds the default path. `FUSED_RESIDUAL`: the residual adds
+    run in cuBLAS's epilogue (rounded once); `ANSWER_QUERIES`: the last layer's queries, attention and output
+    projection at the answer rows alone."""
     from engine import model
 
-    monkeypatch.setattr(model, "FUSED_RESIDUAL", True)
+    monkeypatch.setattr(model, switch, True)
     qs = make_questions(list(range(2, 9)), temperatures=[0.5, 1.0, 2.0, 0.8, 1.3, 1.0, 0.7])
     states = make_states(batch, seed=batch)
     se = SchemaEngine(gpu_eng, use_graphs=True)
-    got = torch.stack(se.score(se.prepare(qs), states))
-    ref_bf16 = torch.stack(score_full(gpu_eng, qs, states))                   # transformers' forward: not affected
-    exact = torch.stack(score_full(exact_eng, qs, states))
-    err_engine, err_oracle = (got - exact).abs(), (ref_bf16 - exact).abs()
-    print(f"fused residual, batch {batch}: |engine-exact| max {err_engine.max():.2e} mean {err_engine.mean():.2e}  "
-          f"|oracle_bf16-exact| max {err_oracle.max():.2e} mean {err_oracle.mean():.2e}")
-    assert err_engine.mean() <= 1.5 * err_oracle.mean() + 1e-3
-    assert err_engine.max() <= 2 * err_oracle.max() + ONE_LOGIT_ROUNDING
+    for independent in (False, True):
+        got = torch.stack(se.score(se.prepare(qs, independent=independent), states))
+        ref_bf16 = torch.stack(score_full(gpu_eng, qs, states, independent=independent))    # transformers' forward
+        exact = torch.stack(score_full(exact_eng, qs, states, independent=independent))
+        err_engine, err_oracle = (got - exact).abs(), (ref_bf16 - exact).abs()
+        print(f"{switch}, batch {batch}, independent {independent}: |engine-exact| max {err_engine.max():.2e} mean "
+              f"{err_engine.mean():.2e}  |oracle_bf16-exact| max {err_oracle.max():.2e} mean {err_oracle.mean():.2e}")
+        assert err_engine.mean() <= 1.5 * err_oracle.mean() + 1e-3
+        assert err_engine.max() <= 2 * err_oracle.max() + ONE_LOGIT_ROUNDING
     assert se.graph_stats()["replays"] >= 1 and se.graph_stats()["eager"] == 0
 
 

@@ -119,3 +119,42 @@ def test_an_empty_mixed_batch_is_refused(eng):
 
     with pytest.raises(InputError):
         SchemaEngine(eng).score_mixed([])
+
+
+def _answer_attention_by_answer(q, k, v, bank_k, bank_v, key_lengths, slots, rows, starts, counts, gate, scale):
+    """`Kernels.answer_attention` one answer at a time, in PyTorch: the contract the Triton kernel meets on the GPU."""
+    S, Hq, D = q.shape
+    B, Hkv, T, _ = k.shape
+    out = q.new_zeros(S, Hq * D)
+    for b in range(B):
+        slot, start = int(slots[b]), int(starts[b])
+        n = int(key_lengths[slot])
+        keys = torch.cat([bank_k[slot, :, :n], k[b]], 1).repeat_interleave(Hq // Hkv, 0)     # [Hq, n + T, D]
+        values = torch.cat([bank_v[slot, :, :n], v[b]], 1).repeat_interleave(Hq // Hkv, 0)
+        for s in range(start, start + int(counts[b])):
+            seen = n + int(rows[s]) - b * T + 1
+            scores = (q[s][:, None, :] @ keys[:, :seen].transpose(-1, -2)) * scale             # [Hq, 1, seen]
+            o = torch.softmax(scores, -1) @ values[:, :seen]
+            out[s] = (o[:, 0] * torch.sigmoid(gate[s])).reshape(-1)
+    return out
+
+
+def test_last_layer_queries_at_the_answers_alone_score_a_mixed_batch_as_every_query(tiny_dir, monkeypatch):
+    """`engine.model.ANSWER_QUERIES` through the engine: rows of several schemas with different answer counts (each
+    row's answers located by the step's starts and counts), both prefix modes, padding rows; the last layer's
+    attention at the answer rows alone gives what attention at every token gives."""
+    import dataclasses
+
+    from engine import model
+
+    eng = Engine.load(tiny_dir, device="cpu", dtype="float32")
+    eng.forward.kernels = dataclasses.replace(eng.forward.kernels, answer_attention=_answer_attention_by_answer)
+    se = SchemaEngine(eng)
+    requests = _mixed_requests(se, _schemas(se, 5, seed=6), make_states(13, seed=7), seed=8)
+    calls, scored = [], []
+    at_rows = eng.forward._attention_at_rows
+    monkeypatch.setattr(eng.forward, "_attention_at_rows", lambda *a, **kw: calls.append(1) or at_rows(*a, **kw))
+    for on in (False, True):
+        monkeypatch.setattr(model, "ANSWER_QUERIES", on)
+        scored.append(se.score_mixed(requests))
+    assert len(calls) == 1 and _max_diff(*scored) < CPU_ATOL             # one step: 13 states, graphs off on the CPU

@@ -87,9 +87,10 @@ def test_conv_qkv_continues_the_prefix_state_and_l2_normalises_q_and_k(dtype, P,
     assert got[0].norm(dim=-1).sub(1).abs().max().item() < (1e-4 if dtype == torch.float32 else 1e-2)
 
 
-def test_conv_qkv_gives_the_same_bits_at_its_small_grid_launch(monkeypatch):
+def test_conv_qkv_gives_the_same_bits_at_its_small_grid_launch_and_with_weight_tiles(monkeypatch):
     """`CONV_SMALL_CONFIG` (batch 1) and `CONV_CONFIG` at the 0.8B shape (128-wide heads, whose L2 norms sum a row's
-    channels across a warp's threads): a row scored alone must get the bits it gets inside a batch."""
+    channels across a warp's threads): a row scored alone must get the bits it gets inside a batch. And
+    `CONV_WEIGHT_TILE`, which changes only the layout the weights load in, must not change a bit either."""
     from engine import triton_kernels
     from engine.triton_kernels import conv_qkv
 
@@ -101,11 +102,13 @@ def test_conv_qkv_gives_the_same_bits_at_its_small_grid_launch(monkeypatch):
     prev = torch.randn(3, KW - 1, C, generator=g).to(DEV, torch.bfloat16).transpose(1, 2)   # time-major, as the bank
     args = (qkv.view(B, T, C), weight, prev, Hk * D, D, D, gates.view(B, T, 2 * Hv), torch.tensor([2], device=DEV))
     outs = []
-    for fill in (0, 10 ** 9):               # never the small launch, always it
-        monkeypatch.setattr(triton_kernels, "CONV_FILL_PROGRAMS", fill)
-        outs.append(conv_qkv(*args))
+    for tile in (False, True):
+        monkeypatch.setattr(triton_kernels, "CONV_WEIGHT_TILE", tile)
+        for fill in (0, 10 ** 9):               # never the small launch, always it
+            monkeypatch.setattr(triton_kernels, "CONV_FILL_PROGRAMS", fill)
+            outs.append(conv_qkv(*args))
     assert triton_kernels.CONV_SMALL_CONFIG != triton_kernels.CONV_CONFIG
-    assert all(torch.equal(a, b) for a, b in zip(*outs))
+    assert all(torch.equal(a, b) for out in outs[1:] for a, b in zip(outs[0], out))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -148,6 +151,24 @@ def test_add_rms_norm_updates_the_residual_then_normalises_the_rounded_sum(dtype
     torch.testing.assert_close(got_normed, want_normed, atol=atol, rtol=rtol)
 
 
+def test_norms_give_the_same_bits_with_weight_tiles(monkeypatch):
+    """`NORM_WEIGHT_TILE` changes only the layout the norm's weights load in: the residual add + RMS norm of 1,024-wide
+    rows (4 a program, as the 0.8B model's) and the gated norm of 128-wide heads, bf16, must keep every bit."""
+    from engine import triton_kernels
+    from engine.triton_kernels import add_rms_norm
+
+    h, x = (t.contiguous() for t in _fused(2 * 9, [1024, 1024], torch.bfloat16, seed=11))
+    w = torch.rand(1024, device=DEV) + 0.5
+    heads, gate = _fused(2 * 9 * 3, [128, 128], torch.bfloat16, seed=12)
+    w_head = torch.rand(128, device=DEV) + 0.5
+    outs = []
+    for tile in (False, True):
+        monkeypatch.setattr(triton_kernels, "NORM_WEIGHT_TILE", tile)
+        normed, summed = add_rms_norm(h.clone(), x, w, 1e-6)
+        outs.append((normed, summed, row_norm(heads, w_head, 1e-6, GATED, gate)))
+    assert all(torch.equal(a, b) for a, b in zip(*outs))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_qk_norm_rope_matches_transformers_apply_rotary_pos_emb(dtype):
     """The attention's q (a strided half of the gated q projection) and k (a slice of the fused q|k|v output) with
@@ -172,28 +193,35 @@ def test_qk_norm_rope_matches_transformers_apply_rotary_pos_emb(dtype):
     torch.testing.assert_close(got_k, want_k, atol=tol, rtol=tol)
 
 
-def test_the_forward_with_these_kernels_matches_the_oracle(tiny_dir):
+@pytest.mark.parametrize("answer_queries", [False, True], ids=["every-query", "answer-queries"])
+def test_the_forward_with_these_kernels_matches_the_oracle(tiny_dir, answer_queries, monkeypatch):
     """The Triton kernels wired into the whole forward (in-place residual stream, the conv continuing the prefix's
-    state, [B, H, T, D] attention inputs, the one-kernel suffix attention, gated norm on strided z): the cached engine
-    against transformers' forward, float32. The recurrence stays PyTorch here so that it runs in the interpreter
-    too."""
+    state, [B, H, T, D] attention inputs, the one-kernel suffix attention, gated norm on strided z; and with
+    `ANSWER_QUERIES`, the last layer's queries at the answer rows alone): the cached engine against transformers'
+    forward, float32. The recurrence stays PyTorch here so that it runs in the interpreter too."""
     import dataclasses
 
-    from engine import Engine, SchemaEngine
+    from engine import Engine, SchemaEngine, model
     from engine.kernels import torch_kernels
     from engine.reference import score_full
-    from engine.suffix_attention import suffix_attention
+    from engine.suffix_attention import answer_attention, suffix_attention
     from engine.triton_kernels import GATED, add_rms_norm, conv_qkv, gate_attention, rms_norm_rope, row_norm, swiglu
 
     from .conftest import make_questions, make_states
 
+    monkeypatch.setattr(model, "ANSWER_QUERIES", answer_queries)
     eng = Engine.load(tiny_dir, device=DEV, dtype="float32")
+
+    def qk_norm_rope(q, k, qw, kw, cos, sin, eps, q_cos=None, q_sin=None):
+        q_cos, q_sin = (cos, sin) if q_cos is None else (q_cos, q_sin)
+        return rms_norm_rope(q, qw, q_cos, q_sin, eps), rms_norm_rope(k, kw, cos, sin, eps)
+
     eng.forward.kernels = dataclasses.replace(
         torch_kernels(), name="triton", conv_qkv=conv_qkv, swiglu=swiglu, rms_norm=row_norm, add_rms_norm=add_rms_norm,
-        gated_rms_norm=lambda x, gate, weight, eps: row_norm(x, weight, eps, GATED, gate),
-        qk_norm_rope=lambda q, k, qw, kw, cos, sin, eps: (rms_norm_rope(q, qw, cos, sin, eps),
-                                                          rms_norm_rope(k, kw, cos, sin, eps)),
-        gate_attention=gate_attention, suffix_attention=suffix_attention)
+        gated_rms_norm=lambda x, gate, weight, eps: row_norm(x, weight, eps, GATED, gate), qk_norm_rope=qk_norm_rope,
+        gate_attention=gate_attention, suffix_attention=suffix_attention, answer_attention=answer_attention)
+    calls = []
+    monkeypatch.setattr(eng.forward, "_attention_at_rows", _counted(eng.forward._attention_at_rows, calls))
     qs = make_questions([2, 4, 8], temperatures=[0.7, 1.0, 1.5])
     states = make_states(6, seed=11)
     se = SchemaEngine(eng, use_graphs=False)
@@ -202,6 +230,14 @@ def test_the_forward_with_these_kernels_matches_the_oracle(tiny_dir):
         want = torch.stack(score_full(eng, qs, states, independent=independent))
         # on CUDA transformers' forward runs fla's kernels, whose tf32 dots are ~1e-3 off (test_gpu.py's float32 test)
         assert (got - want).abs().max().item() < (1e-4 if DEV == "cpu" else 5e-3)
+    assert bool(calls) == answer_queries
+
+
+def _counted(fn, calls: list):
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return fn(*args, **kwargs)
+    return counted
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -625,3 +661,49 @@ def test_suffix_attention_is_one_softmax_over_the_rows_prefix_and_causal_suffix(
     torch.testing.assert_close(got.cpu(), want, atol=tol, rtol=tol)
     alone = sa.suffix_attention(q[1:2], k[1:2], v[1:2], bank_k, bank_v, lengths, slots[1:2], gate[1:2], 0.2)
     assert torch.equal(alone, got[1:2])
+
+
+@pytest.mark.parametrize("dtype", [
+    torch.float32,
+    pytest.param(torch.bfloat16, marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="Triton 3.6's "
+                 "interpreter multiplies bf16 tiles wrongly"))])
+def test_answer_attention_is_the_suffix_attention_at_the_answer_rows(dtype):
+    """The last layer's attention at the answer slots alone: each answer of row b (rows of different answer counts,
+    one with none, the step's padding answers pointing at token 0) against bank entry slots[b]'s prefix keys and its
+    own suffix keys up to its position, gated: the whole-row reference at those tokens, and zero at the padding. A
+    row's answers get the same bits whatever rows share the launch."""
+    from engine import suffix_attention as sa
+
+    g = torch.Generator().manual_seed(23)
+    S, Hkv, G, N, D, B, T = 4, 2, 2, 80, 32, 3, 70
+    Hq = Hkv * G
+    rnd = lambda *shape: torch.randn(*shape, generator=g).to(DEV, dtype)  # noqa: E731
+    bank_k, bank_v = rnd(S, Hkv, N, D), rnd(S, Hkv, N, D)
+    lengths = torch.tensor([80, 5, 33, 1], dtype=torch.int32, device=DEV)
+    slots = torch.tensor([2, 0, 3], device=DEV)
+    k = rnd(B, Hkv, T, D)
+    v = rnd(B, T, Hkv, 2 * D)[..., D:].transpose(1, 2)                        # a strided view, as the forward's v
+    positions = [[3, 40, 69], [], [0, 8, 64, 65, 66]]                        # row 1 has no answers
+    per_row = 8
+    tokens = [b * T + t for b, ts in enumerate(positions) for t in ts]
+    rows = torch.zeros(B * per_row, dtype=torch.int64)                        # padding answers: token 0
+    rows[:len(tokens)] = torch.tensor(tokens)
+    counts = torch.tensor([len(ts) for ts in positions])
+    starts = counts.cumsum(0) - counts
+    q_all = rnd(B, Hq, T, D)
+    gate_all = torch.chunk(rnd(B, T, Hq, 2 * D), 2, dim=-1)[1]
+    q = q_all.permute(0, 2, 1, 3).reshape(B * T, Hq, D)[rows.to(DEV)]        # [S, Hq, D] at the answer rows
+    gate = gate_all.reshape(B * T, Hq, D)[rows.to(DEV)]
+    args = (bank_k, bank_v, lengths, slots, rows.to(DEV), starts.to(DEV), counts.to(DEV))
+    got = sa.answer_attention(q, k, v, *args[:4], *args[4:], gate, 0.2)
+    want = _suffix_attention_reference(*(t.cpu() for t in (q_all, k, v, bank_k, bank_v, lengths, slots, gate_all)),
+                                       0.2).reshape(B * T, Hq * D)[rows[:len(tokens)]]
+    assert got.shape == (B * per_row, Hq * D)
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got[:len(tokens)].cpu(), want, atol=tol, rtol=tol)
+    assert not got[len(tokens):].any()
+    # row 2 alone: its answers first, in a batch of one row
+    alone_rows = rows[3:8] - 2 * T
+    alone = sa.answer_attention(q[3:8], k[2:3], v[2:3], bank_k, bank_v, lengths, slots[2:3], alone_rows.to(DEV),
+                                torch.zeros(1, dtype=torch.int64, device=DEV), counts[2:3].to(DEV), gate[3:8], 0.2)
+    assert torch.equal(alone, got[3:8])

@@ -52,6 +52,23 @@ def test_norm_kernels_load_strided_rows_in_16_byte_vectors():
     assert _scalar_bf16_loads(ptx) == 0 and "ld.global.v4.b32" in ptx
 
 
+def test_norm_weights_loaded_as_tiles_take_no_barrier_to_broadcast():
+    # `NORM_WEIGHT_TILE`: the gated norm of 128-wide heads (a row within one warp) needs no barrier at all; the
+    # residual norm of 1,024-wide rows keeps the 2 of its sum across a row's 4 warps
+    sig = {"X": "*bf16", "G": "*bf16", "W": "*fp32", "Y": "*bf16", "R": "*bf16", "n_rows": "i32", "heads": "i32",
+           "x_outer": "i32", "x_inner": "i32", "g_outer": "i32", "g_inner": "i32", "eps": "fp32", "D": "constexpr",
+           "BD": "constexpr", "BR": "constexpr", "KIND": "constexpr", "ADD_RESIDUAL": "constexpr",
+           "W_TILE": "constexpr"}
+    names = ["n_rows", "heads", "x_outer", "x_inner", "g_outer", "g_inner"]
+    launches = [(dict(D=128, BD=128, BR=32, KIND=tk.GATED, ADD_RESIDUAL=False),
+                 _ints(names, n_rows=5888 * 16, heads=16, x_outer=8224, x_inner=128)),
+                (dict(D=1024, BD=1024, BR=4, KIND=tk.RMS, ADD_RESIDUAL=True),
+                 _ints(names, n_rows=23552, heads=1, x_outer=1024, x_inner=1024))]
+    barriers = [[_ptx(tk._row_norm_kernel, sig, {**constants, "W_TILE": tile}, ints).split(".entry")[1]
+                 .count("bar.sync") for tile in (False, True)] for constants, ints in launches]
+    assert barriers == [[1, 0], [4, 2]]
+
+
 def test_rope_and_gate_kernels_load_strided_rows_in_16_byte_vectors():
     sig = {"X": "*bf16", "W": "*fp32", "COS": "*bf16", "SIN": "*bf16", "Y": "*bf16", "n_rows": "i32", "heads": "i32",
            "T": "i32", "x_outer": "i32", "x_inner": "i32", "c_batch": "i32", "c_time": "i32", "eps": "fp32",
@@ -78,10 +95,13 @@ def test_conv_kernel_loads_the_projection_and_the_prefix_state_in_16_byte_vector
                                                                      "BG", "HAS_PREV", "HAS_INDEX")}}
     ints = _ints(["T", "x_b", "x_t", "w_k", "p_b", "p_k", "g_b", "g_t"], T=184, x_b=184 * 8224, x_t=8224, w_k=6144,
                  p_b=3 * 6144, p_k=6144, g_b=184 * 8224, g_t=8224)
-    ptx = _ptx(tk._conv_qkv_kernel, sig, dict(w_c=1, p_c=1, HK=16, HV=16, DK=128, DV=128, KW=4, BT=8, BD=128, NG=16,
-                                              BG=32, HAS_PREV=True, HAS_INDEX=True),
-               ints, num_warps=2)
-    assert "ld.global.v4.b32" in ptx and _scalar_bf16_loads(ptx) == 0
+    for tile in (False, True):
+        ptx = _ptx(tk._conv_qkv_kernel, {**sig, "W_TILE": "constexpr"},
+                   dict(w_c=1, p_c=1, HK=16, HV=16, DK=128, DV=128, KW=4, BT=8, BD=128, NG=16, BG=32, HAS_PREV=True,
+                        HAS_INDEX=True, W_TILE=tile), ints, num_warps=2)
+        assert "ld.global.v4.b32" in ptx and _scalar_bf16_loads(ptx) == 0
+    # the weights loaded in the inputs' own layout: no conversion through shared memory, no barrier (13 without)
+    assert "bar.sync" not in ptx and ".shared" not in ptx.split(".entry")[1]
 
 
 def test_swiglu_kernel_loads_and_stores_in_16_byte_vectors():
@@ -111,6 +131,26 @@ def test_suffix_attention_kernel_loads_queries_keys_values_and_gate_in_16_byte_v
                ints, num_warps=warps)
     assert _scalar_bf16_loads(ptx) == 0 and "ld.global.v4.b32" in ptx
 
+
+
+def test_answer_attention_kernel_loads_queries_keys_values_and_gate_in_16_byte_vectors():
+    # the last layer at batch 128: q [S, 8, 1, 256] after RoPE, the gate a strided view of the answer rows' q|gate
+    # projection (4096 wide), k and v as in the suffix attention
+    from engine import suffix_attention as sa
+
+    names = ["T", "sq_s", "sq_h", "sk_b", "sk_h", "sk_t", "sv_b", "sv_h", "sv_t", "skp_s", "skp_h", "skp_n", "svp_s",
+             "svp_h", "svp_n", "g_s", "g_h"]
+    sig = {**{n: "*bf16" for n in ("Q", "K", "V", "KP", "VP")}, "PLENS": "*i32",
+           **{n: "*i64" for n in ("SLOTS", "ROWS", "STARTS", "COUNTS")}, "GATE": "*bf16", "Y": "*bf16",
+           **{n: "i32" for n in names}, "scale": "fp32",
+           **{n: "constexpr" for n in ("G", "D", "BM", "BN", "PRECISION", "KEY_CAP", "T_CAP")}}
+    ints = _ints(names, T=184, sq_s=8 * 256, sq_h=256, sk_b=2 * 184 * 256, sk_h=184 * 256, sk_t=256, sv_b=184 * 1024,
+                 sv_h=256, sv_t=1024, skp_s=2 * 512 * 256, skp_h=512 * 256, skp_n=256, svp_s=2 * 512 * 256,
+                 svp_h=512 * 256, svp_n=256, g_s=4096, g_h=512)
+    BM, BN, warps, _stages = sa.ANSWER_CONFIG
+    ptx = _ptx(sa._answer_attention_kernel, sig,
+               dict(G=4, D=256, BM=BM, BN=BN, PRECISION="tf32", KEY_CAP=0, T_CAP=0), ints, num_warps=warps)
+    assert _scalar_bf16_loads(ptx) == 0 and "ld.global.v4.b32" in ptx
 
 def _waits_before_touching_memory(ptx: str) -> bool:
     """Whether the kernel's first global load or store comes after `griddepcontrol.wait` (and it lets the next kernel
