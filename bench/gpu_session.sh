@@ -11,8 +11,8 @@
 #   trees: AB_TREE=ab2 bash bench/gpu_session.sh ab, in the same command line)
 #   (default: tests engine stream)
 #   BATCHES and METHODS (engine), SCHEMAS (schemas: counts), PROFILE_BATCHES, STATES and STREAM_ARGS (stream, e.g.
-#   "--replay --max-wait-ms 5"), TEST_PATHS (tests), SCALEOUT_ARGS (scaleout; default --kill-one, empty for a steady
-#   2-worker run),
+#   "--replay --max-wait-ms 5"), TEST_PATHS and TEST_K (tests: pytest's -k), SCALEOUT_ARGS (scaleout; default
+#   --kill-one, empty for a steady 2-worker run),
 #   T_<STEP> (seconds for a step) override the defaults.
 set -u
 . bench/gpu_setup.sh || exit 1
@@ -21,8 +21,8 @@ steps=${*:-tests engine stream}
 for step in $steps; do
   echo "=== $step $(date +%T)"
   case $step in
-    tests)   timeout "${T_TESTS:-420}" python3 -m pytest ${TEST_PATHS:-tests/engine tests/worker} -m gpu -s -q -rA --tb=short \
-               --durations=12 -p no:cacheprovider -o addopts="" > "$OUT/gpu_tests.txt" 2>&1
+    tests)   timeout "${T_TESTS:-420}" python3 -m pytest ${TEST_PATHS:-tests/engine tests/worker} -m gpu ${TEST_K:+-k "$TEST_K"} \
+               -s -q -rA --tb=short --durations=12 -p no:cacheprovider -o addopts="" > "$OUT/gpu_tests.txt" 2>&1
              grep -E "^batch|exact|\|graphs|passed|failed|Error|^[0-9.]+s (call|setup)" "$OUT/gpu_tests.txt" | tail -40 ;;
     profile) timeout "${T_PROFILE:-150}" python3 bench/profile_engine.py --batch "${PROFILE_BATCHES:-1,32}" --rows 40 \
                > "$OUT/profile.txt" 2>&1; grep -E "^===|Self CUDA time" "$OUT/profile.txt" ;;
