@@ -66,23 +66,11 @@ def _suffix_attention_kernel(Q, K, V, KP, VP, PLENS, SLOTS, GATE, Y, T,
     # keys, causal: up to the last position of this block
     slot = tl.load(SLOTS + b).to(tl.int64)
     n_prefix = tl.load(PLENS + slot)
-    kp = KP + slot * skp_s + kvh * skp_h
-    vp = VP + slot * svp_s + kvh * svp_h
-    for start in range(0, KEY_CAP if KEY_CAP else n_prefix, BN):
-        n = start + tl.arange(0, BN)
-        key_ok = n < n_prefix
-        k = tl.load(kp + n[None, :].to(tl.int64) * skp_n + d[:, None], mask=key_ok[None, :], other=0.0)
-        v = tl.load(vp + n[:, None].to(tl.int64) * svp_n + d[None, :], mask=key_ok[:, None], other=0.0)
-        m_i, l_i, acc = _online_softmax_step(q, k, v, key_ok[None, :], m_i, l_i, acc, qk_scale, PRECISION)
+    m_i, l_i, acc = _attend_keys(q, KP + slot * skp_s + kvh * skp_h, VP + slot * svp_s + kvh * svp_h, n_prefix, t, d,
+                                 m_i, l_i, acc, qk_scale, skp_n, svp_n, BN, KEY_CAP, PRECISION, False)
     last = tl.minimum((tl.program_id(0) * BM + BM - 1) // G, T - 1)      # this block's last position
-    ks = K + b * sk_b + kvh * sk_h
-    vs = V + b * sv_b + kvh * sv_h
-    for start in range(0, T_CAP if T_CAP else last + 1, BN):
-        n = start + tl.arange(0, BN)
-        key_ok = n <= last
-        k = tl.load(ks + n[None, :].to(tl.int64) * sk_t + d[:, None], mask=key_ok[None, :], other=0.0)
-        v = tl.load(vs + n[:, None].to(tl.int64) * sv_t + d[None, :], mask=key_ok[:, None], other=0.0)
-        m_i, l_i, acc = _online_softmax_step(q, k, v, n[None, :] <= t[:, None], m_i, l_i, acc, qk_scale, PRECISION)
+    m_i, l_i, acc = _attend_keys(q, K + b * sk_b + kvh * sk_h, V + b * sv_b + kvh * sv_h, last + 1, t, d, m_i, l_i,
+                                 acc, qk_scale, sk_t, sv_t, BN, T_CAP, PRECISION, True)
 
     # transformers: the attention output in the model's dtype, times sigmoid(gate) rounded to it
     ty = Y.dtype.element_ty
@@ -92,6 +80,21 @@ def _suffix_attention_kernel(Q, K, V, KP, VP, PLENS, SLOTS, GATE, Y, T,
     y = o * tl.sigmoid(g.to(tl.float32)).to(ty).to(tl.float32)
     Hq = G * tl.num_programs(1)
     tl.store(Y + (token * Hq + h)[:, None] * D + d[None, :], y.to(ty), mask=row_ok[:, None])
+
+
+@triton.jit
+def _attend_keys(q, keys, values, n_keys, t, d, m_i, l_i, acc, qk_scale, k_stride, v_stride, BN: tl.constexpr,
+                 CAP: tl.constexpr, PRECISION: tl.constexpr, CAUSAL: tl.constexpr):
+    # the first n_keys keys at keys / values (a row's prefix in the bank, or its own suffix) in blocks of BN, into the
+    # running softmax; CAUSAL: each query row sees the keys up to its own position t. CAP: the interpreter's bound
+    for start in range(0, CAP if CAP else n_keys, BN):
+        n = start + tl.arange(0, BN)
+        key_ok = n < n_keys
+        k = tl.load(keys + n[None, :].to(tl.int64) * k_stride + d[:, None], mask=key_ok[None, :], other=0.0)
+        v = tl.load(values + n[:, None].to(tl.int64) * v_stride + d[None, :], mask=key_ok[:, None], other=0.0)
+        keep = n[None, :] <= t[:, None] if CAUSAL else key_ok[None, :]
+        m_i, l_i, acc = _online_softmax_step(q, k, v, keep, m_i, l_i, acc, qk_scale, PRECISION)
+    return m_i, l_i, acc
 
 
 @triton.jit
@@ -169,24 +172,11 @@ def _answer_attention_kernel(Q, K, V, KP, VP, PLENS, SLOTS, ROWS, STARTS, COUNTS
     # up to the block's last answer, each query masked at its own position; a row with no answers here reads none
     slot = tl.load(SLOTS + b).to(tl.int64)
     n_prefix = tl.where(tl.program_id(0) * BM < count * G, tl.load(PLENS + slot), 0)
-    kp = KP + slot * skp_s + kvh * skp_h
-    vp = VP + slot * svp_s + kvh * svp_h
-    for start in range(0, KEY_CAP if KEY_CAP else n_prefix, BN):
-        n = start + tl.arange(0, BN)
-        key_ok = n < n_prefix
-        k = tl.load(kp + n[None, :].to(tl.int64) * skp_n + d[:, None], mask=key_ok[None, :], other=0.0)
-        v = tl.load(vp + n[:, None].to(tl.int64) * svp_n + d[None, :], mask=key_ok[:, None], other=0.0)
-        m_i, l_i, acc = _online_softmax_step(q, k, v, key_ok[None, :], m_i, l_i, acc, qk_scale, PRECISION)
+    m_i, l_i, acc = _attend_keys(q, KP + slot * skp_s + kvh * skp_h, VP + slot * svp_s + kvh * svp_h, n_prefix, t, d,
+                                 m_i, l_i, acc, qk_scale, skp_n, svp_n, BN, KEY_CAP, PRECISION, False)
     last = tl.max(tl.where(ok, t, -1), 0)
-    ks = K + b * sk_b + kvh * sk_h
-    vs = V + b * sv_b + kvh * sv_h
-    for start in range(0, T_CAP if T_CAP else last + 1, BN):
-        n = start + tl.arange(0, BN)
-        key_ok = n <= last
-        k = tl.load(ks + n[None, :].to(tl.int64) * sk_t + d[:, None], mask=key_ok[None, :], other=0.0)
-        v = tl.load(vs + n[:, None].to(tl.int64) * sv_t + d[None, :], mask=key_ok[:, None], other=0.0)
-        m_i, l_i, acc = _online_softmax_step(q, k, v, (n[None, :] <= t[:, None]) & key_ok[None, :], m_i, l_i, acc,
-                                             qk_scale, PRECISION)
+    m_i, l_i, acc = _attend_keys(q, K + b * sk_b + kvh * sk_h, V + b * sv_b + kvh * sv_h, last + 1, t, d, m_i, l_i,
+                                 acc, qk_scale, sk_t, sv_t, BN, T_CAP, PRECISION, True)
 
     ty = Y.dtype.element_ty
     o = (acc / l_i[:, None]).to(ty).to(tl.float32)

@@ -622,6 +622,21 @@ def test_chunk_outputs_indexed_fuses_the_state_and_output_kernels(K, dtype):
                                                         config=config).cpu(), got), config
 
 
+def _suffix_attention_inputs(dtype, seed: int):
+    """q [B, Hq, T, D], k [B, Hkv, T, D], v (a strided view, as the forward's), a bank of 4 prefixes' K/V of lengths
+    80, 5, 33 and 1, the rows' slots and the gate [B, T, Hq, D] (a strided half): B = 3, T = 70, G = 2, D = 32."""
+    g = torch.Generator().manual_seed(seed)
+    S, Hkv, G, N, D, B, T = 4, 2, 2, 80, 32, 3, 70
+    rnd = lambda *shape: torch.randn(*shape, generator=g).to(DEV, dtype)  # noqa: E731
+    bank_k, bank_v = rnd(S, Hkv, N, D), rnd(S, Hkv, N, D)
+    lengths = torch.tensor([80, 5, 33, 1], dtype=torch.int32, device=DEV)
+    slots = torch.tensor([2, 0, 3], device=DEV)
+    q, k = rnd(B, Hkv * G, T, D), rnd(B, Hkv, T, D)
+    v = rnd(B, T, Hkv, 2 * D)[..., D:].transpose(1, 2)
+    gate = torch.chunk(rnd(B, T, Hkv * G, 2 * D), 2, dim=-1)[1]
+    return q, k, v, bank_k, bank_v, lengths, slots, gate
+
+
 def _suffix_attention_reference(q, k, v, bank_k, bank_v, lengths, slots, gate, scale):
     """One softmax per row over [its prefix's keys from its bank entry | its causal suffix keys], in float32, then
     transformers' rounding of the output and its sigmoid gate."""
@@ -653,16 +668,8 @@ def test_suffix_attention_is_one_softmax_over_the_rows_prefix_and_causal_suffix(
     from engine import suffix_attention as sa
 
     monkeypatch.setattr(sa, "FILL_PROGRAMS", 0 if config == "large" else 10 ** 9)
-    g = torch.Generator().manual_seed(17)
-    S, Hkv, G, N, D, B, T = 4, 2, 2, 80, 32, 3, 70
-    Hq = Hkv * G
-    rnd = lambda *shape: torch.randn(*shape, generator=g).to(DEV, dtype)  # noqa: E731
-    bank_k, bank_v = rnd(S, Hkv, N, D), rnd(S, Hkv, N, D)
-    lengths = torch.tensor([80, 5, 33, 1], dtype=torch.int32, device=DEV)
-    slots = torch.tensor([2, 0, 3], device=DEV)
-    q, k = rnd(B, Hq, T, D), rnd(B, Hkv, T, D)
-    v = rnd(B, T, Hkv, 2 * D)[..., D:].transpose(1, 2)                        # a strided view, as the forward's v
-    gate = torch.chunk(rnd(B, T, Hq, 2 * D), 2, dim=-1)[1]
+    q, k, v, bank_k, bank_v, lengths, slots, gate = _suffix_attention_inputs(dtype, seed=17)
+    B, Hq, T, D = q.shape
     got = sa.suffix_attention(q, k, v, bank_k, bank_v, lengths, slots, gate, 0.2)
     want = _suffix_attention_reference(*(t.cpu() for t in (q, k, v, bank_k, bank_v, lengths, slots, gate)), 0.2)
     assert got.shape == (B, T, Hq * D)
@@ -683,15 +690,8 @@ def test_answer_attention_is_the_suffix_attention_at_the_answer_rows(dtype):
     row's answers get the same bits whatever rows share the launch."""
     from engine import suffix_attention as sa
 
-    g = torch.Generator().manual_seed(23)
-    S, Hkv, G, N, D, B, T = 4, 2, 2, 80, 32, 3, 70
-    Hq = Hkv * G
-    rnd = lambda *shape: torch.randn(*shape, generator=g).to(DEV, dtype)  # noqa: E731
-    bank_k, bank_v = rnd(S, Hkv, N, D), rnd(S, Hkv, N, D)
-    lengths = torch.tensor([80, 5, 33, 1], dtype=torch.int32, device=DEV)
-    slots = torch.tensor([2, 0, 3], device=DEV)
-    k = rnd(B, Hkv, T, D)
-    v = rnd(B, T, Hkv, 2 * D)[..., D:].transpose(1, 2)                        # a strided view, as the forward's v
+    q_all, k, v, bank_k, bank_v, lengths, slots, gate_all = _suffix_attention_inputs(dtype, seed=23)
+    B, Hq, T, D = q_all.shape
     positions = [[3, 40, 69], [], [0, 8, 64, 65, 66]]                        # row 1 has no answers
     per_row = 8
     tokens = [b * T + t for b, ts in enumerate(positions) for t in ts]
@@ -699,8 +699,6 @@ def test_answer_attention_is_the_suffix_attention_at_the_answer_rows(dtype):
     rows[:len(tokens)] = torch.tensor(tokens)
     counts = torch.tensor([len(ts) for ts in positions])
     starts = counts.cumsum(0) - counts
-    q_all = rnd(B, Hq, T, D)
-    gate_all = torch.chunk(rnd(B, T, Hq, 2 * D), 2, dim=-1)[1]
     q = q_all.permute(0, 2, 1, 3).reshape(B * T, Hq, D)[rows.to(DEV)]        # [S, Hq, D] at the answer rows
     gate = gate_all.reshape(B * T, Hq, D)[rows.to(DEV)]
     args = (bank_k, bank_v, lengths, slots, rows.to(DEV), starts.to(DEV), counts.to(DEV))
