@@ -53,6 +53,9 @@ its 5,120 columns), 0.4 ms of attention and 0.13 ms of the output projection, of
 fewer rows round as cuBLAS does for that row count: the fast table only (the deterministic one has no
 `answer_attention`). Off until timed on a GPU (`bench/variant_ab.py --variant
 "answers:engine.model.ANSWER_QUERIES=True"`); read when a step is traced, like `ANSWER_ROWS_ONLY`."""
+ANSWER_QUERIES_MIN_ROWS = 1
+"""`ANSWER_QUERIES` only in steps of at least this many rows: `answer_attention` runs one program per (row, kv head),
+so at batch 1 two programs walk the row's ~600 keys where the whole-row kernel spreads them over 92."""
 
 
 @dataclass
@@ -269,8 +272,9 @@ class HybridForward:
             w = self.w[i]
             answer_rows = rows if i == last and rows is not None and ANSWER_ROWS_ONLY else None
             # the token mixer's output before its projection; at the answer rows alone where it can be
-            at_rows = (answer_rows is not None and ANSWER_QUERIES and layer.block_type != "linear_attention"
-                       and ctx.answers is not None and self.kernels.answer_attention is not None)
+            at_rows = (answer_rows is not None and ANSWER_QUERIES and ids.shape[0] >= ANSWER_QUERIES_MIN_ROWS
+                       and layer.block_type != "linear_attention" and ctx.answers is not None
+                       and self.kernels.answer_attention is not None)
             if layer.block_type == "linear_attention":
                 y, projection = self._gated_delta_net(layer.linear_attn, w, x, i, ctx)
             elif at_rows:
