@@ -277,10 +277,9 @@ class HybridForward:
                        and self.kernels.answer_attention is not None)
             if layer.block_type == "linear_attention":
                 y, projection = self._gated_delta_net(layer.linear_attn, w, x, i, ctx)
-            elif at_rows:
-                y, projection = self._attention_at_rows(layer.self_attn, w, x, cos, sin, i, ctx, answer_rows)
             else:
-                y, projection = self._attention(layer.self_attn, w, x, cos, sin, i, ctx)
+                y, projection = self._attention(layer.self_attn, w, x, cos, sin, i, ctx,
+                                                answer_rows if at_rows else None)
             x, h = self._add_projected(h, y, projection, w["post_norm"], fused, answer_rows, y_at_rows=at_rows)
             y = self._mlp(layer.mlp, w, x)
             if i == last:
@@ -312,32 +311,30 @@ class HybridForward:
         gate, up = self.kernels.linear(x, w["mlp_in"]).split(mlp.intermediate_size, dim=-1)
         return self.kernels.swiglu(gate, up)
 
-    def _attention(self, attn, w, x, cos, sin, i, ctx):
-        B, T, _ = x.shape
-        D = attn.head_dim
-        q_dim, kv_dim = attn.q_proj.out_features, attn.k_proj.out_features
-        qg, k, v = self.kernels.linear(x, w["qkv"]).split([q_dim, kv_dim, kv_dim], dim=-1)
-        q, gate = torch.chunk(qg.view(B, T, -1, 2 * D), 2, dim=-1)                         # [B, T, Hq, D] each
-        q, k = self.kernels.qk_norm_rope(q, k.view(B, T, -1, D), w["q_norm"], w["k_norm"], cos, sin, self.eps)
-        v = v.reshape(B, T, -1, D).transpose(1, 2)                                         # q, k, v: [B, H, T, D]
-        out = ctx.attend_gated(i, q, k, v, attn.scaling, self.kernels, gate)              # [B, T, Hq * D]
-        return out, attn.o_proj.weight                                                     # o_proj: `_add_projected`
-
-    def _attention_at_rows(self, attn, w, x, cos, sin, i, ctx, rows):
-        """`_attention` with its queries at rows alone ([S] tokens): keys and values from every token, the queries and
-        their gate from the rows' own projection -> ([S, Hq * D], the output projection)."""
+    def _attention(self, attn, w, x, cos, sin, i, ctx, rows: torch.Tensor | None = None):
+        """-> (the gated attention output [B, T, Hq * D], the output projection); with rows ([S] tokens), the queries
+        and their gate at those rows alone, from their own projection (keys and values still at every token), and the
+        output [S, Hq * D] (`ANSWER_QUERIES`)."""
         B, T, _ = x.shape
         D = attn.head_dim
         kv_dim = attn.k_proj.out_features
-        k, v = self.kernels.linear(x, w["kv_proj"]).split([kv_dim, kv_dim], dim=-1)
-        qg = self.kernels.linear(_at_rows(x, rows), w["q_proj"])                        # [S, Hq * 2D]
-        S = qg.shape[0]
-        q, gate = torch.chunk(qg.view(S, 1, -1, 2 * D), 2, dim=-1)                         # [S, 1, Hq, D] each
+        if rows is None:
+            qg, kv = self.kernels.linear(x, w["qkv"]).split([attn.q_proj.out_features, 2 * kv_dim], dim=-1)
+            q_cos = q_sin = None
+        else:
+            kv = self.kernels.linear(x, w["kv_proj"])
+            qg = self.kernels.linear(_at_rows(x, rows), w["q_proj"])[:, None]             # [S, 1, Hq * 2D]
+            q_cos, q_sin = _at_rows(cos, rows)[:, None], _at_rows(sin, rows)[:, None]
+        k, v = kv.split([kv_dim, kv_dim], dim=-1)
+        q, gate = torch.chunk(qg.view(*qg.shape[:2], -1, 2 * D), 2, dim=-1)               # [B, T, Hq, D] each
         q, k = self.kernels.qk_norm_rope(q, k.view(B, T, -1, D), w["q_norm"], w["k_norm"], cos, sin, self.eps,
-                                         q_cos=_at_rows(cos, rows)[:, None], q_sin=_at_rows(sin, rows)[:, None])
-        v = v.reshape(B, T, -1, D).transpose(1, 2)                                         # k, v: [B, Hkv, T, D]
-        out = ctx.attend_answers(i, q[:, :, 0], k, v, attn.scaling, self.kernels, gate[:, 0], rows)
-        return out, attn.o_proj.weight
+                                         q_cos=q_cos, q_sin=q_sin)
+        v = v.reshape(B, T, -1, D).transpose(1, 2)                                         # q, k, v: [B, H, T, D]
+        if rows is None:
+            out = ctx.attend_gated(i, q, k, v, attn.scaling, self.kernels, gate)          # [B, T, Hq * D]
+        else:
+            out = ctx.attend_answers(i, q[:, :, 0], k, v, attn.scaling, self.kernels, gate[:, 0], rows)
+        return out, attn.o_proj.weight                                                     # o_proj: `_add_projected`
 
     def _gated_delta_net(self, lin, w, x, i, ctx):
         B, T, _ = x.shape                                                                  # x: [B, T, hidden]

@@ -148,12 +148,11 @@ def test_last_layer_queries_at_the_answers_alone_score_a_mixed_batch_as_every_qu
     from engine import model
 
     eng = Engine.load(tiny_dir, device="cpu", dtype="float32")
-    eng.forward.kernels = dataclasses.replace(eng.forward.kernels, answer_attention=_answer_attention_by_answer)
+    calls, scored = [], []
+    eng.forward.kernels = dataclasses.replace(
+        eng.forward.kernels, answer_attention=lambda *a: calls.append(1) or _answer_attention_by_answer(*a))
     se = SchemaEngine(eng)
     requests = _mixed_requests(se, _schemas(se, 5, seed=6), make_states(13, seed=7), seed=8)
-    calls, scored = [], []
-    at_rows = eng.forward._attention_at_rows
-    monkeypatch.setattr(eng.forward, "_attention_at_rows", lambda *a, **kw: calls.append(1) or at_rows(*a, **kw))
     for on in (False, True):
         monkeypatch.setattr(model, "ANSWER_QUERIES", on)
         scored.append(se.score_mixed(requests))

@@ -228,9 +228,8 @@ def test_the_forward_with_these_kernels_matches_the_oracle(tiny_dir, answer_quer
     eng.forward.kernels = dataclasses.replace(
         torch_kernels(), name="triton", conv_qkv=conv_qkv, swiglu=swiglu, rms_norm=row_norm, add_rms_norm=add_rms_norm,
         gated_rms_norm=lambda x, gate, weight, eps: row_norm(x, weight, eps, GATED, gate), qk_norm_rope=qk_norm_rope,
-        gate_attention=gate_attention, suffix_attention=suffix_attention, answer_attention=answer_attention)
-    calls = []
-    monkeypatch.setattr(eng.forward, "_attention_at_rows", _counted(eng.forward._attention_at_rows, calls))
+        gate_attention=gate_attention, suffix_attention=suffix_attention,
+        answer_attention=_counted(answer_attention, calls := []))
     qs = make_questions([2, 4, 8], temperatures=[0.7, 1.0, 1.5])
     states = make_states(6, seed=11)
     se = SchemaEngine(eng, use_graphs=False)
