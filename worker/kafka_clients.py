@@ -14,6 +14,10 @@ from worker.metrics import on_consumer_stats
 
 # librdkafka logs every failed connection attempt to stderr; the CLI reports unreachable brokers itself.
 _QUIET = {"log_level": 0}
+# Defaults the [kafka] table may override. librdkafka backs off reconnecting up to 10 s by default (the Java client: 1
+# s), so a worker could sit idle for seconds after its broker was back: measured on the embedded broker, the
+# transaction coordinator's connection came up 7.5 s after the broker's restart.
+_RECONNECT = {"reconnect.backoff.max.ms": 1000}
 
 
 def _on_states_consumer_stats(stats_json: str) -> None:
@@ -31,7 +35,7 @@ def base_config(cluster: Cluster | str) -> dict[str, Any]:
     """What every client gets: the bootstrap address, quiet librdkafka logs, then the ``[kafka]`` settings
     (``worker.config_file`` validated them and refused the keys decider sets itself)."""
     cluster = as_cluster(cluster)
-    return {"bootstrap.servers": cluster.bootstrap, **_QUIET, **cluster.settings}
+    return {"bootstrap.servers": cluster.bootstrap, **_QUIET, **_RECONNECT, **cluster.settings}
 
 
 def admin_client(cluster: Cluster | str) -> AdminClient:
@@ -190,6 +194,13 @@ def replay_consumer_config(config: WorkerConfig) -> dict[str, Any]:
 def transactional_producer_config(config: WorkerConfig) -> dict:
     """Settings of the producer whose transactions carry output records, dead letters and input offsets."""
     return {
+        # Once every broker it knows is down, librdkafka re-bootstraps by default and decommissions the brokers it
+        # knew, the coordinators among them; a send_offsets_to_transaction in flight then never returns, even after
+        # the broker is back (librdkafka issues 5456 and 5511: the coordinator request waits on a state change of a
+        # broker thread that no longer exists). Seen on the embedded broker killed mid-stream, every run at
+        # transaction timeouts of 20 s and 60 s. Without re-bootstrap the call returns once the broker answers
+        # (Java clients before Kafka 4.0 never re-bootstrap either). The [kafka] table may set it back.
+        "metadata.recovery.strategy": "none",
         **base_config(config.cluster),
         # Derived from --worker-id: a restarted worker fences its predecessor and aborts its open transaction.
         "transactional.id": config.transactional_id,

@@ -44,8 +44,7 @@ _NO_ANSWER_CODES = {KafkaError._TIMED_OUT, KafkaError._TIMED_OUT_QUEUE, KafkaErr
 class _Watchdog:
     """Exits the process if one client call overruns its own timeout by far.
 
-    A transactional call blocked inside librdkafka cannot be interrupted from Python (seen on the embedded
-    broker after a restart: send_offsets_to_transaction ignores its timeout). Nothing of the open
+    A transactional call blocked inside librdkafka cannot be interrupted from Python. Nothing of the open
     transaction is visible, so exiting is safe, and a restart with the same --worker-id aborts the hung
     transaction in init_transactions. Exit code 5. From the moment the call overruns its own timeout (within
     ``POLL_S``) until it returns, /healthz answers 503 (``worker.liveness``).
@@ -135,6 +134,12 @@ class Transactions:
         self._consumer = consumer
         self._worker_id = worker_id
         self._timeout_s = timeout_s
+        # How long one call may block before the watchdog ends the process. librdkafka bounds a transactional
+        # request by transaction.timeout.ms (twice timeout_s), not by the call's own timeout: with the broker dead,
+        # send_offsets_to_transaction(timeout=5) raised _TIMED_OUT after 10.0 s at 10,000 ms, 20.0 s at 20,000 and
+        # 60.0 s at 60,000. The grace past that keeps a call ending by itself on a loaded machine from reading as a
+        # hang (with 1 s of grace, such a call lost the race to the watchdog in a CI run).
+        self._hung_after_s = 2 * timeout_s + max(5.0, timeout_s)
         self._outage_s = outage_s
         self._broker = broker
         # the offsets the open transaction commits (None: no transaction open); `open` compares them by identity
@@ -367,7 +372,7 @@ class Transactions:
         while True:
             remaining = deadline - time.monotonic()
             try:
-                with self._watchdog.guard(step, self._timeout_s, self._timeout_s * 2 + 1), self._broker.call(step):
+                with self._watchdog.guard(step, self._timeout_s, self._hung_after_s), self._broker.call(step):
                     return action(max(remaining, 0.1))
             except KafkaException as exc:
                 error: KafkaError = exc.args[0]

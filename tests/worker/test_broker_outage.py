@@ -86,9 +86,8 @@ def test_worker_rides_out_a_broker_outage(tmp_path, model_dir):
     try:
         create_topics(broker.bootstrap, stream.topics, 2)
         stream.put_schema("tickets", QUESTIONS)
-        # a transactional call caught by the kill may stay blocked until the broker is back (librdkafka ignores its
-        # timeout there); the watchdog exits after twice the call's timeout (half the transaction's) plus 1 s: 11 s
-        # here, more than this outage lasts on a loaded 2-core machine (at 6 s, 7 s was not, once)
+        # the transaction opened when the broker dies blocks in send_offsets_to_transaction for the transaction
+        # timeout (10 s; librdkafka ignores the call's own 5 s), outlasting the outage; the watchdog waits 15 s
         worker = stream.start_worker(model_dir, "outlasts", "--metrics-port", str(metrics_port),
                                      "--transaction-timeout-ms", "10000", "--max-batch", "4")
         _wait_for(lambda: _status(metrics_port, "/readyz") == 200, 90, "ready", worker.log)

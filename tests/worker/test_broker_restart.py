@@ -1,13 +1,17 @@
 """Exactly once across a broker restart: the broker goes down between two halves of a stream and comes back
-on the same port and data; the worker rides through (or exits and is restarted with the same --worker-id,
-as a supervisor would), and a read_committed reader sees every state exactly once.
+on the same port and data; the worker rides through by itself, and a read_committed reader sees every state
+exactly once.
 
 The broker is stopped while no transaction is open (after the first half is committed). Measured on
-noida-db 0.2.3 (2026-11-29): the first transaction after a restart hangs in send_offsets_to_transaction
-(every run); the worker's watchdog exits (code 5) and the restarted worker resumes from the committed
-offsets. The transactions module sends the offsets before producing any record, so that hung transaction
-holds no output record and cannot stall read_committed readers (with records first it did: noida-db never
-aborts it, not even on init_transactions with the same transactional id, and readers stopped behind it).
+noida-db 0.2.3 (2026-11-29) with librdkafka's default metadata.recovery.strategy (rebootstrap): the first
+transaction after a restart hung in send_offsets_to_transaction (every run); the worker's watchdog exited
+(code 5) and the worker restarted with the same --worker-id (as a supervisor would) resumed from the committed
+offsets. With the transactional producer's strategy set to none (``worker.kafka_clients``) the same worker
+process rides through: 0 restarts in every run since (2026-12-02), where the old setting still took one. The
+loop below still restarts an exited worker, so that a regression reads as restarts=1, not as lost states.
+The transactions module sends the offsets before producing any record, so a hung transaction holds no
+output record and cannot stall read_committed readers (with records first it did: noida-db never aborts it,
+not even on init_transactions with the same transactional id, and readers stopped behind it).
 Not covered, a broker limitation: stopping noida-db while a transaction holds records loses that
 transaction's state, so it is never aborted. Real Kafka keeps transaction state in __transaction_state.
 """
@@ -47,7 +51,7 @@ def test_broker_restart_between_transactions_keeps_exactly_once(tmp_path, model_
         broker.start()
         feed_states(stream, inputs[100:], threading.Event())
 
-        restarts = 0
+        restarts, exited_logs = 0, []
         deadline = time.monotonic() + 150
         while time.monotonic() < deadline:
             probabilities, dead = stream.collect(len(inputs), timeout_s=5, settle_s=0)
@@ -56,11 +60,13 @@ def test_broker_restart_between_transactions_keeps_exactly_once(tmp_path, model_
             if worker.process.poll() is not None:  # the supervisor's job: restart with the same id
                 assert worker.process.returncode != 0
                 restarts += 1
+                exited_logs.append(worker.log())
                 worker = stream.start_worker(model_dir, "survivor", *flags)
         probabilities, dead = stream.collect(len(inputs), timeout_s=30, settle_s=2.0)
         counts = Counter(r["state_id"] for r in probabilities)
         assert not dead and set(counts.values()) == {1}, {k: v for k, v in counts.items() if v > 1}
         assert set(counts) == {state_id for state_id, _ in inputs}, f"restarts={restarts}\n{worker.log()}"
+        assert restarts == 0, f"the worker exited after the broker's restart instead of riding through:\n{exited_logs}"
         assert stream.committed_offsets() == stream.end_offsets()
         assert worker.stop() == 0, worker.log()
     finally:
