@@ -138,7 +138,7 @@ class Transactions:
         # request by transaction.timeout.ms (twice timeout_s), not by the call's own timeout: with the broker dead,
         # send_offsets_to_transaction(timeout=5) raised _TIMED_OUT after 10.0 s at 10,000 ms, 20.0 s at 20,000 and
         # 60.0 s at 60,000. The grace past that keeps a call ending by itself on a loaded machine from reading as a
-        # hang (with 1 s of grace, such a call lost the race to the watchdog in a CI run).
+        # hang (1 s of grace, as before, is within a busy 2-core machine's scheduling delays).
         self._hung_after_s = 2 * timeout_s + max(5.0, timeout_s)
         self._outage_s = outage_s
         self._broker = broker

@@ -86,8 +86,8 @@ def test_worker_rides_out_a_broker_outage(tmp_path, model_dir):
     try:
         create_topics(broker.bootstrap, stream.topics, 2)
         stream.put_schema("tickets", QUESTIONS)
-        # the transaction opened when the broker dies blocks in send_offsets_to_transaction for the transaction
-        # timeout (10 s; librdkafka ignores the call's own 5 s), outlasting the outage; the watchdog waits 15 s
+        # the transaction opened when the broker dies blocks in send_offsets_to_transaction until the broker is back,
+        # or at most for the transaction timeout (10 s; librdkafka ignores the call's own 5 s); the watchdog waits 15 s
         worker = stream.start_worker(model_dir, "outlasts", "--metrics-port", str(metrics_port),
                                      "--transaction-timeout-ms", "10000", "--max-batch", "4")
         _wait_for(lambda: _status(metrics_port, "/readyz") == 200, 90, "ready", worker.log)
