@@ -9,6 +9,10 @@ Methods (one row per method x batch x state length):
   cached_eager   SchemaEngine, prefix cached, no graphs
   cached_graphs  SchemaEngine with CUDA graphs (GPU only)
   cached_graphs_deterministic   the same with Engine.load(..., deterministic=True): batch-invariant kernels (GPU only)
+  cached_graphs_pipelined       cached_graphs sustained: each batch launched (`SchemaEngine.launch_mixed`) before the
+                 one ahead is read, as the worker's GPU thread and `decider replay` run it, so the host's preparation
+                 of a batch overlaps the device's work on the one ahead; p50 is the wall time per batch over windows
+                 of 8 launches, not one batch's latency (GPU only)
   cached_eager_deterministic    cached_eager with deterministic=True (not in the default list; the CPU's cost)
 
 With --schemas N[,N...] (many schemas live): N schemas of the same shape (prefixes of --prefix-tokens +-32 tokens,
@@ -23,7 +27,9 @@ Writes a markdown table to stdout and bench/results/<date>-<gpu>.json ({"env": .
 from __future__ import annotations
 
 import argparse
+import ast
 import datetime
+import importlib
 import json
 import platform
 import random
@@ -61,6 +67,23 @@ class QwenTiktoken:
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return self._t.encode(text)
+
+
+def parse_setting(item: str) -> tuple[str, str, object]:
+    """"module.ATTR=python literal" -> (module, ATTR, value), for a module constant the engine reads when it traces a
+    step (`--set` here, `bench/variant_ab.py`'s variants)."""
+    target, _, literal = item.partition("=")
+    module, _, attr = target.strip().rpartition(".")
+    if not module or not literal.strip():
+        raise argparse.ArgumentTypeError(f"setting {item!r}: expected module.ATTR=literal")
+    try:
+        value = ast.literal_eval(literal.strip())
+        known = hasattr(importlib.import_module(module), attr)
+    except (ValueError, SyntaxError, ImportError) as exc:
+        raise argparse.ArgumentTypeError(f"setting {item!r}: {exc}") from None
+    if not known:
+        raise argparse.ArgumentTypeError(f"setting {item!r}: {module} has no {attr}")
+    return module, attr, value
 
 
 def build_engine(args) -> tuple[Engine, str]:
@@ -130,6 +153,26 @@ def timed(fn, iters: int, sync) -> list[float]:
     return times
 
 
+PIPELINE_WINDOW = 8
+"""Launches per timed window of `pipelined`."""
+
+
+def pipelined(launch, iters: int) -> list[float]:
+    """Seconds per batch over `iters` windows of PIPELINE_WINDOW batches, each batch launched before the one ahead is
+    read (`launch() -> PendingScores`): what a caller that keeps the device fed sustains."""
+    launch().result()
+    times = []
+    for _ in range(iters):
+        started = time.perf_counter()
+        pending = launch()
+        for _ in range(PIPELINE_WINDOW - 1):
+            ahead, pending = pending, launch()
+            ahead.result()
+        pending.result()
+        times.append((time.perf_counter() - started) / PIPELINE_WINDOW)
+    return times
+
+
 def gemm_ceiling(dev) -> float:
     """Measured dense bf16 GEMM rate (FLOP/s) on this device; on CPU the float32 rate."""
     n, dtype = (8192, torch.bfloat16) if dev.type == "cuda" else (1024, torch.float32)
@@ -154,7 +197,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--schemas", default=None,
                     help="comma-separated schema counts: time batches spread over that many live schemas instead")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    ap.add_argument("--set", action="append", default=[], type=parse_setting, metavar="module.ATTR=LITERAL",
+                    help="set an engine switch before anything runs, e.g. engine.model.ANSWER_QUERIES=True (repeatable)")
     args = ap.parse_args(argv)
+    for module, attr, value in args.set:
+        setattr(importlib.import_module(module), attr, value)
     cuda = torch.cuda.is_available() and not args.quick
     args.device = args.device or ("cuda" if cuda else "cpu")
     args.dtype = args.dtype or ("bfloat16" if cuda else "float32")
@@ -188,6 +235,7 @@ def main(argv=None) -> dict:
                model=model_desc, dtype=args.dtype,
                prefix_tokens=h_eager.prefix_tokens, questions=args.questions, options=args.options,
                flop_per_token=flop_per_token, gemm_ceiling_tflops=ceiling / 1e12,
+               settings=[f"{m}.{a}={v!r}" for m, a, v in args.set],
                date=datetime.date.today().isoformat())
     print(json.dumps(env), flush=True)
     # Parity first: a run cut short by a time limit still shows that what it timed computes the right thing.
@@ -211,13 +259,14 @@ def main(argv=None) -> dict:
                 "cached_graphs": (lambda: se_graph.score_rows(h_graph, rows), suffix_tokens),
                 "cached_eager_deterministic": (lambda: se_det_eager.score_rows(h_det_eager, rows), suffix_tokens),
                 "cached_graphs_deterministic": (lambda: se_det_graph.score_rows(h_det_graph, rows), suffix_tokens),
+                "cached_graphs_pipelined": (lambda: se_graph.launch_mixed([(h_graph, r) for r in rows]), suffix_tokens),
             }
             for m in methods:
                 fn, tokens_run = calls[m]
                 if dev.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(dev)
                 started = time.perf_counter()
-                ts = timed(fn, iters, sync)
+                ts = pipelined(fn, iters) if m.endswith("_pipelined") else timed(fn, iters, sync)
                 p50, p99 = statistics.median(ts), _pct(ts, 0.99)
                 tok_s = B * tokens_run / p50
                 r = dict(method=m, batch=B, state_tokens=L, suffix_tokens=round(suffix_tokens, 1),

@@ -17,7 +17,6 @@ on the CPU, eager.
 from __future__ import annotations
 
 import argparse
-import ast
 import importlib
 import json
 import statistics
@@ -30,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.engine_bench import build_engine, questions, states, timed  # noqa: E402
+from bench.engine_bench import build_engine, parse_setting, questions, states, timed  # noqa: E402
 from engine import SchemaEngine  # noqa: E402
 
 
@@ -38,20 +37,10 @@ def parse_variant(spec: str) -> tuple[str, list[tuple[str, str, object]]]:
     """"NAME:mod.ATTR=literal;..." -> (NAME, [(module, attribute, value)])."""
     usage = f"variant {spec!r}: expected NAME:module.ATTR=literal[;module.ATTR=literal...]"
     name, _, sets = spec.partition(":")
-    patches = []
-    for item in filter(None, (s.strip() for s in sets.split(";"))):
-        target, _, literal = item.partition("=")
-        module, _, attr = target.strip().rpartition(".")
-        if not module or not literal:
-            raise argparse.ArgumentTypeError(usage)
-        try:
-            value = ast.literal_eval(literal.strip())
-            known = hasattr(importlib.import_module(module), attr)
-        except (ValueError, SyntaxError, ImportError) as exc:
-            raise argparse.ArgumentTypeError(f"variant {spec!r}: {exc}") from None
-        if not known:
-            raise argparse.ArgumentTypeError(f"variant {spec!r}: {module} has no {attr}")
-        patches.append((module, attr, value))
+    try:
+        patches = [parse_setting(item) for item in filter(None, (s.strip() for s in sets.split(";")))]
+    except argparse.ArgumentTypeError as exc:
+        raise argparse.ArgumentTypeError(f"variant {spec!r}: {exc}") from None
     if not name.strip() or name == "base" or not patches:
         raise argparse.ArgumentTypeError(usage + " (a name other than base, and at least one setting)")
     return name, patches

@@ -116,3 +116,54 @@ def test_stream_bench_refuses_a_repeated_phase_value(flag, capsys):
     with pytest.raises(SystemExit):
         stream_main(["--quick", flag, "25,25"])
     assert "each value at most once" in capsys.readouterr().err
+
+
+def test_pipelined_timing_launches_each_batch_before_reading_the_one_ahead():
+    """`pipelined` on the tiny engine (CPU): every launch's scores are read, each after the next launch was made, and
+    the per-batch times it reports cover its windows."""
+    import argparse
+
+    from bench.engine_bench import PIPELINE_WINDOW, build_engine, pipelined, questions, states
+    from engine import SchemaEngine
+
+    eng, _ = build_engine(argparse.Namespace(quick=True, device="cpu", dtype="float32"))
+    se = SchemaEngine(eng, use_graphs=False)
+    h = se.prepare(questions(eng.tok, 3, 4, 60))
+    rows = [se.tokenize(h, s) for s in states(eng.tok, 2, 32, seed=1)]
+    expected = [[[round(p, 6) for p in q] for q in s] for s in se.score_mixed([(h, r) for r in rows])]
+    events = []
+
+    class Recorded:
+        def __init__(self, n):
+            self.n, self.pending = n, se.launch_mixed([(h, r) for r in rows])
+
+        def result(self):
+            events.append(("read", self.n))
+            got = self.pending.result()
+            assert [[[round(p, 6) for p in q] for q in s] for s in got] == expected
+            return got
+
+    def launch():
+        events.append(("launch", len([e for e in events if e[0] == "launch"])))
+        return Recorded(events[-1][1])
+
+    times = pipelined(launch, iters=2)
+    assert len(times) == 2 and all(t > 0 for t in times)
+    launches = [n for kind, n in events if kind == "launch"]
+    reads = [n for kind, n in events if kind == "read"]
+    assert len(launches) == 1 + 2 * PIPELINE_WINDOW and sorted(reads) == launches
+    for n in reads[1:]:                     # in a window, batch n is read once batch n + 1 was launched (but the last)
+        last_of_window = n % PIPELINE_WINDOW == 0
+        assert last_of_window or events.index(("launch", n + 1)) < events.index(("read", n))
+
+
+def test_quick_run_sets_engine_switches_and_records_them(monkeypatch):
+    from engine import model
+
+    monkeypatch.setattr(model, "ANSWER_QUERIES", False)         # restored after the test; --set changes it for the run
+    result = main(["--quick", "--iters", "1", "--batches", "1", "--methods", "cached_eager",
+                   "--set", "engine.model.ANSWER_QUERIES=True"])
+    assert model.ANSWER_QUERIES is True
+    assert result["env"]["settings"] == ["engine.model.ANSWER_QUERIES=True"]
+    with pytest.raises(SystemExit):
+        main(["--quick", "--set", "engine.model.NO_SUCH_SWITCH=1"])
