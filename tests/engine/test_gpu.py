@@ -31,7 +31,12 @@ if not torch.cuda.is_available():
 
 @pytest.fixture(scope="module")
 def gpu_eng(tiny_dir):
-    return Engine.load(tiny_dir, device="cuda", dtype="bfloat16")
+    # the fast kernel table, what `bench/engine_bench.py` times as cached_graphs: named, since CUDA's default is the
+    # deterministic one (`engine.loader.DETERMINISTIC_BY_DEFAULT`), which has neither `add_linear` nor
+    # `answer_attention`, so that a switch routed through them would be tested as a no-op
+    engine = Engine.load(tiny_dir, device="cuda", dtype="bfloat16", deterministic=False)
+    assert engine.forward.kernels.answer_attention is not None
+    return engine
 
 
 @pytest.fixture(scope="module")
@@ -103,13 +108,21 @@ def test_pdl_graphs_capture_and_give_the_same_bits(engine, request, monkeypatch)
 @pytest.mark.parametrize("switch", ["FUSED_RESIDUAL", "ANSWER_QUERIES"], ids=["residual", "answer-queries"])
 @pytest.mark.parametrize("batch", [1, 5, 70])
 def test_fast_path_switches_match_the_oracle(exact_eng, gpu_eng, batch, switch, monkeypatch):
-    """A switch of `engine.model` on, captured in graphs, in both prefix modes (independent: one answer a row), held to
-    the oracle as `test_bf16_graphs_match_the_oracle` holds the default path. `FUSED_RESIDUAL`: the residual adds
-    run in cuBLAS's epilogue (rounded once); `ANSWER_QUERIES`: the last layer's queries, attention and output
-    projection at the answer rows alone."""
+    """A switch of `engine.model` set the other way from its default, captured in graphs, in both prefix modes
+    (independent: one answer a row), held to the oracle as `test_bf16_graphs_match_the_oracle` holds the default path;
+    the kernel the switch routes through is called exactly when it is on. `FUSED_RESIDUAL` (off by default): the
+    residual adds run in cuBLAS's epilogue (rounded once); `ANSWER_QUERIES` (on): the last layer's queries, attention
+    and output projection at the answer rows alone."""
+    import dataclasses
+
     from engine import model
 
-    monkeypatch.setattr(model, switch, True)
+    on = not getattr(model, switch)
+    monkeypatch.setattr(model, switch, on)
+    kernel = {"FUSED_RESIDUAL": "add_linear", "ANSWER_QUERIES": "answer_attention"}[switch]
+    calls, original = [], getattr(gpu_eng.forward.kernels, kernel)
+    monkeypatch.setattr(gpu_eng.forward, "kernels", dataclasses.replace(
+        gpu_eng.forward.kernels, **{kernel: lambda *a, **k: calls.append(1) or original(*a, **k)}))
     qs = make_questions(list(range(2, 9)), temperatures=[0.5, 1.0, 2.0, 0.8, 1.3, 1.0, 0.7])
     states = make_states(batch, seed=batch)
     se = SchemaEngine(gpu_eng, use_graphs=True)
@@ -118,10 +131,12 @@ def test_fast_path_switches_match_the_oracle(exact_eng, gpu_eng, batch, switch, 
         ref_bf16 = torch.stack(score_full(gpu_eng, qs, states, independent=independent))    # transformers' forward
         exact = torch.stack(score_full(exact_eng, qs, states, independent=independent))
         err_engine, err_oracle = (got - exact).abs(), (ref_bf16 - exact).abs()
-        print(f"{switch}, batch {batch}, independent {independent}: |engine-exact| max {err_engine.max():.2e} mean "
-              f"{err_engine.mean():.2e}  |oracle_bf16-exact| max {err_oracle.max():.2e} mean {err_oracle.mean():.2e}")
+        print(f"{switch}={on}, batch {batch}, independent {independent}: |engine-exact| max {err_engine.max():.2e} "
+              f"mean {err_engine.mean():.2e}  |oracle_bf16-exact| max {err_oracle.max():.2e} mean "
+              f"{err_oracle.mean():.2e}; {kernel} traced {len(calls)} times")
         assert err_engine.mean() <= 1.5 * err_oracle.mean() + 1e-3
         assert err_engine.max() <= 2 * err_oracle.max() + ONE_LOGIT_ROUNDING
+    assert bool(calls) == on
     assert se.graph_stats()["replays"] >= 1 and se.graph_stats()["eager"] == 0
 
 
