@@ -44,15 +44,17 @@ so never in a deterministic table. Off: on the H200 it saved nothing (run BC, `b
 "residual:engine.model.FUSED_RESIDUAL=True"`: 59.55 against 59.58 ms at batch 128, 2.40 against 2.43 at batch 1, within
 the rounds' spread), though it matches the oracle as the default path does (`tests/engine/test_gpu.py -k residual`).
 Read when a step is traced, like `ANSWER_ROWS_ONLY`."""
-ANSWER_QUERIES = False
+ANSWER_QUERIES = True
 """With `layers(..., rows=)` in a suffix pass whose kernel table has `answer_attention`, compute the last layer's
 queries, attention, output gate and output projection at those rows alone (its keys and values still at every token):
 where the last layer is a full-attention layer (Qwen3.5's are), no later layer reads another token's output. At
 batch 128 that leaves out, from the FLOP counts and run AX's profile, about 0.27 ms of the q|gate projection (4,096 of
 its 5,120 columns), 0.4 ms of attention and 0.13 ms of the output projection, of a 60 ms step. The projections of
 fewer rows round as cuBLAS does for that row count: the fast table only (the deterministic one has no
-`answer_attention`). Off until timed on a GPU (`bench/variant_ab.py --variant
-"answers:engine.model.ANSWER_QUERIES=True"`); read when a step is traced, like `ANSWER_ROWS_ONLY`."""
+`answer_attention`, so the workers' bits do not change). On the H200 (`bench/variant_ab.py --variant
+"answers:engine.model.ANSWER_QUERIES=True"`, batch 128): 59.39 against 59.97 ms, faster in each of 8 rounds (run BL),
+the same probabilities as without it; at batch 1 and 32 within the rounds' spread (run BK). Read when a step is traced,
+like `ANSWER_ROWS_ONLY`."""
 ANSWER_QUERIES_MIN_ROWS = 1
 """`ANSWER_QUERIES` only in steps of at least this many rows: `answer_attention` runs one program per (row, kv head),
 so at batch 1 two programs walk the row's ~600 keys where the whole-row kernel spreads them over 92."""

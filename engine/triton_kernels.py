@@ -76,19 +76,24 @@ splits a row's channels over a warp's threads alike, so the L2 norms sum in the 
 same bits (`tests/engine/test_triton_kernels.py` checks the two launches; `bench/kernel_probe.py --only conv` reports
 every launch's)."""
 CONV_FILL_PROGRAMS = 2048
-CONV_WEIGHT_TILE = False
+CONV_WEIGHT_TILE = True
 """Whether `conv_qkv` loads each tap's weights as a [tokens, channels] tile in its inputs' layout (True) or as a
-vector broadcast over the tokens (False: what every run so far timed). Compiled for sm_90 by Triton 3.6 as launched at
-(8, 2), each vector load is converted through shared memory: 7 conversions and 13 barriers a program; the tile load
-leaves none of either (`tests/engine/test_triton_ptx.py`), for 30 global load instructions instead of 23 (each thread
-loads the weights of its own channels, which L1 holds). The same arithmetic in the same order: the same bits
-(`tests/engine/test_triton_kernels.py`). At (4, 1), batch 1's launch, one warp converts without barriers. Not yet
-timed on a GPU: read at each call, so `bench/variant_ab.py` can time it (`--variant
-"wtile:engine.triton_kernels.CONV_WEIGHT_TILE=True"`)."""
-NORM_WEIGHT_TILE = False
+vector broadcast over the tokens (False). Compiled for sm_90 by Triton 3.6 as launched at (8, 2), each vector load is
+converted through shared memory: 7 conversions and 13 barriers a program; the tile load leaves none of either
+(`tests/engine/test_triton_ptx.py`), for 30 global load instructions instead of 23 (each thread loads the weights of
+its own channels, which L1 holds). The same arithmetic in the same order: the same bits
+(`tests/engine/test_triton_kernels.py`). At (4, 1), batch 1's launch, one warp converts without barriers. On the H200
+alone it was no faster (run BK: 60.17 against 59.91 ms at batch 128 over 4 rounds); with `NORM_WEIGHT_TILE` and
+`engine.model.ANSWER_QUERIES`, the three together were the fastest variant at batch 128 in both runs that timed them
+(run BK: 59.10 against base 59.91, answers alone 59.67; run BL: 59.09 against 59.97, answers with the norm tiles
+59.24), within the spread at batches 1 and 32: on, as the configuration timed best. Read at each call, so
+`bench/variant_ab.py` can time it either way."""
+NORM_WEIGHT_TILE = True
 """`CONV_WEIGHT_TILE` for the norms' weights (`row_norm`). Compiled as launched for the 1,024-wide residual norm (4
 rows a program, 4 warps): 2 barriers a program instead of 4 (the other 2 sum a row across its 4 warps); for the gated
-norm of 128-wide heads: none instead of 1. Same bits; not yet timed on a GPU."""
+norm of 128-wide heads: none instead of 1. Same bits. On the H200: 59.84 against 59.91 ms at batch 128 alone (run BK),
+59.24 against 59.39 with `engine.model.ANSWER_QUERIES` (run BL, 8 rounds); on with `CONV_WEIGHT_TILE` (its docstring
+gives the three together)."""
 
 _BLOCK_ELEMENTS = 4096          # elements per program: 4 rows of 1024, 32 rows of 128
 
