@@ -78,8 +78,12 @@ def parse_setting(item: str) -> tuple[str, str, object]:
         raise argparse.ArgumentTypeError(f"setting {item!r}: expected module.ATTR=literal")
     try:
         value = ast.literal_eval(literal.strip())
+    except (ValueError, SyntaxError):
+        raise argparse.ArgumentTypeError(f"setting {item!r}: {literal.strip()!r} is not a Python literal "
+                                         "(a number, True/False, None, a quoted string, a tuple)") from None
+    try:
         known = hasattr(importlib.import_module(module), attr)
-    except (ValueError, SyntaxError, ImportError) as exc:
+    except ImportError as exc:
         raise argparse.ArgumentTypeError(f"setting {item!r}: {exc}") from None
     if not known:
         raise argparse.ArgumentTypeError(f"setting {item!r}: {module} has no {attr}")
@@ -252,6 +256,7 @@ def main(argv=None) -> dict:
             suffix_tokens = statistics.mean(len(r.ids) for r in rows)
             prompt = full.prompts(qs, S)
             prompt_tokens = statistics.mean(map(len, prompt[1]))
+            requests = [(h_graph, r) for r in rows]                 # the pipelined method's batch
             calls = {
                 "reference": (lambda: score_full(eng, qs, S, batch_size=B), prompt_tokens),
                 "full_fast": (lambda: full.score_prompts(*prompt), prompt_tokens),
@@ -259,7 +264,7 @@ def main(argv=None) -> dict:
                 "cached_graphs": (lambda: se_graph.score_rows(h_graph, rows), suffix_tokens),
                 "cached_eager_deterministic": (lambda: se_det_eager.score_rows(h_det_eager, rows), suffix_tokens),
                 "cached_graphs_deterministic": (lambda: se_det_graph.score_rows(h_det_graph, rows), suffix_tokens),
-                "cached_graphs_pipelined": (lambda: se_graph.launch_mixed([(h_graph, r) for r in rows]), suffix_tokens),
+                "cached_graphs_pipelined": (lambda: se_graph.launch_mixed(requests), suffix_tokens),
             }
             for m in methods:
                 fn, tokens_run = calls[m]
