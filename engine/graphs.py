@@ -3,7 +3,8 @@
 Like vLLM's `cudagraph_utils.py`, `GraphManager` owns the bucket tables and picks the padded shape a batch runs at
 (`shape`), warms up and captures (largest first, so smaller graphs reuse the pool's blocks: `warmup_order`), copies
 inputs into a graph's static buffers, replays and slices the static output (`run`), and counts captures, replays and
-eager steps (`stats`). Its callers build inputs at the shape it picked and say what one step computes.
+eager steps (`stats`). Its callers build inputs at the shape it picked, on the host (pinned, so that each is one
+asynchronous copy straight into its static buffer) or on the device, and say what one step computes.
 """
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ class StepShape:
 @dataclass
 class CapturedStep:
     graph: torch.cuda.CUDAGraph
-    inputs: tuple[torch.Tensor, ...]      # static input buffers, filled before each replay
+    inputs: tuple[torch.Tensor, ...]      # static input buffers on the device, filled before each replay
     output: torch.Tensor                  # static output, valid until the next replay of any graph in the pool
     keep: object                          # tensors the graph reads that nothing else holds (positions, masks)
 
@@ -64,15 +65,18 @@ StepBuilder = Callable[[StepShape], tuple[Callable[..., torch.Tensor], object]]
 class GraphManager:
     """Captured steps by (key, R, T), all in one private memory pool; `stats` counts captures, replays and eager steps.
 
-    enabled=False (CPU, or graphs switched off) runs every step eagerly at the batch's own shape.
+    enabled=False (CPU, or graphs switched off) runs every step eagerly at the batch's own shape. `device`: where steps
+    run (inputs elsewhere are copied there; None: eager steps run where their inputs are, graphs on the current CUDA
+    device).
     The pool belongs to this manager alone: PyTorch frees a private pool once no graph holds it, and a later capture
     into a freed pool's handle trips an allocator assertion, so each manager (and each refill after `clear` emptied
     it) takes a fresh handle.
     """
 
     def __init__(self, enabled: bool, batch_sizes: tuple[int, ...] = B_BUCKETS,
-                 token_lengths: tuple[int, ...] = TS_BUCKETS):
+                 token_lengths: tuple[int, ...] = TS_BUCKETS, device: torch.device | str | None = None):
         self.enabled = enabled
+        self.device = None if device is None else torch.device(device)
         self.batch_sizes, self.token_lengths = batch_sizes, token_lengths
         self.stats = {"captures": 0, "replays": 0, "eager": 0}
         self._pool = None
@@ -98,12 +102,15 @@ class GraphManager:
 
     def run(self, key: tuple, shape: StepShape, inputs: tuple[torch.Tensor, ...], build: StepBuilder,
             out_rows: int) -> torch.Tensor:
-        """One step on `inputs` (built at `shape`): replayed from its graph (captured first if needed) when
-        `shape.graphed`, else run eagerly. -> the first `out_rows` rows of the output; a graph's output is its static
-        buffer, valid until the next replay of any graph of this manager."""
+        """One step on `inputs` (built at `shape`, on the host or the device): replayed from its graph (captured first
+        if needed) when `shape.graphed`, else run eagerly on the inputs moved to the device. -> the first `out_rows`
+        rows of the output; a graph's output is its static buffer, valid until the next replay of any graph of this
+        manager."""
         if not shape.graphed:
             self.stats["eager"] += 1
             fn, _ = build(shape)
+            if self.device is not None:
+                inputs = tuple(x.to(self.device, non_blocking=True) for x in inputs)
             return fn(*inputs)[:out_rows]
         full_key = (*key, shape.R, shape.T)
         step = self._steps.get(full_key)
@@ -128,7 +135,8 @@ class GraphManager:
     def _capture(self, example: tuple[torch.Tensor, ...], fn: Callable, keep: object) -> CapturedStep:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        static = tuple(x.clone() for x in example)
+        device = self.device or torch.device("cuda")
+        static = tuple(torch.empty_like(x, device=device).copy_(x) for x in example)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):          # warm-up: lazy inits and autotuning happen outside the capture
