@@ -55,9 +55,12 @@ fewer rows round as cuBLAS does for that row count: the fast table only (the det
 "answers:engine.model.ANSWER_QUERIES=True"`, batch 128): 59.39 against 59.97 ms, faster in each of 8 rounds (run BL),
 the same probabilities as without it; at batch 1 and 32 within the rounds' spread (run BK). Read when a step is traced,
 like `ANSWER_ROWS_ONLY`."""
-ANSWER_QUERIES_MIN_ROWS = 1
+ANSWER_QUERIES_MIN_ROWS = 2
 """`ANSWER_QUERIES` only in steps of at least this many rows: `answer_attention` runs one program per (row, kv head),
-so at batch 1 two programs walk the row's ~600 keys where the whole-row kernel spreads them over 92."""
+so at batch 1 two programs walk the row's ~600 keys where the whole-row kernel spreads them over 92. On the H200
+(`bench/variant_ab.py`, 4 rounds, run BQ): batch 1 2.178 ms at 2 against 2.264 at 1 (the answers' kernel took 52 us
+of the step, the whole row's 23); batch 8 5.077 against 5.139 and batch 32 15.59 against 15.52, within the spread;
+16 no better than 2."""
 
 
 @dataclass
