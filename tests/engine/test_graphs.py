@@ -50,3 +50,22 @@ def test_schema_engine_reports_its_graph_stats(eng):
     se.score(h, make_states(2, seed=1))
     assert se.graph_stats() == {"captures": 0, "replays": 0, "eager": 2, "graphs": 0}
     assert se.warmup(h, batch_sizes=(1, 8), state_tokens=(32,)) >= 0 and se.graph_stats()["eager"] == 2
+
+
+def test_step_layout_stages_rows_and_unstages_views_of_the_same_values():
+    import numpy as np
+
+    from engine.prompt import MAX_OPTIONS
+    from engine.schema_engine import StepLayout, _Row
+
+    rows = [_Row(3, np.array([5, 6, 7]), [1, 2], [0.5, 2.0], [2, 4]), _Row(1, [8, 9], [0], [1.25], [3])]
+    layout = StepLayout(R=3, T=4, A=6)                 # one padding row; rows may hold 2 answers
+    staged = layout.stage(rows, pad=0, pin=False)
+    assert staged.dtype == torch.int64 and staged.numel() == layout.size
+    ids, slots, flat, n_options, (starts, counts), inv_temp = layout.unstage(staged)
+    assert ids.tolist() == [[5, 6, 7, 0], [8, 9, 0, 0], [0, 0, 0, 0]]
+    assert slots.tolist() == [3, 1, 3]                 # the padding row continues row 0's prefix
+    assert flat.tolist() == [1, 2, 4, 0, 0, 0]         # answer positions in the flattened [R, T] ids
+    assert n_options.tolist() == [2, 4, 3, MAX_OPTIONS, MAX_OPTIONS, MAX_OPTIONS]
+    assert starts.tolist() == [0, 2, 0] and counts.tolist() == [2, 1, 0]
+    assert inv_temp.dtype == torch.float32 and inv_temp.tolist() == [0.5, 2.0, 1.25, 1.0, 1.0, 1.0]
