@@ -78,9 +78,20 @@ def probe(se: SchemaEngine, requests, iters: int) -> dict[str, float]:
     return {k: round(statistics.median(v) * 1e6, 1) for k, v in parts.items()}
 
 
+def batch_sizes(text: str) -> list[int]:
+    """"1,8" -> [1, 8]; anything else is a usage error (exit 2) before a model is built."""
+    try:
+        sizes = [int(b) for b in text.split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
+    return sizes
+
+
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--batches", default=[1, 8], type=batch_sizes, help="comma-separated batch sizes (default 1,8)")
     ap.add_argument("--state-tokens", type=int, default=128)
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--set", action="append", default=[], type=parse_setting, dest="settings",
@@ -95,7 +106,7 @@ def main(argv=None) -> list[dict]:
     with patched(args.settings):
         se = SchemaEngine(eng)
         h = se.prepare(questions(eng.tok, 10, 4, 400))
-        for batch in (int(b) for b in args.batches.split(",")):
+        for batch in args.batches:
             requests = [(h, se.tokenize(h, s)) for s in states(eng.tok, batch, args.state_tokens, 0)]
             row = {"batch": batch, **probe(se, requests, args.iters)}
             print(json.dumps(row), flush=True)
