@@ -14,17 +14,18 @@ import subprocess
 import sys
 import time
 import uuid
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
-from confluent_kafka import OFFSET_BEGINNING, KafkaError, Producer, TopicPartition
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, Producer, TopicPartition
 
 import schemas
 from worker import commands
 from worker.config import Topics
-from worker.kafka_clients import create_topics, reader_consumer
+from worker.kafka_clients import create_topics, reader_consumer, reader_consumer_config
 
 REPO = Path(__file__).resolve().parents[2]
 SCHEMA_FILE = REPO / "worker" / "examples" / "support_schema.json"
@@ -163,40 +164,111 @@ class Stream:
         self.workers.append(worker)
         return worker
 
-    # ---- outputs ---------------------------------------------------------------------------------------------
+    # ---- outputs ----------------------------------------------------------------------------------------------
     def collect(self, expected: int, timeout_s: float = 60.0, settle_s: float = 1.0,
                 registry_url: str | None = None) -> tuple[list[dict], list[dict]]:
-        """Read both output topics from the beginning, read_committed, until ``expected`` records in total
-        (then ``settle_s`` more, so duplicates would show). Returns (probability records, dead letters), in any
-        output format (``registry_url`` for avro-registry output)."""
+        """What a read_committed reader finds in both output topics, read from the beginning: whole passes, each
+        by a fresh reader, until a pass finds ``expected`` records in total (then one more pass ``settle_s`` later, so
+        that duplicates would show) or ``timeout_s`` runs out. Returns (probability records, dead letters) of the
+        last pass, in any output format (``registry_url`` for avro-registry output).
+
+        Whole passes, not one reader following the topics: a reader that fetches from an offset past an aborted
+        transaction's abort marker is told by the embedded broker (noida-db 0.2.3) that the aborted transaction is
+        still there, and librdkafka then skips every later batch of that producer id on the partition (the
+        producer id a worker keeps across restarts with its --worker-id). Kafka lists only the aborted
+        transactions that overlap the fetched range. A pass from offset 0 fetches each partition in one response
+        that holds the abort markers before the later batches (``tests/worker/test_progress.py`` shows the gap)."""
+        deadline = time.monotonic() + timeout_s
+        found = self.read_outputs(registry_url)
+        while len(found[0]) + len(found[1]) < expected and time.monotonic() < deadline:
+            time.sleep(0.2)
+            found = self.read_outputs(registry_url)
+        if len(found[0]) + len(found[1]) >= expected and settle_s > 0:
+            time.sleep(settle_s)
+            found = self.read_outputs(registry_url)
+        return found
+
+    def read_outputs(self, registry_url: str | None = None, pass_timeout_s: float = 20.0) -> tuple[list[dict], list[dict]]:
+        """One pass: both output topics from the beginning to their last stable offsets, by a fresh read_committed
+        reader that fetches each partition whole (up to 64 MiB) in one response."""
         from worker.output_formats import OutputDecoder
         from worker.registry import registry_client
 
         client = registry_client(registry_url) if registry_url else None
         decoders = {kind: OutputDecoder(kind, client) for kind in ("probabilities", "dead-letter")}
-        consumer = reader_consumer(self.bootstrap)
-        consumer.assign([TopicPartition(t, p, OFFSET_BEGINNING)
-                         for t in (self.topics.probabilities, self.topics.dead_letter) for p in range(self.partitions)])
-        probabilities, dead = [], []
-        deadline, settle_until = time.monotonic() + timeout_s, None
+        consumer = Consumer({**reader_consumer_config(self.bootstrap), "max.partition.fetch.bytes": 64 << 20,
+                             "fetch.max.bytes": 64 << 20})
+        partitions = [TopicPartition(t, p, OFFSET_BEGINNING) for t in (self.topics.probabilities, self.topics.dead_letter)
+                      for p in range(self.partitions)]
+        consumer.assign(partitions)
+        probabilities, dead, at_end = [], [], set()
+        self.last_pass_counts: Counter = Counter()
+        deadline = time.monotonic() + pass_timeout_s
         try:
-            while True:
-                now = time.monotonic()
-                if settle_until is None and len(probabilities) + len(dead) >= expected:
-                    settle_until = now + settle_s
-                if (settle_until is not None and now >= settle_until) or now >= deadline:
-                    return probabilities, dead
+            while len(at_end) < len(partitions) and time.monotonic() < deadline:
                 message = consumer.poll(0.1)
-                if message is None or message.error() is not None:
-                    if message is not None:
-                        assert message.error().code() == KafkaError._PARTITION_EOF, message.error().str()
+                if message is None:
                     continue
+                if message.error() is not None:
+                    assert message.error().code() == KafkaError._PARTITION_EOF, message.error().str()
+                    at_end.add((message.topic(), message.partition()))
+                    continue
+                self.last_pass_counts[(message.topic(), message.partition())] += 1
                 if message.topic() == self.topics.probabilities:
                     probabilities.append(commands.as_json("probabilities", message, decoders["probabilities"]))
                 else:
                     dead.append(commands.as_json("dead-letter", message, decoders["dead-letter"]))
+            return probabilities, dead
         finally:
             consumer.close()
+
+    # ---- when a test fails ------------------------------------------------------------------------------------
+    def diagnostics(self, log_lines: int = 40) -> str:
+        """What a failed test of this stream leaves to read: each worker's exit code and log tail, the consumer group's
+        members and assignment, committed against end offsets of the states topic, and per output partition the high
+        watermark, the last stable offset and what a whole read_committed pass finds there. Never raises."""
+        parts = []
+        for worker in self.workers:
+            code = worker.process.poll()
+            tail = "\n".join(worker.log().splitlines()[-log_lines:]) if worker.log_path.exists() else "(no log)"
+            parts.append(f"--- {worker.log_path.name} (exit code {code}) ---\n{tail}")
+        for title, read in (("consumer group", self._describe_group), ("states topic", self._describe_states),
+                            ("output topics", self._describe_outputs)):
+            try:
+                parts.append(f"--- {title} ---\n{read()}")
+            except Exception as exc:  # noqa: BLE001 - a diagnostic that fails must not hide the test's own failure
+                parts.append(f"--- {title} --- could not be read: {exc!r}")
+        return "\n".join(parts)
+
+    def _describe_group(self) -> str:
+        from confluent_kafka.admin import AdminClient
+
+        admin = AdminClient({"bootstrap.servers": self.bootstrap})  # held: a client destroyed mid-request fails its futures
+        described = admin.describe_consumer_groups([self.group], request_timeout=10)[self.group].result()
+        members = [f"  {m.member_id} (instance {m.group_instance_id}, {m.client_id}): "
+                   f"{sorted(tp.partition for tp in m.assignment.topic_partitions)}" for m in described.members]
+        return f"{self.group}: state {described.state}\n" + ("\n".join(members) or "  no members")
+
+    def _describe_states(self) -> str:
+        committed, end = self.committed_offsets(), self.end_offsets()
+        return "\n".join(f"  [{p}] committed {committed[p]}, end {end[p]}" for p in sorted(end))
+
+    def _describe_outputs(self) -> str:
+        probabilities, dead = self.read_outputs(pass_timeout_s=10)
+        committed, uncommitted = reader_consumer(self.bootstrap), Consumer({**reader_consumer_config(self.bootstrap),
+                                                                            "isolation.level": "read_uncommitted"})
+        lines = [f"  a whole read_committed pass finds {len(probabilities)} probability records and {len(dead)} dead letters"]
+        try:
+            for topic in (self.topics.probabilities, self.topics.dead_letter):
+                for p in range(self.partitions):
+                    tp = TopicPartition(topic, p)
+                    lso, hwm = committed.get_watermark_offsets(tp, timeout=10)[1], uncommitted.get_watermark_offsets(tp, timeout=10)[1]
+                    lines.append(f"  {topic}[{p}]: high watermark {hwm}, last stable offset {lso}, "
+                                 f"{self.last_pass_counts.get((topic, p), 0)} records in that pass")
+        finally:
+            committed.close()
+            uncommitted.close()
+        return "\n".join(lines)
 
     def committed_offsets(self, group: str | None = None) -> dict[int, int]:
         """A group's (default: the workers') committed offset per states partition (-1001 if none)."""
@@ -228,10 +300,22 @@ def feed_states(stream: Stream, states: list[tuple[str, bytes]], done: threading
     done.set()
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed test's report gets each of its streams' diagnostics (``Stream.diagnostics``): worker log tails, the
+    group's assignment, committed and end offsets, output watermarks; workers are still running at this point."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.when == "call" and report.failed:
+        for index, stream in enumerate(getattr(item, "decider_streams", ())):
+            report.sections.append((f"decider stream {index} ({stream.topics.states})", stream.diagnostics()))
+
+
 @pytest.fixture
-def stream_factory(kafka_bootstrap, tmp_path):
+def stream_factory(kafka_bootstrap, tmp_path, request):
     """Make isolated streams; kills any worker still running at the end of the test."""
     made: list[Stream] = []
+    request.node.decider_streams = made
 
     def make(partitions: int = 2) -> Stream:
         suffix = uuid.uuid4().hex[:8]

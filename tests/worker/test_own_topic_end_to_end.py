@@ -174,11 +174,12 @@ def test_avro_events_from_confluents_serializer_scored_into_json_output(stream, 
 def test_exactly_once_through_sigkill_with_mapping_and_registry_on(stream, model_dir, schema_registry_url):
     stream.put_schema("support", QUESTIONS)
     rnd = random.Random(51)
-    inputs = []
+    inputs, bodiless = [], set()
     for i, text in enumerate(state_texts(160, seed=51)):
         event = ticket(i, f"case {i}", text)
         if rnd.random() < 0.05:  # a few mapping failures: dead letters are outputs too
             del event["ticket"]["body"]
+            bodiless.add(f"T-{i}")
         inputs.append((f"T-{i}", json.dumps(event).encode()))
     fed = threading.Event()
     feeder = threading.Thread(target=feed_states, args=(stream, inputs, fed), daemon=True)
@@ -197,7 +198,8 @@ def test_exactly_once_through_sigkill_with_mapping_and_registry_on(stream, model
     seen = Counter([r["state_id"] for r in probabilities] + [d["state_id"] for d in dead])
     assert {k: v for k, v in seen.items() if v > 1} == {}, "states output more than once"
     assert set(seen) == {sid for sid, _ in inputs}
-    assert {d["reason"] for d in dead} <= {"invalid_fields"} and all("ticket.body" in d["message"] for d in dead)
+    assert bodiless and {d["state_id"] for d in dead} == bodiless  # exactly the events without a body
+    assert {d["reason"] for d in dead} == {"invalid_fields"} and all("ticket.body" in d["message"] for d in dead)
     assert stream.committed_offsets() == stream.end_offsets()
     assert survivor.stop() == 0, survivor.log()
 
