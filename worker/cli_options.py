@@ -59,6 +59,11 @@ LOOP_OPTIONS = [
              "capture on first sight.")),
     _option("transaction_timeout_ms", int, typer.Option(DEFAULTS["transaction_timeout_ms"], "--transaction-timeout-ms", envvar="DECIDER_TRANSACTION_TIMEOUT_MS", help="Broker-side timeout of an open transaction.")),
     _option("broker_outage_s", float, typer.Option(DEFAULTS["broker_outage_s"], "--broker-outage-s", envvar="DECIDER_BROKER_OUTAGE_S", help="How long to ride out an unreachable broker (nothing commits meanwhile; the worker resumes by itself when it returns) before exiting with code 5.")),
+    _option("stall_after_s", float, typer.Option(
+        DEFAULTS["stall_after_s"], "--stall-after-s", envvar="DECIDER_STALL_AFTER_S",
+        help="Report a partition that makes no progress for this long (a states partition with records waiting whose "
+             "committed offset stands still, or an output partition whose newest committed record read_committed "
+             "readers do not get): a warning naming it and what it waits for, and /readyz fails until it clears.")),
     _option("metrics_port", Optional[int], typer.Option(None, "--metrics-port", envvar="DECIDER_METRICS_PORT", min=1, max=65535, help="Serve /metrics (Prometheus), /healthz and /readyz on this port.")),
     _option("metrics_host", str, typer.Option(DEFAULTS["metrics_host"], "--metrics-host", envvar="DECIDER_METRICS_HOST", help="Address the --metrics-port server listens on: 127.0.0.1 (this machine only) or 0.0.0.0 (every interface, for a scraper on another host or container).")),
     _option("log_level", str, typer.Option("info", "--log-level", envvar="DECIDER_LOG_LEVEL", help="debug, info, warning or error.")),
@@ -139,6 +144,7 @@ def loop_config(ctx: typer.Context, flags: dict[str, Any], probabilities_topic: 
         schema_memory_mb=flags["schema_memory_mb"], tokenizer_threads=flags["tokenizer_threads"],
         warmup_state_tokens=_token_counts(flags["warmup_state_tokens"]),
         transaction_timeout_ms=flags["transaction_timeout_ms"], broker_outage_s=flags["broker_outage_s"],
+        stall_after_s=flags["stall_after_s"],
         metrics_port=flags["metrics_port"], metrics_host=flags["metrics_host"], kafka=kafka_settings(ctx), **own,
         input=input_mapping(ctx, flags), output_format=flags["output_format"],
         registry=registry_config(ctx, flags["schema_registry_url"], flags["auto_register"]),

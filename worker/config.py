@@ -69,6 +69,7 @@ class WorkerConfig:
     transaction_timeout_ms: int = 30_000
     session_timeout_ms: int = 10_000
     broker_outage_s: float = 300.0  # how long the loop rides out an unreachable broker before it exits (code 5)
+    stall_after_s: float = 180.0  # a partition without progress this long is reported and fails /readyz (worker.progress)
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"   # this machine only; a scraper in another container needs 0.0.0.0
     kafka: Mapping[str, Any] = field(default_factory=dict)  # the config file's [kafka] table
@@ -95,6 +96,8 @@ class WorkerConfig:
             raise ConfigError("--warmup-state-tokens: every length must be at least 1 token")
         if self.broker_outage_s <= 0:
             raise ConfigError("--broker-outage-s must be positive")
+        if self.stall_after_s <= 0:
+            raise ConfigError("--stall-after-s must be positive")
         if self.schema_memory_mb <= 0:
             raise ConfigError("--schema-memory-mb must be positive")
         if not (self.device == "cpu" or re.fullmatch(r"cuda(:\d+)?", self.device)):

@@ -44,7 +44,7 @@ class Health:
         """(ready, why) at this moment."""
         with self._lock:
             ready, reason = self.ready, self.reason
-        problem = liveness.BROKER.readiness_problem() if ready else None
+        problem = (liveness.BROKER.readiness_problem() or liveness.PROGRESS.readiness_problem()) if ready else None
         return (False, problem) if problem else (ready, reason)
 
     @staticmethod

@@ -21,9 +21,11 @@ _RECONNECT = {"reconnect.backoff.max.ms": 1000}
 
 
 def _on_states_consumer_stats(stats_json: str) -> None:
-    """The states consumer's statistics: lag for the metrics, broker connections for readiness."""
+    """The states consumer's statistics: lag for the metrics, broker connections for readiness, each partition's end
+    for the stall check."""
     on_consumer_stats(stats_json)
     liveness.BROKER.on_stats(stats_json)
+    liveness.PARTITION_ENDS.on_stats(stats_json)
 
 
 def as_cluster(cluster: Cluster | str) -> Cluster:

@@ -1,5 +1,6 @@
 """Whether the broker answers and whether a call on it is stuck, for ``/readyz`` and ``/healthz`` (``worker.health``)
-and for the loop's outage bound.
+and for the loop's outage bound; whether a partition stalled (``worker.progress`` reports it here, and reads the
+states partitions' ends from here).
 
 The loop's own events cannot say this: while a commit hangs the loop emits nothing. So the clients report here as
 they go (module-level, like the Prometheus metrics): the transactional producer around each call, the states
@@ -107,3 +108,54 @@ class BrokerLiveness:
 
 BROKER = BrokerLiveness()
 """This process's view of its broker."""
+
+
+class ProgressProblems:
+    """Stalled partitions (``worker.progress``), for ``/readyz``: the last report wins."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._problem: str | None = None
+
+    def report(self, problem: str | None) -> None:
+        """What is stalled now (None: nothing)."""
+        with self._lock:
+            self._problem = problem
+
+    def readiness_problem(self) -> str | None:
+        with self._lock:
+            return self._problem
+
+
+PROGRESS = ProgressProblems()
+"""This process's stalled partitions."""
+
+
+class PartitionEnds:
+    """Each assigned states partition's last stable offset and the committed offset librdkafka knows of (the log's
+    start where the group has none), from the states consumer's statistics (every 2 s), for the stall check
+    (``worker.progress``)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._ends: dict[tuple[str, int], tuple[int, int]] = {}
+
+    def on_stats(self, stats_json: str) -> None:
+        found = {}
+        for topic, info in json.loads(stats_json).get("topics", {}).items():
+            for partition, p in info.get("partitions", {}).items():
+                if partition != "-1" and p.get("fetch_state") not in (None, "none", "stopped"):
+                    # no committed offset yet (a new group): reading starts at the log's start (auto.offset.reset)
+                    committed = p.get("committed_offset", -1)
+                    found[(topic, int(partition))] = (p.get("ls_offset", -1), committed if committed >= 0 else p.get("lo_offset", -1))
+        with self._lock:
+            self._ends = found
+
+    def snapshot(self) -> dict[tuple[str, int], tuple[int, int]]:
+        """{(topic, partition): (last stable offset, committed offset)}; -1 where not known."""
+        with self._lock:
+            return dict(self._ends)
+
+
+PARTITION_ENDS = PartitionEnds()
+"""The states consumer's view of its partitions' ends."""

@@ -16,8 +16,8 @@ from typing import Any
 
 EVENTS = logging.getLogger("decider.events")
 LEVELS = ("debug", "info", "warning", "error")
-# Bulky fields of the loop's events that a log line does not need (whole records).
-_DROPPED_FIELDS = {"samples"}
+# Bulky fields of the loop's events that a log line does not need (whole records, per-partition output offsets).
+_DROPPED_FIELDS = {"samples", "outputs"}
 
 
 class JsonFormatter(logging.Formatter):

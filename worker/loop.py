@@ -41,9 +41,10 @@ from worker.assignment import Assignment, EventSink, GroupAssignment, check_cons
 from worker.batcher import Cycle, Pending, monotonic
 from worker.config import WorkerConfig
 from worker.exceptions import AbortableError, FatalError
-from worker.kafka_clients import require_topics, transactional_producer_config
+from worker.kafka_clients import reader_consumer, require_topics, transactional_producer_config
 from worker.input_mapping import SourceDecoder
 from worker.outputs import Outputs, start_encoder
+from worker.progress import ProgressWatch, describe_input_wait
 from worker.records import SchemaKey, SourceRecord, Unscorable
 from worker.latency_budget import CycleBudget
 from worker.routing import Router
@@ -110,7 +111,10 @@ class Worker:
                  on_event: EventSink | None = None) -> None:
         self.config = config
         self.stop = stop or threading.Event()
-        self._emit = on_event or (lambda kind, info: None)
+        self._watch = ProgressWatch(config.topics.states, config.stall_after_s,
+                                    lambda partition: describe_input_wait(partition, self._cycle, list(self._inflight)))
+        sink = on_event or (lambda kind, info: None)
+        self._emit = lambda kind, info: (self._watch.on_event(kind, info), sink(kind, info))
         self._assignment = assignment or GroupAssignment(config, self._emit)
         # No --max-wait-ms (replay): only full batches close a cycle, and the input's end closes the last one.
         self._max_wait_s = math.inf if config.max_wait_ms is None else config.max_wait_ms / 1000
@@ -143,6 +147,7 @@ class Worker:
         gc_pauses.watch_collections()
         log.info("%d objects of the loaded model and libraries exempted from garbage collection", frozen)
         self._consumer = self._assignment.consumer()
+        self._watch.start(reader_consumer(self.config.cluster))
         self._txns = Transactions(transactional_producer_config(self.config), self._consumer, self.config.worker_id,
                                   timeout_s=self.config.transaction_timeout_ms / 1000 / 2,
                                   outage_s=self.config.broker_outage_s)
@@ -178,7 +183,8 @@ class Worker:
 
     def _close(self) -> None:
         leave = lambda: self._assignment.leave(self._consumer)  # noqa: E731
-        for action in (self._txns.close, leave, self._consumer.close, self._table.close, self._scorer.close):
+        for action in (self._txns.close, leave, self._consumer.close, self._table.close, self._scorer.close,
+                       self._watch.close):
             try:
                 action()
             except Exception as exc:  # closing is best effort: the transaction is already committed or aborted
@@ -372,6 +378,7 @@ class Worker:
                                  "commit_ms": commit_ms, "commit_steps_ms": self._txns.last_steps_ms,
                                  "opened_ahead": self._txns.last_opened_ahead,
                                  "offsets": [(tp.partition, tp.offset) for tp in cycle.offsets()],
+                                 "outputs": self._txns.last_outputs,
                                  **self._latency_fields(inflight, committed_at)})
         self._open_transaction()     # the next cycle's, while the GPU scores it
 

@@ -65,6 +65,21 @@ LATENCY_BUDGET_MISSES = Counter(
     "--latency-budget-ms after the state was consumed (transaction end - first state consumed)")
 
 
+PARTITION_STALL_SECONDS = Gauge(
+    "decider_partition_stall_seconds", "Seconds a partition has gone without progress: a states partition with records "
+    "waiting whose committed offset stands still, or an output partition where read_committed readers do not get the "
+    "newest record this worker committed (worker.progress); at --stall-after-s it is reported and /readyz fails",
+    ["topic", "partition"])
+PARTITION_STALLS = Counter("decider_partition_stalls_total", "Stalled-partition warnings (worker.progress)")
+
+
+def clear_stall_seconds(keep: set[tuple[str, str]]) -> None:
+    """Drop the stall gauge of every partition not in ``keep`` (it made progress, or is no longer this worker's)."""
+    for labels in list(PARTITION_STALL_SECONDS._metrics):  # prometheus_client keeps a labelled child per label tuple
+        if labels not in keep:
+            PARTITION_STALL_SECONDS.remove(*labels)
+
+
 def observe_budget(engine: Mapping[int, float], commit: Mapping[int, float], missed: bool) -> None:
     """A cycle committed under the latency budget: the estimates it updated, and whether it missed the budget."""
     for batch, seconds in engine.items():

@@ -155,6 +155,10 @@ class Transactions:
         # whether `open` began it ahead of its records (then its offsets step overlapped the scoring)
         self.last_steps_ms: dict[str, float] = {}
         self.last_opened_ahead = False
+        # the newest offset of a record the last committed transaction wrote, per (topic, partition): what
+        # ``worker.progress`` reads back to see that read_committed readers get it
+        self.last_outputs: dict[tuple[str, int], int] = {}
+        self._delivered: dict[tuple[str, int], int] = {}
 
     @property
     def _open(self) -> bool:
@@ -240,6 +244,7 @@ class Transactions:
         steps = _StepClock()
         # 3. Produce every output record and dead letter into the transaction.
         self._delivery_errors.clear()
+        self._delivered = {}
         for record in records:
             self._produce(record)
         steps.lap("produce")
@@ -257,6 +262,7 @@ class Transactions:
         # 5. Commit: records and offsets become visible together, or not at all.
         self._call("commit_transaction", self._producer.commit_transaction)
         self._opened_for = None
+        self.last_outputs = self._delivered
         steps.lap("commit")
         self.last_steps_ms = {"offsets": self._opening_ms, **steps.ms}
         self.last_opened_ahead = opened_ahead
@@ -359,9 +365,12 @@ class Transactions:
         else:
             log.debug("producer: %s", error.str())
 
-    def _on_delivery(self, error: KafkaError | None, _message) -> None:
+    def _on_delivery(self, error: KafkaError | None, message) -> None:
         if error is not None:
             self._delivery_errors.append(error)
+        else:
+            key = (message.topic(), message.partition())
+            self._delivered[key] = max(message.offset(), self._delivered.get(key, -1))
 
     def _call(self, step: str, action: Callable[[float], T], replaceable: bool = True) -> T:
         """Run one transactional API call (given the seconds it may take); retry only what librdkafka marks
