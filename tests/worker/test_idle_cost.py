@@ -2,8 +2,8 @@
 
 The embedded broker (noida-db 0.2.3) answers every Fetch at once, whatever its max wait and min bytes, and
 librdkafka sends the next Fetch as soon as an empty one returns (it never backs off at a partition's end), so on it
-every consumer spins: tens of thousands of fetches a second, an idle worker a third of a core or more plus as much
-again in the broker (``bench/idle_cost.py``, bench/README.md). That is the broker's doing, not decider's, and no
+every consumer spins: tens of thousands of fetches a second, an idle worker a third of a core or more and the
+broker another fifth (``bench/idle_cost.py``, bench/README.md). That is the broker's doing, not decider's, and no
 client setting changes it. What decider owns is checked here against librdkafka's mock cluster, which answers an
 empty Fetch only after the request's max wait, as Kafka does: its consumers fetch at ``1000 / fetch.wait.max.ms``
 a second when idle, and an idle worker stays under a few percent of a core. A spinning setting (a zero max wait)
