@@ -135,6 +135,31 @@ def test_idle_worker_uses_under_five_percent_of_a_core(mock_cluster, model_dir, 
         assert worker.stop() == 0, worker.log()
 
 
+def test_schema_catch_up_does_not_queue_behind_the_readers_parked_fetch(mock_cluster):
+    """Kafka answers one request at a time per connection; the schema table's consumer keeps a Fetch parked for its
+    max wait (50 ms) while the topic is idle, so the end offsets catch_up() asks for at every cycle's close must not
+    go on that connection. Asked there, a query waited out the parked fetch: 0-49 ms (p50 20) on the mock cluster,
+    catch_up p50 178 ms over its 4 auto-created partitions; through a client that never fetches, 0.3 ms."""
+    from worker.schema_table import SchemaTable
+
+    topic = f"idle-{uuid.uuid4().hex[:8]}.schemas"
+    mock_cluster.create(topic)
+    table = SchemaTable(mock_cluster.bootstrap, topic)
+    try:
+        table.catch_up()
+        time.sleep(0.5)  # the reader is at the end now, its fetch parked at the broker
+        took = []
+        for _ in range(11):
+            time.sleep(0.03)
+            start = time.perf_counter()
+            table.catch_up()
+            took.append(time.perf_counter() - start)
+    finally:
+        table.close()
+    median = sorted(took)[len(took) // 2]
+    assert median < 0.015, f"catch_up() took {median * 1000:.0f} ms (median): it waits behind a parked fetch"
+
+
 def test_session_broker_fetch_wait_is_as_documented(test_broker, kafka_bootstrap):
     """Kafka holds an empty fetch for its max wait; noida-db 0.2.3 answers it at once (README, "decider broker").
     If this fails on the embedded broker, noida-db learned to wait: the README and bench/README.md need updating."""
