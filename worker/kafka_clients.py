@@ -140,7 +140,11 @@ def reader_consumer_config(cluster: Cluster | str, group: str | None = None) -> 
         "enable.auto.commit": False,
         "auto.offset.reset": "earliest",
         "enable.partition.eof": True,  # tells a reader when it has caught up with a partition
-        "fetch.wait.max.ms": 50,  # these readers are latency-sensitive, never throughput-bound
+        # On Kafka a wait, not a poll interval: an empty Fetch is held at the broker until a record arrives (then
+        # answered at once, whatever this value) or this many ms pass, so an idle reader sends ~20 fetches/s. A request
+        # sent behind that parked Fetch on the same connection waits for it (Kafka answers one at a time per
+        # connection): the schema table asks for end offsets through a client that never fetches (worker.schema_table).
+        "fetch.wait.max.ms": 50,
     }
     # librdkafka requires a group.id even for assign()-only consumers; it is never joined or committed.
     config["group.id"] = group or "decider-reader-unused"
@@ -169,6 +173,14 @@ def worker_consumer_config(config: WorkerConfig) -> dict[str, Any]:
         "heartbeat.interval.ms": max(100, config.session_timeout_ms // 5),
         # Scoring a batch holds the loop for at most seconds; this is the bound on a stuck GPU.
         "max.poll.interval.ms": 300_000,
+        # On Kafka a wait, not a poll interval: an empty Fetch is held at the broker until a record arrives (then
+        # answered at once, whatever this value) or this many ms pass. An idle worker thus sends ~50 fetches/s per
+        # broker it fetches from, plus the schema reader's ~20, and uses 0.35-0.5% of a core in all (measured against
+        # librdkafka's mock cluster, which holds empty fetches the same way; bench/idle_cost.py). The value bounds what
+        # waits behind a parked Fetch: librdkafka keeps one in flight per broker, so a partition assigned or sought
+        # meanwhile starts fetching after it. The embedded broker (noida-db) ignores it and answers every Fetch at once:
+        # there every consumer spins (~20k fetches/s each; an idle worker a third of a core and the broker a fifth on
+        # the loaded 2-core development machine), at 500 ms exactly as at 20; no client setting changes that.
         "fetch.wait.max.ms": 20,
         # Consumer lag per partition for the metrics, computed by librdkafka from the fetch responses, and whether
         # any broker connection is up, for /readyz (``worker.liveness``).

@@ -53,6 +53,12 @@ class SchemaTable:
                                          f"decider topics create -b {as_cluster(cluster).bootstrap}")
         self._partitions = [TopicPartition(topic, p, OFFSET_BEGINNING) for p in sorted(metadata.partitions)]
         self._consumer.assign(self._partitions)
+        # catch_up() asks the broker for the partitions' ends through a second client that never fetches. Kafka
+        # answers one request at a time per connection, and the consumer above always has a Fetch parked at the
+        # broker for up to its fetch.wait.max.ms (50) while the topic is idle: a ListOffsets sent behind it waited out
+        # the rest of that wait, at every cycle's close. Measured on librdkafka's mock cluster, which holds fetches and
+        # orders responses the same way: 0-49 ms a query (p50 20), against 0.1 ms on noida-db, which never waits.
+        self._ends = reader_consumer(cluster)
         self._latest: dict[str, dict[str, Any]] = {}
         self._highest_version: dict[str, int] = {}  # survives tombstones (until compaction drops them)
         self._broken_versions = 0  # pseudo-versions for broken records, so each one differs from the last
@@ -84,7 +90,7 @@ class SchemaTable:
         deadline = time.monotonic() + timeout_s
         ends = {}
         for tp in self._partitions:
-            _low, high = self._consumer.get_watermark_offsets(TopicPartition(tp.topic, tp.partition), timeout=timeout_s, cached=False)
+            _low, high = self._ends.get_watermark_offsets(TopicPartition(tp.topic, tp.partition), timeout=timeout_s, cached=False)
             ends[tp.partition] = high
         changes: list[Change] = []
         while not self._reached(ends):
@@ -139,5 +145,8 @@ class SchemaTable:
         return BrokenSchema(key, self._broken_versions, problem)
 
     def close(self) -> None:
-        """Close the consumer."""
-        self._consumer.close()
+        """Close both clients."""
+        try:
+            self._consumer.close()
+        finally:
+            self._ends.close()
