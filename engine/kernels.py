@@ -154,16 +154,19 @@ def batch_invariant_kernels(table: Kernels, gemm_weights: Sequence[torch.Tensor]
     residual in its epilogue, a kernel family whose row-count invariance is not checked; `engine.model.FUSED_RESIDUAL`
     is off in the fast table too: it gained nothing on the H200)."""
     from engine import batch_invariant as bi      # imports triton
-    from engine.graphs import B_BUCKETS
+    from engine.graphs import B_BUCKETS, TS_BUCKETS
 
     # the row counts a suffix pass's GEMMs see: batch buckets x suffix lengths, and x answers per row (a power of 2:
-    # the read-out, the last layer's MLP and its query and output projections run on the answer slots alone)
+    # the read-out, the last layer's MLP and its query and output projections run on the answer slots alone); below
+    # 256 rows (the floors under it run such counts unpadded) every batch bucket x length bucket
     per_row = (1, 2, 4, 8, 10, 16, 32, 64, 128, 184, 256, 512, 1024)
-    rows = sorted({r * t for r in B_BUCKETS for t in per_row})
+    rows = sorted({r * t for r in B_BUCKETS for t in per_row}
+                  | {r * t for r in B_BUCKETS for t in TS_BUCKETS if r * t < 256})
     started = time.perf_counter()
     linear = bi.InvariantLinear(list(gemm_weights), rows)
     log.info("deterministic: GEMMs by cuBLAS for weight shapes %s (rows padded up to the floor given; batch-invariant "
-             "at %d row counts), by the Triton matmul for %s; checked in %.1f s", linear.floors, len(rows),
+             "at %d row counts), by cuBLAS in blocks of %d rows for %s, else by the Triton matmul for %s; checked in "
+             "%.1f s", linear.floors, len(rows), bi.BLOCK_ROWS, sorted(linear.blocked) or "none",
              sorted(linear.triton) or "none", time.perf_counter() - started)
     log.info("deterministic: Triton small tile below %d rows for %s", bi.SMALL_TILE_ROWS, sorted(linear.small) or "none")
     weight = gemm_weights[0] if gemm_weights else None
@@ -172,8 +175,8 @@ def batch_invariant_kernels(table: Kernels, gemm_weights: Sequence[torch.Tensor]
                                          weight.device if weight is not None else "cuda")
     log.info("deterministic: %r", suffix)
     floors = ", ".join(f"{n}x{k}>={f}" for (n, k), f in sorted(linear.floors.items()))
-    return replace(table, name=f"{table.name}+batch-invariant(cuBLAS {floors}; Triton {sorted(linear.triton)}; "
-                              f"small tile {sorted(linear.small)}; {suffix!r})",
+    return replace(table, name=f"{table.name}+batch-invariant(cuBLAS {floors}; blocked {sorted(linear.blocked)}; "
+                              f"Triton {sorted(linear.triton)}; small tile {sorted(linear.small)}; {suffix!r})",
                    linear=linear,
                    add_linear=None,
                    attention=bi.attention,
