@@ -848,4 +848,5 @@ def test_the_deterministic_forward_with_triton_attention_scores_a_state_the_same
                 for i, p in zip(chunk, se.score(h, [states[i] for i in chunk])):
                     assert torch.equal(p, alone[i]), (independent, size, i)
         want = torch.stack(score_full(eng, qs, states, independent=independent))
-        assert (torch.stack(alone) - want).abs().max().item() < 1e-4
+        # on CUDA the rest of the table is fla's, whose tf32 dots are ~1e-3 off (as in the forward test above)
+        assert (torch.stack(alone) - want).abs().max().item() < (1e-4 if DEV == "cpu" else 5e-3)
