@@ -90,6 +90,15 @@ def parse_setting(item: str) -> tuple[str, str, object]:
     return module, attr, value
 
 
+def parse_methods(spec: str) -> dict[str, set[int] | None]:
+    """"m1,m2@32+128" -> {m1: None (every batch size), m2: {32, 128}}."""
+    out = {}
+    for item in filter(None, (x.strip() for x in spec.split(","))):
+        name, _, sizes = item.partition("@")
+        out[name] = {int(b) for b in sizes.split("+")} if sizes else None
+    return out
+
+
 def build_engine(args) -> tuple[Engine, str]:
     deterministic = getattr(args, "deterministic", False)       # bench/variant_ab.py --deterministic
     if args.quick:
@@ -157,6 +166,10 @@ def timed(fn, iters: int, sync) -> list[float]:
     return times
 
 
+DEFAULT_BATCHES = "1,8,16,32,64,128"
+"""Batch sizes timed by default, for every method (the deterministic table beside the fast one): 1 (latency), 8 and 16
+(a stream's batches under a latency budget at half load), 32, 64 and 128 (throughput)."""
+
 PIPELINE_WINDOW = 8
 """Launches per timed window of `pipelined`."""
 
@@ -191,9 +204,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--quick", action="store_true", help="small CPU run on the tiny model")
     ap.add_argument("--device", default=None)
     ap.add_argument("--dtype", default=None)
-    ap.add_argument("--batches", default=None, help="comma-separated batch sizes")
+    ap.add_argument("--batches", default=None, help=f"comma-separated batch sizes (default {DEFAULT_BATCHES})")
     ap.add_argument("--state-tokens", default=None, help="comma-separated state lengths in tokens")
-    ap.add_argument("--methods", default="reference,full_fast,cached_eager,cached_graphs,cached_graphs_deterministic")
+    ap.add_argument("--methods", default="reference,full_fast,cached_eager,cached_graphs,cached_graphs_deterministic",
+                    help="comma-separated; METHOD@B+B... times that method at those of the batch sizes alone "
+                         "(full_fast@32: the baseline at batch 32 only)")
     ap.add_argument("--questions", type=int, default=10)
     ap.add_argument("--options", type=int, default=4)
     ap.add_argument("--prefix-tokens", type=int, default=400)
@@ -209,10 +224,11 @@ def main(argv=None) -> dict:
     cuda = torch.cuda.is_available() and not args.quick
     args.device = args.device or ("cuda" if cuda else "cpu")
     args.dtype = args.dtype or ("bfloat16" if cuda else "float32")
-    batches = [int(x) for x in (args.batches or ("1,4" if args.quick else "1,8,32,64,128")).split(",")]
+    batches = [int(x) for x in (args.batches or ("1,4" if args.quick else DEFAULT_BATCHES)).split(",")]
     lengths = [int(x) for x in (args.state_tokens or ("32" if args.quick else "64,128,256")).split(",")]
     iters = args.iters or (2 if args.quick else 10)
-    methods = [m for m in args.methods.split(",") if not m.startswith("cached_graphs") or args.device.startswith("cuda")]
+    only = parse_methods(args.methods)
+    methods = [m for m in only if not m.startswith("cached_graphs") or args.device.startswith("cuda")]
 
     eng, model_desc = build_engine(args)
     dev = eng.dev
@@ -267,6 +283,8 @@ def main(argv=None) -> dict:
                 "cached_graphs_pipelined": (lambda: se_graph.launch_mixed(requests), suffix_tokens),
             }
             for m in methods:
+                if only[m] is not None and B not in only[m]:
+                    continue
                 fn, tokens_run = calls[m]
                 if dev.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(dev)

@@ -27,7 +27,7 @@ for step in $steps; do
     profile) timeout "${T_PROFILE:-150}" python3 bench/profile_engine.py --batch "${PROFILE_BATCHES:-1,32}" --rows 40 \
                > "$OUT/profile.txt" 2>&1; grep -E "^===|Self CUDA time" "$OUT/profile.txt" ;;
     engine)  timeout "${T_ENGINE:-300}" python3 bench/engine_bench.py --state-tokens 128 \
-               --batches "${BATCHES:-1,8,32,64,128}" ${METHODS:+--methods "$METHODS"} --iters 6 --out "$OUT" 2>&1 \
+               --batches "${BATCHES:-1,8,16,32,64,128}" ${METHODS:+--methods "$METHODS"} --iters 6 --out "$OUT" 2>&1 \
                | tee "$OUT/engine_bench.txt" | tail -25 ;;
     schemas) timeout "${T_SCHEMAS:-300}" python3 bench/engine_bench.py --schemas "${SCHEMAS:-1,4,16,64,100}" --batches 128 \
                --state-tokens 128 --iters 6 --out "$OUT" 2>&1 | tee "$OUT/engine_schemas.txt" | tail -14 ;;
@@ -35,7 +35,7 @@ for step in $steps; do
                --methods full_fast,cached_graphs --iters 6 --out "$OUT/lengths" 2>&1 | tee "$OUT/engine_lengths.txt" | tail -12 ;;
     ab)      tree=${AB_TREE:-ab}
              (cd "$tree" && timeout "${T_AB:-300}" python3 bench/engine_bench.py --state-tokens 128 \
-               --batches "${BATCHES:-1,8,32,64,128}" ${METHODS:+--methods "$METHODS"} --iters 6 --out "$OUT/$tree" 2>&1) \
+               --batches "${BATCHES:-1,8,16,32,64,128}" ${METHODS:+--methods "$METHODS"} --iters 6 --out "$OUT/$tree" 2>&1) \
                | tee "$OUT/engine_bench_$tree.txt" | tail -12 ;;
     variants) args=(); IFS='|' read -ra specs <<< "${VARIANTS:?VARIANTS=\"name:module.ATTR=value|...\"}"
              for spec in "${specs[@]}"; do args+=(--variant "$spec"); done

@@ -124,7 +124,8 @@ def engine_choice(w: torch.Tensor) -> dict:
     started = time.perf_counter()
     linear = bi.InvariantLinear([w], rows)
     shape = tuple(w.shape)
-    return {"cublas_floor": linear.floors.get(shape), "triton": shape in linear.triton,
+    return {"cublas_floor": linear.floors.get(shape), "blocked_cublas": shape in linear.blocked,
+            "triton": shape in linear.triton,
             "small_tile": linear.small.get(shape), 
             "small_tile_rows": bi.SMALL_TILE_ROWS,
             "checked_s": time.perf_counter() - started}

@@ -10,7 +10,9 @@ layers by up to 1e-2 in a probability. These kernels fix the order by constructi
   (`InvariantLinear` takes a smaller tile for few rows only where the device shows it gives the same bits);
 - `attention`: each query row reads the keys in blocks of a fixed size from the first, never split: the row's
   running max, sum and output see the same values in the same order whatever the batch, and masked (causal or
-  padded) keys add exact zeros.
+  padded) keys add exact zeros;
+- `InvariantSuffixAttention`: the one-kernel suffix attention (`engine.suffix_attention`), which reads keys the same
+  way, at launch configurations the device shows to give a row the same bits.
 """
 from __future__ import annotations
 
@@ -246,25 +248,96 @@ def small_tile_is_identical(weight: torch.Tensor, row_counts: list[int], small: 
     return all(torch.equal(matmul(block[:M], w, small), ref[:M]) for M in row_counts)
 
 
+BLOCK_ROWS = 256
+"""Rows of each GEMM of `blocked_linear`: every row goes through a GEMM of exactly this many rows."""
+
+BLOCKED_CUBLAS = True
+"""Whether `InvariantLinear` runs the shapes it found batch-invariant as `blocked_linear` that way (False: the Triton
+matmul, as before it had the choice). Read at each call, so a CUDA graph keeps the setting it was captured under and
+`bench/variant_ab.py` can time both in one process."""
+
+CUBLAS_FLOOR_MIN = 0
+"""A floor under the floors `InvariantLinear` found (each found floor is checked for every row count from it up, so a
+higher one stays batch-invariant where it is a checked row count: 256 is): 256 runs as before the 128-row floor was a
+candidate. Read at each call, like `BLOCKED_CUBLAS`."""
+
+
+def blocked_linear(x: torch.Tensor, weight: torch.Tensor, rows: int = BLOCK_ROWS) -> torch.Tensor:
+    """x [..., K] @ weight[N, K]^T -> [..., N] by cuBLAS, as GEMMs of exactly `rows` rows each: the whole blocks in one
+    strided batched GEMM (the weight broadcast, not copied), the last partial block zero-padded to `rows` in a batch
+    of one. Every row goes through a GEMM of the same M wherever it sits, which a single GEMM of all the rows does not
+    give (cuBLAS picks its kernel, split-K among them, by M); whether the batched kernel cuBLAS picks for another
+    batch count sums a row in the same order is the library's, so `blocked_is_invariant` checks it."""
+    K, N = x.shape[-1], weight.shape[0]
+    flat = x.reshape(-1, K)                                                            # [M, K]
+    if flat.stride(0) != K or flat.stride(-1) != 1:
+        flat = flat.contiguous()
+    M = flat.shape[0]
+    full, rest = divmod(M, rows)
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    wt = weight.t()                                                                    # [K, N], a view
+    if full:
+        torch.bmm(flat[:full * rows].view(full, rows, K), wt.expand(full, K, N),
+                  out=y[:full * rows].view(full, rows, N))
+    if rest:
+        tail = torch.nn.functional.pad(flat[full * rows:], (0, 0, 0, rows - rest))      # [rows, K]
+        y[full * rows:] = torch.bmm(tail[None], wt[None])[0, :rest]
+    return y.view(*x.shape[:-1], N)
+
+
+def blocked_is_invariant(weight: torch.Tensor, row_counts: list[int], probe_rows: int = 16, seed: int = 0) -> bool:
+    """Whether `blocked_linear` gives a probe's rows the bits it gives them alone (a partial block, batch of one) at
+    every row count in `row_counts`, placed in a whole block (a batch of all of them) and in the last partial block,
+    among random neighbours."""
+    gen = torch.Generator(device=weight.device).manual_seed(seed)
+    positions = random.Random(seed)
+    block = torch.randn(max(row_counts), weight.shape[1], device=weight.device, generator=gen).to(weight.dtype)
+    w = torch.randn(weight.shape, device=weight.device, generator=gen).to(weight.dtype) / weight.shape[1] ** 0.5
+    probe = block[:probe_rows].clone()
+    ref = blocked_linear(probe, w)
+    for M in row_counts:
+        if M < probe_rows:
+            continue
+        full = M // BLOCK_ROWS * BLOCK_ROWS
+        starts = {positions.randrange(M - probe_rows + 1)}
+        if full >= probe_rows:
+            starts.add(positions.randrange(full - probe_rows + 1))                     # inside the whole blocks
+        if M - full >= probe_rows:
+            starts.add(full + positions.randrange(M - full - probe_rows + 1))          # inside the padded tail
+        for at in starts:
+            neighbours = block[at:at + probe_rows].clone()
+            block[at:at + probe_rows] = probe
+            same = torch.equal(blocked_linear(block[:M], w)[at:at + probe_rows], ref)
+            block[at:at + probe_rows] = neighbours
+            if not same:
+                return False
+    return True
+
+
 class InvariantLinear:
-    """`F.linear` with a summation order that does not depend on the row count. Per weight shape: cuBLAS with fewer
-    rows than a floor zero-padded up to it, at the lowest floor of `MIN_ROWS` from which `cublas_is_invariant` holds
-    (cuBLAS switches to split-K kernels at small row counts, and where that happens depends on the shape; below the
-    floor a GEMM's time is mostly the weight's read, which the padding does not change), else `matmul`: with
-    `small_tile_config` below `SMALL_TILE_ROWS` rows where `small_tile_is_identical` holds for the shape (`small`),
-    else `matmul_config` at every row count.
+    """`F.linear` with a summation order that does not depend on the row count. Per weight shape, the first of:
+    - cuBLAS with fewer rows than a floor zero-padded up to it, at the lowest floor of `MIN_ROWS` from which
+      `cublas_is_invariant` holds (cuBLAS switches to split-K kernels at small row counts, and where that happens
+      depends on the shape; below the floor a GEMM's time is mostly the weight's read, which the padding does not
+      change; `CUBLAS_FLOOR_MIN` raises it);
+    - `blocked_linear` (cuBLAS on blocks of `BLOCK_ROWS` rows) where `blocked_is_invariant` holds (`blocked`; with
+      `BLOCKED_CUBLAS` on): the MLP's down projection at the 0.8B shape is invariant at no floor, and the Triton
+      matmul ran it 1.3 to 1.5 times slower than cuBLAS;
+    - `matmul`: with `small_tile_config` below `SMALL_TILE_ROWS` rows where `small_tile_is_identical` holds for the
+      shape (`small`), else `matmul_config` at every row count.
 
     (Fusing the MLP's swiglu into the down projection's A tiles was tried and kept the bits, but ran slower than the
     two kernels at every row count on the H200, 0.069 against 0.025 ms at 184 rows and 0.74 against 0.44 at 23,552:
     bench/results/2026-11-30-nvidia-h200-run-m-mlp-probe.json.)"""
 
-    MIN_ROWS = (256, 1024, 4096)
+    MIN_ROWS = (128, 256, 1024, 4096)
 
     def __init__(self, weights: list[torch.Tensor], row_counts: list[int]):
         shapes = {tuple(w.shape): w for w in weights}
         self.floors = {shape: floor for shape, w in shapes.items()
                        if (floor := _invariant_floor(w, row_counts, self.MIN_ROWS)) is not None}
         self.triton = set(shapes) - set(self.floors)
+        self.blocked = {shape for shape in self.triton if blocked_is_invariant(shapes[shape], row_counts)}
         few = sorted({m for m in row_counts if m < SMALL_TILE_ROWS})
         self.small = {shape: cfg for shape in sorted(self.triton) if (cfg := small_tile_config(*shape)) is not None
                       and small_tile_is_identical(shapes[shape], few, cfg)}
@@ -273,7 +346,10 @@ class InvariantLinear:
         shape = tuple(weight.shape)
         floor = self.floors.get(shape)
         if floor is None:
+            if BLOCKED_CUBLAS and shape in self.blocked:
+                return blocked_linear(x, weight)
             return matmul(x, weight, self._tile(shape, x))
+        floor = max(floor, CUBLAS_FLOOR_MIN)
         rows = x.reshape(-1, x.shape[-1])                                              # [M, K]
         M = rows.shape[0]
         if M >= floor:
@@ -292,3 +368,64 @@ def _invariant_floor(weight: torch.Tensor, row_counts: list[int], floors: tuple[
         if cublas_is_invariant(weight, sorted({max(floor, m) for m in row_counts})):
             return floor
     return None
+
+
+SUFFIX_SMALL_CANDIDATES = ((16, 64, 4, 2), (64, 64, 4, 2))
+"""Launches `InvariantSuffixAttention` may take where the large one gives too few programs, in order of preference:
+`engine.suffix_attention.SMALL_CONFIG` (the fast table's, 0.025 against 0.038 ms at batch 1 on the H200), then a
+64-row block (one warp group: the MMA instruction of the large launch's 64-row halves)."""
+
+
+def suffix_configs_agree(heads: tuple[int, int, int], dtype: torch.dtype, device, large, small, seed: int = 0) -> bool:
+    """Whether `engine.suffix_attention.suffix_attention` gives every query the same bits at the `small` launch as at
+    the `large` one, for random inputs at the model's head shape (heads: (query heads, kv heads, head dim)): rows of
+    two suffix lengths after prefixes of unequal lengths, keys crossing the prefix's end and the causal diagonal.
+    A row's keys are read in the same blocks at both; whether the MMA instruction and register layout each block
+    height and warp count compile to add a row's products and its softmax sum in the same order is the hardware's,
+    so it is checked on the device, as `small_tile_is_identical` checks the matmul's tiles."""
+    from engine.suffix_attention import suffix_attention
+
+    if large[1] != small[1]:
+        return False                          # another key block: another summation order by construction
+    Hq, Hkv, D = heads
+    gen = torch.Generator(device=device).manual_seed(seed)
+    rnd = lambda *shape: torch.randn(*shape, device=device, generator=gen).to(dtype)  # noqa: E731
+    lengths = torch.tensor([400, 37, 129], dtype=torch.int32, device=device)
+    bank_k, bank_v = rnd(3, Hkv, 512, D), rnd(3, Hkv, 512, D)
+    for B, T in ((2, 184), (3, 56)):
+        q, k, v, gate = rnd(B, Hq, T, D), rnd(B, Hkv, T, D), rnd(B, Hkv, T, D), rnd(B, T, Hq, D)
+        slots = torch.arange(B, device=device) % 3
+        args = (q, k, v, bank_k, bank_v, lengths, slots, gate, D ** -0.5)
+        try:
+            same = torch.equal(suffix_attention(*args, configs=(large, None)),
+                               suffix_attention(*args, configs=(small, None)))
+        except triton.runtime.errors.OutOfResources:              # a launch this device cannot hold is no candidate
+            return False
+        if not same:
+            return False
+    return True
+
+
+class InvariantSuffixAttention:
+    """`Kernels.suffix_attention` whose result for a row does not depend on the batch: `engine.suffix_attention`'s
+    kernel, which computes a query from its own row alone at any one launch configuration, with the large launch
+    (`CONFIG`) at every size, and the small one where the large gives too few programs (batch 1 to ~20 at the 0.8B
+    shape) only where `suffix_configs_agree` holds on the device for one of `SUFFIX_SMALL_CANDIDATES`. The launches are
+    fixed at construction: a later change of the module's constants does not reach this table."""
+
+    def __init__(self, heads: tuple[int, int, int] | None, dtype: torch.dtype, device):
+        from engine import suffix_attention as sa
+
+        self.large = sa.CONFIG
+        self.small = None
+        if heads is not None:
+            self.small = next((c for c in SUFFIX_SMALL_CANDIDATES
+                               if suffix_configs_agree(heads, dtype, device, self.large, c)), None)
+
+    def __call__(self, q, k, v, bank_k, bank_v, key_lengths, slots, gate, scale):
+        from engine.suffix_attention import suffix_attention
+        return suffix_attention(q, k, v, bank_k, bank_v, key_lengths, slots, gate, scale,
+                                configs=(self.large, self.small))
+
+    def __repr__(self) -> str:
+        return f"suffix attention {self.large}" + (f", {self.small} below the fill" if self.small else " always")

@@ -5,10 +5,12 @@ fused Triton kernels of `engine.triton_kernels`). Elsewhere: `engine.torch_kerne
 exactly what transformers' modules compute (what CPU tests run). Deterministic (batch-invariant) scoring on the CPU:
 `engine.invariant_kernels`.
 
-Deterministic on CUDA: the same table with the suffix attention of `engine.batch_invariant` too (torch's flash op
-splits the keys by batch size) and the GEMMs of cuBLAS where a check at load shows them batch-invariant for this model's shapes, else
-`engine.batch_invariant.matmul`. Every other CUDA kernel here computes a row from that row alone in a fixed order
-(checked by `bench/invariance_probe.py` and the GPU tests).
+Deterministic on CUDA: the same table with the GEMMs of cuBLAS where a check at load shows them batch-invariant for
+this model's shapes, else `engine.batch_invariant.matmul`; the one-kernel suffix attention at launches that give a row
+the same bits at every batch size (`engine.batch_invariant.InvariantSuffixAttention`), and the answers' attention as it
+is (one launch at every size); the forward then takes no path by the batch's size (`Kernels.batch_invariant`). Every
+other CUDA kernel here computes a row from that row alone in a fixed order (checked by `bench/invariance_probe.py` and
+the GPU tests).
 """
 from __future__ import annotations
 
@@ -68,7 +70,10 @@ class Kernels:
         b's at rows[starts[b]:starts[b] + counts[b]]): the last layer's (`engine.model.ANSWER_QUERIES`); None: every
         token's queries, then the rows;
     attend_by_request: the suffix pass runs attention one row at a time on its own lengths (eager only: a graph
-        cannot capture per-batch lengths), for tables whose attention kernel depends on the batch's padded length."""
+        cannot capture per-batch lengths), for tables whose attention kernel depends on the batch's padded length;
+    batch_invariant: a row's result does not depend on the batch around it (its size, the row's position, its
+        neighbours, the padded length), so the forward takes the same path at every batch size
+        (`engine.model.ANSWER_QUERIES_MIN_ROWS` does not apply)."""
     name: str
     delta_rule: Callable
     conv_qkv: Callable
@@ -85,13 +90,16 @@ class Kernels:
     suffix_attention: Callable | None = None
     answer_attention: Callable | None = None
     attend_by_request: bool = False
+    batch_invariant: bool = False
 
 
-def select_kernels(device_type: str, deterministic: bool = False, gemm_weights: Sequence[torch.Tensor] = ()) -> Kernels:
+def select_kernels(device_type: str, deterministic: bool = False, gemm_weights: Sequence[torch.Tensor] = (),
+                   attention_heads: tuple[int, int, int] | None = None) -> Kernels:
     """The kernel table for a device type ("cuda", "cpu"); deterministic: a table whose result for a row does not
     depend on the batch around it (its size, the row's position, its neighbours, the padded length): on CUDA
-    `batch_invariant_kernels` (`gemm_weights` are the weights whose cuBLAS GEMMs it checks), on the CPU
-    `engine.invariant_kernels`."""
+    `batch_invariant_kernels` (`gemm_weights` are the weights whose cuBLAS GEMMs it checks, `attention_heads` the
+    full-attention layers' (query heads, kv heads, head dim), at which it checks the suffix attention's launches), on
+    the CPU `engine.invariant_kernels`."""
     if device_type == "cuda":
         try:
             table = fla_kernels()
@@ -99,7 +107,7 @@ def select_kernels(device_type: str, deterministic: bool = False, gemm_weights: 
             log.warning("flash-linear-attention is not installed: the Gated DeltaNet layers run PyTorch fallbacks, "
                         "several times slower (pip install 'decider[gpu]')")
             table = torch_kernels()
-        return batch_invariant_kernels(table, gemm_weights) if deterministic else table
+        return batch_invariant_kernels(table, gemm_weights, attention_heads) if deterministic else table
     return invariant_kernels() if deterministic else torch_kernels()
 
 
@@ -116,7 +124,7 @@ def invariant_kernels() -> Kernels:
     i = inv_k
     return Kernels("torch-invariant", i.delta_rule, i.conv_qkv, i.rms_norm, i.gated_rms_norm, i.swiglu,
                    torch_k.torch_add_rms_norm, torch_k.torch_qk_norm_rope, i.gate_attention, i.linear,
-                   attend_by_request=True)
+                   attend_by_request=True, batch_invariant=True)
 
 
 def fla_kernels() -> Kernels:
@@ -135,27 +143,43 @@ def fla_kernels() -> Kernels:
                    answer_attention=answer_attention)
 
 
-def batch_invariant_kernels(table: Kernels, gemm_weights: Sequence[torch.Tensor]) -> Kernels:
-    """`table` with batch-invariant attention, and GEMMs whose summation order is proven not to depend on M."""
+def batch_invariant_kernels(table: Kernels, gemm_weights: Sequence[torch.Tensor],
+                            attention_heads: tuple[int, int, int] | None = None) -> Kernels:
+    """`table` with batch-invariant attention, and GEMMs whose summation order is proven not to depend on M.
+
+    The suffix attention is the fast table's one kernel, at launches checked at load (`InvariantSuffixAttention`:
+    `attention_heads` None, the large launch at every size); the answers' attention is the fast table's kernel as it
+    is, so with `engine.model.ANSWER_QUERIES` the last layer's queries run at the answer rows at every batch size
+    (their projections through `InvariantLinear` like every other). Not taken: `add_linear` (cuBLAS's GEMM with the
+    residual in its epilogue, a kernel family whose row-count invariance is not checked; `engine.model.FUSED_RESIDUAL`
+    is off in the fast table too: it gained nothing on the H200)."""
     from engine import batch_invariant as bi      # imports triton
-    from engine.graphs import B_BUCKETS
+    from engine.graphs import B_BUCKETS, TS_BUCKETS
 
     # the row counts a suffix pass's GEMMs see: batch buckets x suffix lengths, and x answers per row (a power of 2:
-    # the read-out and the last layer's MLP run on the answer slots alone)
+    # the read-out, the last layer's MLP and its query and output projections run on the answer slots alone); below
+    # 256 rows (the floors under it run such counts unpadded) every batch bucket x length bucket
     per_row = (1, 2, 4, 8, 10, 16, 32, 64, 128, 184, 256, 512, 1024)
-    rows = sorted({r * t for r in B_BUCKETS for t in per_row})
+    rows = sorted({r * t for r in B_BUCKETS for t in per_row}
+                  | {r * t for r in B_BUCKETS for t in TS_BUCKETS if r * t < 256})
     started = time.perf_counter()
     linear = bi.InvariantLinear(list(gemm_weights), rows)
     log.info("deterministic: GEMMs by cuBLAS for weight shapes %s (rows padded up to the floor given; batch-invariant "
-             "at %d row counts), by the Triton matmul for %s; checked in %.1f s", linear.floors, len(rows),
+             "at %d row counts), by cuBLAS in blocks of %d rows for %s, else by the Triton matmul for %s; checked in "
+             "%.1f s", linear.floors, len(rows), bi.BLOCK_ROWS, sorted(linear.blocked) or "none",
              sorted(linear.triton) or "none", time.perf_counter() - started)
     log.info("deterministic: Triton small tile below %d rows for %s", bi.SMALL_TILE_ROWS, sorted(linear.small) or "none")
+    weight = gemm_weights[0] if gemm_weights else None
+    suffix = bi.InvariantSuffixAttention(attention_heads if weight is not None else None,
+                                         weight.dtype if weight is not None else torch.float32,
+                                         weight.device if weight is not None else "cuda")
+    log.info("deterministic: %r", suffix)
     floors = ", ".join(f"{n}x{k}>={f}" for (n, k), f in sorted(linear.floors.items()))
-    return replace(table, name=f"{table.name}+batch-invariant(cuBLAS {floors}; Triton {sorted(linear.triton)}; "
-                              f"small tile {sorted(linear.small)})",
+    return replace(table, name=f"{table.name}+batch-invariant(cuBLAS {floors}; blocked {sorted(linear.blocked)}; "
+                              f"Triton {sorted(linear.triton)}; small tile {sorted(linear.small)}; {suffix!r})",
                    linear=linear,
-                   add_linear=None,               # its GEMMs' row-count invariance is checked for F.linear alone
+                   add_linear=None,
                    attention=bi.attention,
                    indexed_attention=bi.indexed_attention,
-                   suffix_attention=None,        # the split path, whose batch-invariance the GPU tests check
-                   answer_attention=None)
+                   suffix_attention=suffix,
+                   batch_invariant=True)

@@ -49,9 +49,10 @@ ANSWER_QUERIES = True
 queries, attention, output gate and output projection at those rows alone (its keys and values still at every token):
 where the last layer is a full-attention layer (Qwen3.5's are), no later layer reads another token's output. At
 batch 128 that leaves out, from the FLOP counts and run AX's profile, about 0.27 ms of the q|gate projection (4,096 of
-its 5,120 columns), 0.4 ms of attention and 0.13 ms of the output projection, of a 60 ms step. The projections of
-fewer rows round as cuBLAS does for that row count: the fast table only (the deterministic one has no
-`answer_attention`, so the workers' bits do not change). On the H200 (`bench/variant_ab.py --variant
+its 5,120 columns), 0.4 ms of attention and 0.13 ms of the output projection, of a 60 ms step. Not the bits of the
+path without it (the projections of fewer rows round as the GEMM does for that row count, the attention runs another
+launch). The deterministic table takes it at every batch size (`Kernels.batch_invariant`), its projections through
+the invariant linear. On the H200 (`bench/variant_ab.py --variant
 "answers:engine.model.ANSWER_QUERIES=True"`, batch 128): 59.39 against 59.97 ms, faster in each of 8 rounds (run BL),
 the same probabilities as without it; at batch 1 and 32 within the rounds' spread (run BK). Read when a step is traced,
 like `ANSWER_ROWS_ONLY`."""
@@ -60,7 +61,8 @@ ANSWER_QUERIES_MIN_ROWS = 2
 so at batch 1 two programs walk the row's ~600 keys where the whole-row kernel spreads them over 92. On the H200
 (`bench/variant_ab.py`, 4 rounds, run BQ): batch 1 2.178 ms at 2 against 2.264 at 1 (the answers' kernel took 52 us
 of the step, the whole row's 23); batch 8 5.077 against 5.139 and batch 32 15.59 against 15.52, within the spread;
-16 no better than 2."""
+16 no better than 2. Not in a batch-invariant table (`Kernels.batch_invariant`): a row scored alone would take
+another path than in a batch, and get other bits."""
 
 
 @dataclass
@@ -220,7 +222,9 @@ class HybridForward:
         self.eps = self.cfg.rms_norm_eps
         dev = next(causal_lm.parameters()).device
         self.w = [self._layer_weights(layer) for layer in self.core.layers]
-        self.kernels = select_kernels(dev.type, deterministic, self._gemm_weights(label_weight))
+        heads = (self.cfg.num_attention_heads, self.cfg.num_key_value_heads,
+                 getattr(self.cfg, "head_dim", None) or self.cfg.hidden_size // self.cfg.num_attention_heads)
+        self.kernels = select_kernels(dev.type, deterministic, self._gemm_weights(label_weight), heads)
         self.final_norm_w = 1.0 + self.core.norm.weight.float()
 
     @staticmethod
@@ -242,7 +246,8 @@ class HybridForward:
         return w
 
     def _gemm_weights(self, label_weight: torch.Tensor | None) -> list[torch.Tensor]:
-        fused = [w[name] for w in self.w for name in ("mlp_in", "in_proj", "qkv") if name in w]
+        # the attention's q|gate and k|v parts too: the answer rows' queries project alone (`ANSWER_QUERIES`)
+        fused = [w[name] for w in self.w for name in ("mlp_in", "in_proj", "qkv", "q_proj", "kv_proj") if name in w]
         projections = [m.weight for layer in self.core.layers for m in (layer.mlp.down_proj, self._out_proj(layer))]
         return fused + projections + ([label_weight] if label_weight is not None else [])
 
@@ -273,11 +278,13 @@ class HybridForward:
         x = self.kernels.rms_norm(h, self.w[0]["in_norm"], self.eps)
         last = len(self.core.layers) - 1
         fused = FUSED_RESIDUAL and self.kernels.add_linear is not None
+        # a batch-invariant table takes one path at every batch size
+        min_rows = 1 if self.kernels.batch_invariant else ANSWER_QUERIES_MIN_ROWS
         for i, layer in enumerate(self.core.layers):
             w = self.w[i]
             answer_rows = rows if i == last and rows is not None and ANSWER_ROWS_ONLY else None
             # the token mixer's output before its projection; at the answer rows alone where it can be
-            at_rows = (answer_rows is not None and ANSWER_QUERIES and ids.shape[0] >= ANSWER_QUERIES_MIN_ROWS
+            at_rows = (answer_rows is not None and ANSWER_QUERIES and ids.shape[0] >= min_rows
                        and layer.block_type != "linear_attention" and ctx.answers is not None
                        and self.kernels.answer_attention is not None)
             if layer.block_type == "linear_attention":

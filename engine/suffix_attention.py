@@ -10,7 +10,14 @@ the split path rounds each half to the model's dtype before merging them.
 
 A program takes BM query rows of one (row, kv head), ordered (position, query head of the group), so a block spans
 BM / G consecutive positions and its causal bound is its last position. Keys are read in blocks of BN from the
-first, whatever the batch: a row's result does not depend on the rows around it.
+first, whatever the batch, and the keys past a query's own position add exact zeros (a weight of exactly 0, the
+running max and sum unchanged), so at one launch configuration a query's result depends on its own row alone: not on
+the batch's size, the row's place in it, its neighbours (their prefixes, lengths, schemas) or the padded length T.
+What can change it is the configuration: `suffix_attention` takes `SMALL_CONFIG` where `CONFIG` gives too few
+programs, and another query-block height and warp count compile to another MMA instruction and register layout,
+which may add a row's products, and its softmax sum, in another order. `answer_attention` has one configuration.
+The batch-invariant table (`engine.batch_invariant.InvariantSuffixAttention`) takes the small launch only where the
+device shows that it gives the large one's bits.
 """
 from __future__ import annotations
 
@@ -112,11 +119,15 @@ def _online_softmax_step(q, k, v, keep, m_i, l_i, acc, qk_scale, PRECISION: tl.c
 
 
 def suffix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bank_k: torch.Tensor, bank_v: torch.Tensor,
-                     key_lengths: torch.Tensor, slots: torch.Tensor, gate: torch.Tensor, scale: float) -> torch.Tensor:
+                     key_lengths: torch.Tensor, slots: torch.Tensor, gate: torch.Tensor, scale: float,
+                     configs: tuple[tuple[int, int, int, int], tuple[int, int, int, int] | None] | None = None
+                     ) -> torch.Tensor:
     """q [B, Hq, T, D], k, v [B, Hkv, T, D] (the suffix's, after RoPE; any strides with the last dimension
     contiguous), bank_k, bank_v [S, Hkv, N, D] (the prefix bank's), key_lengths [S] int32 (each entry's prefix
     length), slots [B] int64 (row b continues entry slots[b]), gate [B, T, Hq, D] (a strided view) -> the gated
-    attention output [B, T, Hq * D]: `Kernels.suffix_attention`."""
+    attention output [B, T, Hq * D]: `Kernels.suffix_attention`. configs: (large, small) launches instead of
+    (`CONFIG`, `SMALL_CONFIG`), the small one where the large one gives fewer programs than `FILL_PROGRAMS`; small
+    None: the large one at every size."""
     B, Hq, T, D = q.shape
     Hkv = k.shape[1]
     G = Hq // Hkv
@@ -127,9 +138,10 @@ def suffix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bank_k: 
     out = torch.empty(B, T, Hq * D, dtype=q.dtype, device=q.device)
     if B * T == 0:
         return out
-    BM, BN, warps, stages = CONFIG
-    if triton.cdiv(G * T, BM) * Hkv * B < FILL_PROGRAMS:
-        BM, BN, warps, stages = SMALL_CONFIG
+    large, small = configs or (CONFIG, SMALL_CONFIG)
+    BM, BN, warps, stages = large
+    if small is not None and triton.cdiv(G * T, BM) * Hkv * B < FILL_PROGRAMS:
+        BM, BN, warps, stages = small
     grid = (triton.cdiv(G * T, BM), Hkv, B)
     _suffix_attention_kernel[grid](
         q, k, v, bank_k, bank_v, key_lengths, slots, gate, out, T, *q.stride()[:3],
@@ -143,7 +155,10 @@ def suffix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bank_k: 
 ANSWER_CONFIG = (64, 64, 4, 2)
 """`answer_attention`'s launch: (query rows, keys, warps, stages). A program takes one row's answer queries (up to BM /
 G answers of one kv head's G query heads), so at the 0.8B shape (G = 4, 10 questions) one program holds a row's
-answers. Not yet timed on a GPU."""
+answers. One launch at every batch size: answer j of a row is query row j * G + (its head in the group) of the row's
+own programs, whatever the answers of the rows before it, its keys are read in blocks of BN from the first, and the
+keys past its position add exact zeros, so an answer's result does not depend on the batch (the batch-invariant table
+takes it as it is)."""
 
 
 @triton.jit(do_not_specialize=["T"])

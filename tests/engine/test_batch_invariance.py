@@ -157,3 +157,54 @@ def test_norms_conv_and_delta_rule_are_invariant_as_they_are():
                 torch.randn(B, T, 4, generator=g)]
 
     _alone_and_in_batches(delta, make, t=70, padded=(70, 71, 129, 200))
+
+
+def _answer_attention_by_answer(q, k, v, bank_k, bank_v, key_lengths, slots, rows, starts, counts, gate, scale):
+    """`Kernels.answer_attention` one answer at a time in PyTorch, from that answer's own keys alone (contiguous copies,
+    elementwise products and sums whose order follows the answer's own key count): batch-invariant by construction."""
+    S, Hq, D = q.shape
+    B, Hkv, T, _ = k.shape
+    out = q.new_zeros(S, Hq * D)
+    for b in range(B):
+        slot, n = int(slots[b]), int(key_lengths[slots[b]])
+        for s in range(int(starts[b]), int(starts[b]) + int(counts[b])):
+            t = int(rows[s]) - b * T
+            keys = torch.cat([bank_k[slot, :, :n], k[b, :, :t + 1]], 1).repeat_interleave(Hq // Hkv, 0).contiguous()
+            values = torch.cat([bank_v[slot, :, :n], v[b, :, :t + 1]], 1).repeat_interleave(Hq // Hkv, 0).contiguous()
+            p = torch.softmax((q[s][:, None, :] * keys).sum(-1) * scale, -1)                  # [Hq, n + t + 1]
+            o = (p[:, :, None] * values).sum(1)                                                # [Hq, D]
+            out[s] = (o * inv.sigmoid(gate[s])).reshape(-1)
+    return out
+
+
+def test_a_batch_invariant_table_takes_the_answers_path_at_every_batch_size(tiny_dir, monkeypatch):
+    """`engine.model.ANSWER_QUERIES_MIN_ROWS` keeps one-row steps of the fast table on the whole-row attention; a
+    batch-invariant table (`Kernels.batch_invariant`) takes the answers' attention at one row too, since a state scored
+    alone must take the path it takes in a batch: with an answers' attention here, a state's probabilities are the
+    same bits alone and in batches, and the kernel ran for the one-row steps."""
+    import dataclasses
+
+    from engine import model
+
+    monkeypatch.setattr(model, "ANSWER_QUERIES", True)
+    monkeypatch.setattr(model, "ANSWER_QUERIES_MIN_ROWS", 2)
+    eng = Engine.load(tiny_dir, device="cpu", dtype="float32", deterministic=True)
+    calls = []
+    eng.forward.kernels = dataclasses.replace(
+        eng.forward.kernels, answer_attention=lambda *a: calls.append(a[0].shape[0]) or _answer_attention_by_answer(*a))
+    assert eng.forward.kernels.batch_invariant
+    se = SchemaEngine(eng)
+    states = make_states(9, seed=23, max_words=30)
+    h = se.prepare(make_questions([2, 3, 5], temperatures=[0.5, 1.0, 2.0]))
+    alone = [se.score(h, [s])[0] for s in states]
+    assert len(calls) == len(states)                  # every one-row step: the answers' attention
+    for batch in (4, 9):
+        got = scored_in_batches(se, h, states, batch, seed=batch)
+        assert all(torch.equal(g, a) for g, a in zip(got, alone))
+    want = torch.stack(score_full(eng, make_questions([2, 3, 5], temperatures=[0.5, 1.0, 2.0]), states))
+    assert (torch.stack(alone) - want).abs().max().item() < 1e-4
+    # the fast table's rule, for contrast: a one-row step skips it
+    eng.forward.kernels = dataclasses.replace(eng.forward.kernels, batch_invariant=False)
+    calls.clear()
+    se.score(h, states[:1])
+    assert not calls

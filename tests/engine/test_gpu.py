@@ -32,10 +32,11 @@ if not torch.cuda.is_available():
 @pytest.fixture(scope="module")
 def gpu_eng(tiny_dir):
     # the fast kernel table, what `bench/engine_bench.py` times as cached_graphs: named, since CUDA's default is the
-    # deterministic one (`engine.loader.DETERMINISTIC_BY_DEFAULT`), which has neither `add_linear` nor
-    # `answer_attention`, so that a switch routed through them would be tested as a no-op
+    # deterministic one (`engine.loader.DETERMINISTIC_BY_DEFAULT`), which has no `add_linear`, so that a switch routed
+    # through it would be tested as a no-op
     engine = Engine.load(tiny_dir, device="cuda", dtype="bfloat16", deterministic=False)
-    assert engine.forward.kernels.answer_attention is not None
+    assert engine.forward.kernels.answer_attention is not None and engine.forward.kernels.add_linear is not None
+    assert not engine.forward.kernels.batch_invariant
     return engine
 
 

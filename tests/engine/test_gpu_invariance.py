@@ -179,3 +179,70 @@ def test_many_schemas_in_one_batch_score_as_alone_and_share_graphs(engines, mode
     one.score_lists(h, [one.tokenize(h, t) for t in sample])
     assert se.graph_stats()["graphs"] - before["graphs"] == one.graph_stats()["graphs"] == 1
     print("bank:", se.memory())
+
+
+PLACEMENTS = [(2, 184), (8, 192), (12, 184), (32, 184), (40, 256), (64, 184), (128, 184), (128, 264)]
+"""Batches (rows, padded length) a probe row of 182 tokens is placed in, as `bench/invariance_probe.py` places it."""
+
+
+def test_the_deterministic_attention_kernels_give_a_row_the_same_bits_in_any_batch(engines):
+    """The deterministic table's one-kernel suffix attention (at the launches it chose at load) and its answers'
+    attention, at the 0.8B shape in bf16: a probe row of 182 tokens after a 400-token prefix, alone (one row: the small
+    launch where the table took one) and among random neighbours (other prefixes and lengths, other answer counts) in
+    batches of 2 x 184 to 128 x 264 (the large launch), must give the same bits. The fast table's suffix attention,
+    which picks its launch by the batch's size, is measured beside it and only reported."""
+    from engine.suffix_attention import answer_attention, suffix_attention
+
+    from .attention_cases import Case, probe_in_placements
+
+    table = engines[True].forward.kernels
+    case = Case((8, 2, 256), (400, 37, 129, 512, 300), 512, torch.bfloat16, "cuda", seed=11)
+    answers = list(range(163, 182, 2))                      # 10 answer slots at the end of the row
+    kwargs = dict(placements=PLACEMENTS, L=182, slot=0, probe_answers=answers, per_row=16, scale=256 ** -0.5)
+    rows = probe_in_placements(case, table.suffix_attention, table.answer_attention, **kwargs)
+    fast = probe_in_placements(case, suffix_attention, answer_attention, **kwargs)
+    print(f"deterministic table: {table.suffix_attention!r}")
+    for name, result in (("deterministic", rows), ("fast", fast)):
+        print(f"{name}: " + ", ".join(f"{r['R']}x{r['T']}: suffix {_same(r, 'suffix')}, answers {_same(r, 'answers')}"
+                                      for r in result))
+    assert all(r["suffix_equal"] and r["answers_equal"] for r in rows), rows
+
+
+def _same(row: dict, kernel: str) -> str:
+    return "same bits" if row[f"{kernel}_equal"] else f"max diff {row[f'{kernel}_max_abs']:.2e}"
+
+
+def test_the_deterministic_table_runs_one_kernel_attention_and_the_answers_at_every_batch_size(engines, model_and_tok,
+                                                                                               texts, monkeypatch):
+    """The deterministic table's attention path: the one-kernel suffix attention in every full-attention layer but the
+    last, and the answers' attention in the last, in steps of one row as in steps of many (a state alone takes the
+    path it takes in a batch); the split path's kernels never."""
+    import dataclasses
+
+    from engine.batch_invariant import InvariantSuffixAttention
+
+    eng = engines[True]
+    table = eng.forward.kernels
+    assert table.batch_invariant and isinstance(table.suffix_attention, InvariantSuffixAttention)
+    assert table.answer_attention is not None and table.add_linear is None
+    calls = {"suffix": 0, "answers": 0, "split": 0}
+
+    def counted(name, fn):
+        def run(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return run
+
+    monkeypatch.setattr(eng.forward, "kernels", dataclasses.replace(
+        table, suffix_attention=counted("suffix", table.suffix_attention),
+        answer_attention=counted("answers", table.answer_attention),
+        indexed_attention=counted("split", table.indexed_attention), attention=counted("split", table.attention)))
+    se = SchemaEngine(eng, use_graphs=False)
+    h = se.prepare(questions(model_and_tok[1], 10, 4, 400))
+    layers = eng.forward.core.layers
+    attention_layers = sum(layer.block_type != "linear_attention" for layer in layers)
+    assert layers[-1].block_type != "linear_attention"
+    for size in (1, 3):
+        calls.update(suffix=0, answers=0)
+        se.score(h, texts[:size])
+        assert calls == {"suffix": attention_layers - 1, "answers": 1, "split": 0}, (size, calls)

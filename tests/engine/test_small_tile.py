@@ -49,21 +49,28 @@ def test_the_small_tile_check_reports_the_devices_answer():
     assert small is not None
 
 
-class TritonOnly(bi.InvariantLinear):
-    """No cuBLAS floor to try: every shape runs in Triton (the CPU's F.linear passes the check)."""
+class NoFloor(bi.InvariantLinear):
+    """No cuBLAS floor to try: every shape runs blocked or in Triton (the CPU's F.linear passes the floor check)."""
     MIN_ROWS = ()
 
 
-@pytest.mark.parametrize("kind", [bi.InvariantLinear, TritonOnly], ids=["as-checked", "triton-only"])
-def test_invariant_linear_gives_a_row_the_same_bits_at_every_row_count(kind):
+@pytest.mark.parametrize("kind", ["as-checked", "triton-only", "blocked"])
+def test_invariant_linear_gives_a_row_the_same_bits_at_every_row_count(kind, monkeypatch):
     """A probe's rows at a random position among random neighbours, at row counts on both sides of the small tile's
-    limit, get the bits they get alone, whichever kernel and tile the checks chose."""
+    limit and of the blocks' size, get the bits they get alone, whichever kernel and tile the checks chose (blocked:
+    cuBLAS in blocks of `BLOCK_ROWS` rows, where its check holds)."""
     rows, weight = _rows_and_weight(bi.SMALL_TILE_ROWS + 300, seed=1)
     counts = [16, 184, 1000, bi.SMALL_TILE_ROWS - 1, bi.SMALL_TILE_ROWS + 300]
-    linear = kind([weight], counts)
-    if kind is TritonOnly:
+    linear = (bi.InvariantLinear if kind == "as-checked" else NoFloor)([weight], counts)
+    if kind == "triton-only":
+        monkeypatch.setattr(bi, "BLOCKED_CUBLAS", False)
+    if kind != "as-checked":
         assert linear.triton == {(N, K)}
-    print(f"{DTYPE}: Triton {linear.triton}, small tile {linear.small}")
+    if kind == "blocked" and not linear.blocked:
+        pytest.skip(f"cuBLAS's batched GEMM in blocks of {bi.BLOCK_ROWS} rows is not batch-invariant here "
+                    f"({DEV}): the Triton matmul runs the shape")
+    print(f"{DTYPE}: floors {linear.floors}, blocked {linear.blocked}, Triton {linear.triton}, "
+          f"small tile {linear.small}")
     probe = rows[:16].clone()
     ref = linear(probe, weight)
     positions = random.Random(0)
@@ -74,3 +81,19 @@ def test_invariant_linear_gives_a_row_the_same_bits_at_every_row_count(kind):
         got = linear(block, weight)[at:at + 16]
         # in the interpreter the host BLAS may sum a tile differently by its rows' content and count (float32 ulps)
         assert torch.equal(got, ref) if ON_GPU else torch.allclose(got, ref, rtol=1e-5, atol=1e-5), M
+
+
+def test_blocked_linear_is_the_projection_in_blocks_of_a_fixed_row_count():
+    """`blocked_linear`: whole blocks in one batched GEMM, the last partial block zero-padded (row counts below, at and
+    past one block, with and without a partial block, rows of a strided view), against F.linear; and its check's
+    answer on this device (printed: on the GPU cuBLAS's, for the down projection)."""
+    rows, weight = _rows_and_weight(3 * bi.BLOCK_ROWS + 45, seed=2)
+    tol = dict(rtol=1e-5, atol=1e-5) if DTYPE == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    for M in (16, bi.BLOCK_ROWS, bi.BLOCK_ROWS + 1, 3 * bi.BLOCK_ROWS + 45):
+        got = bi.blocked_linear(rows[:M].view(1, M, K), weight)
+        assert got.shape == (1, M, N)
+        torch.testing.assert_close(got[0], torch.nn.functional.linear(rows[:M], weight), **tol)
+    wide = torch.cat([rows, rows], -1)[:, :K]                                  # rows of stride 2K
+    torch.testing.assert_close(bi.blocked_linear(wide, weight), torch.nn.functional.linear(rows, weight), **tol)
+    print(f"{DTYPE} {N}x{K}: blocked cuBLAS invariant: "
+          f"{bi.blocked_is_invariant(weight, [16, 184, 1000, 5888 if ON_GPU else 700])}")

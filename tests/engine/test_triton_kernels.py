@@ -713,3 +713,140 @@ def test_answer_attention_is_the_suffix_attention_at_the_answer_rows(dtype):
     alone = sa.answer_attention(q[3:8], k[2:3], v[2:3], bank_k, bank_v, lengths, slots[2:3], alone_rows.to(DEV),
                                 torch.zeros(1, dtype=torch.int64, device=DEV), counts[2:3].to(DEV), gate[3:8], 0.2)
     assert torch.equal(alone, got[3:8])
+
+
+@pytest.mark.parametrize("launch", ["large", "small"])
+def test_suffix_and_answer_attention_give_a_row_the_same_bits_in_any_batch(launch):
+    """What the batch-invariant table relies on: at one launch configuration, a row's suffix attention and its
+    answers' attention are the same bits alone (R = 1, T = its length) and placed among random neighbours (other
+    prefixes of other lengths, other answer counts and positions, random padding) in batches of other sizes padded
+    to other lengths; and they agree with the reference."""
+    from engine import suffix_attention as sa
+
+    from .attention_cases import Case, answer_args, probe_in_placements
+
+    config = sa.CONFIG if launch == "large" else sa.SMALL_CONFIG
+    case = Case((4, 2, 32), (80, 5, 33, 1), 80, torch.float32, DEV, seed=5)
+
+    def attention(*args):
+        return sa.suffix_attention(*args, configs=(config, None))
+
+    rows = probe_in_placements(case, attention, sa.answer_attention, [(2, 37), (3, 45), (5, 70), (4, 64)], L=37,
+                               slot=2, probe_answers=[3, 20, 36], per_row=4, scale=0.2)
+    assert all(r["suffix_equal"] and r["answers_equal"] for r in rows), rows
+    # and the kernels compute the attention: one placement against the reference
+    import random
+    batch = case.batch(case.row(30), 0, 3, 41, 1, random.Random(1))
+    want = _suffix_attention_reference(*(t.cpu() for t in case.suffix_args(batch)), 0.2)
+    torch.testing.assert_close(attention(*case.suffix_args(batch), 0.2).cpu(), want, atol=2e-5, rtol=2e-5)
+    kw, _ = case.answers(batch, [0, 29], 4, 1, random.Random(2))
+    got = sa.answer_attention(*answer_args(kw), 0.2)
+    n = int(kw["counts"].sum())
+    torch.testing.assert_close(got[:n].cpu(), want.reshape(-1, want.shape[-1])[kw["rows"][:n].cpu()], atol=2e-5,
+                               rtol=2e-5)
+
+
+def test_the_invariant_suffix_attention_takes_the_small_launch_only_where_it_gives_the_large_ones_bits(monkeypatch):
+    """`InvariantSuffixAttention` runs `CONFIG` at every batch size unless the check on the device
+    (`suffix_configs_agree`) shows a small launch giving its bits; then that one where the large launch gives too few
+    programs, as the fast table does. Without heads (no check possible) the large launch always."""
+    from engine import batch_invariant as bi
+    from engine import suffix_attention as sa
+
+    from .attention_cases import Case
+
+    assert bi.InvariantSuffixAttention(None, torch.float32, DEV).small is None
+    checked = []
+    monkeypatch.setattr(bi, "suffix_configs_agree",
+                        lambda heads, dtype, device, large, small: checked.append(small) or small == (64, 64, 4, 2))
+    attention = bi.InvariantSuffixAttention((4, 2, 32), torch.float32, DEV)
+    assert checked == list(bi.SUFFIX_SMALL_CANDIDATES) and attention.small == (64, 64, 4, 2)
+    assert attention.large == sa.CONFIG and "(64, 64, 4, 2)" in repr(attention)
+    monkeypatch.setattr(bi, "suffix_configs_agree", lambda *a: False)
+    attention = bi.InvariantSuffixAttention((4, 2, 32), torch.float32, DEV)
+    assert attention.small is None and "always" in repr(attention)
+    # its launch at one row is the large one, where the fast table's would be the small one
+    launches = []
+    monkeypatch.setattr(sa, "_suffix_attention_kernel", _LaunchSpy(sa._suffix_attention_kernel, launches))
+    case = Case((4, 2, 32), (80, 5, 33, 1), 80, torch.float32, DEV, seed=7)
+    import random
+    args = case.suffix_args(case.batch(case.row(9), 1, 1, 9, 0, random.Random(0)))
+    attention(*args, 0.2)
+    sa.suffix_attention(*args, 0.2)
+    assert [bm for bm, _ in launches] == [sa.CONFIG[0], sa.SMALL_CONFIG[0]]
+
+
+def test_suffix_configs_agree_compares_two_launches_on_the_device():
+    """The load-time check runs (in the interpreter: numpy's tile products may or may not round alike, so only its
+    type is asserted; on the GPU its answer is what the deterministic table logs), and refuses a key block that
+    differs."""
+    from engine import batch_invariant as bi
+    from engine import suffix_attention as sa
+
+    assert isinstance(bi.suffix_configs_agree((4, 2, 32), torch.float32, DEV, sa.CONFIG, sa.SMALL_CONFIG), bool)
+    assert not bi.suffix_configs_agree((4, 2, 32), torch.float32, DEV, sa.CONFIG, (16, 32, 4, 2))
+
+
+class _LaunchSpy:
+    """A Triton kernel's `kernel[grid](...)`, recording each launch's (BM, grid) before running it."""
+
+    def __init__(self, kernel, launches: list):
+        self.kernel, self.launches = kernel, launches
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launches.append((kwargs["BM"], grid))
+            return self.kernel[grid](*args, **kwargs)
+        return launch
+
+
+def test_the_deterministic_forward_with_triton_attention_scores_a_state_the_same_in_any_batch(tmp_path):
+    """The deterministic table's attention in a whole forward: the CPU's batch-invariant table with the one-kernel
+    suffix attention (launched as the deterministic CUDA table launches it) and the answers' attention in place of its
+    row-by-row attention, on an 8-layer tiny model (two full-attention layers: the first runs the suffix kernel, the
+    last the answers' kernel, at every batch size, one row included). A state's probabilities are the same bits alone
+    and in shuffled batches of other states (other lengths, so other padded lengths), packed and independent; and
+    they match the oracle."""
+    import dataclasses
+    import random
+
+    from engine import Engine, SchemaEngine
+    from engine.batch_invariant import InvariantSuffixAttention
+    from engine.reference import score_full
+    from engine.suffix_attention import answer_attention
+    from engine.testing import write_tiny_model
+
+    from .conftest import make_questions, make_states
+
+    eng = Engine.load(write_tiny_model(tmp_path / "tiny8", seed=3, num_hidden_layers=8), device=DEV, dtype="float32",
+                      deterministic=True)
+    assert eng.forward.kernels.batch_invariant
+    calls = {"suffix": 0, "answers": 0}
+
+    def counted(name, fn):
+        def run(*args):
+            calls[name] += 1
+            return fn(*args)
+        return run
+
+    eng.forward.kernels = dataclasses.replace(
+        eng.forward.kernels, name="torch-invariant+triton-attention", attend_by_request=False,
+        suffix_attention=counted("suffix", InvariantSuffixAttention(None, torch.float32, DEV)),
+        answer_attention=counted("answers", answer_attention))
+    se = SchemaEngine(eng, use_graphs=False)
+    states = make_states(7, seed=31, max_words=25)
+    qs = make_questions([2, 3, 5], temperatures=[0.7, 1.0, 1.5])
+    for independent in (False, True):
+        h = se.prepare(qs, independent=independent)
+        alone = [se.score(h, [s])[0] for s in states]
+        assert calls["suffix"] and calls["answers"]               # one row: both kernels, as in a batch
+        for size in (3, 7):
+            order = list(range(len(states)))
+            random.Random(size).shuffle(order)
+            for start in range(0, len(order), size):
+                chunk = order[start:start + size]
+                for i, p in zip(chunk, se.score(h, [states[i] for i in chunk])):
+                    assert torch.equal(p, alone[i]), (independent, size, i)
+        want = torch.stack(score_full(eng, qs, states, independent=independent))
+        # on CUDA the rest of the table is fla's, whose tf32 dots are ~1e-3 off (as in the forward test above)
+        assert (torch.stack(alone) - want).abs().max().item() < (1e-4 if DEV == "cpu" else 5e-3)
