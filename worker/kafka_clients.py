@@ -9,8 +9,8 @@ from confluent_kafka.admin import AdminClient, NewTopic
 
 from worker.config import Cluster, Topics, WorkerConfig
 from worker.exceptions import BrokerUnavailableError
-from worker import liveness
-from worker.metrics import on_consumer_stats
+from worker.ops import liveness
+from worker.ops.metrics import on_consumer_stats
 
 # librdkafka logs every failed connection attempt to stderr; the CLI reports unreachable brokers itself.
 _QUIET = {"log_level": 0}
@@ -169,7 +169,7 @@ def worker_consumer_config(config: WorkerConfig) -> dict[str, Any]:
         "max.poll.interval.ms": 300_000,
         "fetch.wait.max.ms": 20,
         # Consumer lag per partition for the metrics, computed by librdkafka from the fetch responses, and whether
-        # any broker connection is up, for /readyz (``worker.liveness``).
+        # any broker connection is up, for /readyz (``worker.ops.liveness``).
         "statistics.interval.ms": 2000,
         "stats_cb": _on_states_consumer_stats,
     }

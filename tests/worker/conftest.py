@@ -22,7 +22,7 @@ import pytest
 from confluent_kafka import OFFSET_BEGINNING, KafkaError, Producer, TopicPartition
 
 import schemas
-from worker import commands
+from worker.cli import commands
 from worker.config import Topics
 from worker.kafka_clients import create_topics, reader_consumer
 
@@ -169,8 +169,8 @@ class Stream:
         """Read both output topics from the beginning, read_committed, until ``expected`` records in total
         (then ``settle_s`` more, so duplicates would show). Returns (probability records, dead letters), in any
         output format (``registry_url`` for avro-registry output)."""
-        from worker.output_formats import OutputDecoder
-        from worker.registry import registry_client
+        from worker.formats.output_formats import OutputDecoder
+        from worker.formats.registry import registry_client
 
         client = registry_client(registry_url) if registry_url else None
         decoders = {kind: OutputDecoder(kind, client) for kind in ("probabilities", "dead-letter")}
@@ -259,7 +259,7 @@ def stream(stream_factory) -> Stream:
 
 def expected_probabilities(schema_engine, document: dict, texts: list[str]) -> list[list[list[float]]]:
     """What ``SchemaEngine.score`` gives for ``texts`` under ``document``'s questions, per state, per question."""
-    from worker.records import engine_questions, question_schema_record
+    from worker.formats.records import engine_questions, question_schema_record
 
     record = question_schema_record(document, "ref", 1)
     handle = schema_engine.prepare(engine_questions(record), independent=document.get("mode") == "independent")
