@@ -43,7 +43,7 @@ from worker.stream.batcher import Cycle, Pending, monotonic
 from worker.config import WorkerConfig
 from worker.exceptions import AbortableError, FatalError
 from worker.kafka_clients import require_topics, transactional_producer_config
-from worker.formats.input_mapping import SourceDecoder
+from worker.formats.input_decoder import SourceDecoder
 from worker.stream.outputs import Outputs, start_encoder
 from worker.formats.records import SchemaKey, SourceRecord, Unscorable
 from worker.stream.latency_budget import CycleBudget

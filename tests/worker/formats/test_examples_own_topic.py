@@ -4,7 +4,8 @@ snapshot, create and update become states of the row after the change, and the d
 from __future__ import annotations
 
 from tests.worker.conftest import REPO
-from worker.formats.input_mapping import InputMapper, InputMapping, MappingFailure
+from worker.formats.input_decoder import InputMapper, MappingFailure
+from worker.formats.input_mapping import InputMapping
 from worker.formats.records import Reason, state_problem
 from worker.cli.user_files import load_schema_file
 

@@ -11,7 +11,8 @@ import pytest
 import schemas
 from worker.formats.records import Reason
 from worker.exceptions import ConfigError
-from worker.formats.input_mapping import InputMapper, InputMapping, MappingFailure, RegistryUnavailableError, split_list
+from worker.formats.input_decoder import InputMapper, MappingFailure, RegistryUnavailableError
+from worker.formats.input_mapping import InputMapping, split_list
 from worker.formats.registry import RegistryConfig, registry_client
 
 TS = 1_700_000_000_000

@@ -13,11 +13,12 @@ from confluent_kafka.schema_registry.avro import AvroDeserializer, AvroSerialize
 from confluent_kafka.serialization import MessageField, SerializationContext
 
 from tests.worker.conftest import encode_state
-from worker.formats import input_mapping
+from worker.formats import input_decoder
 from worker.stream.batcher import Pending
 from worker.config import Topics
 from worker.exceptions import FatalError
-from worker.formats.input_mapping import InputMapping, SourceDecoder
+from worker.formats.input_decoder import SourceDecoder
+from worker.formats.input_mapping import InputMapping
 from worker.formats.output_formats import OutputEncoder
 from worker.stream.outputs import Outputs
 from worker.formats.records import Reason, SourceRecord, Unscorable
@@ -82,7 +83,7 @@ def test_mapping_failures_carry_the_ids_read_before_the_failing_path():
 
 
 def test_a_registry_that_does_not_answer_is_retried_then_fatal_never_a_dead_letter(monkeypatch, client):
-    monkeypatch.setattr(input_mapping, "REGISTRY_RETRY_S", 0.5)
+    monkeypatch.setattr(input_decoder, "REGISTRY_RETRY_S", 0.5)
     framed = AvroSerializer(client, Schema(EVENT, "AVRO"))({"id": "e", "text": "t"}, SerializationContext(TOPICS.states, MessageField.VALUE))
     down = RegistryConfig("http://127.0.0.1:9")  # nothing listens there
     decoder = SourceDecoder(InputMapping(format="avro-registry", text_field="text", schema_id="s"), down, 100)
