@@ -143,7 +143,7 @@ def test_second_instance_with_same_transactional_id_fences_the_first(stream):
 
 def test_watchdog_exits_with_code_5_when_a_call_overruns_and_stays_quiet_otherwise():
     script = ("import sys, threading, time\nfrom worker.ops.liveness import BrokerLiveness\n"
-              "from worker.stream.transactions import _Watchdog\nbroker = BrokerLiveness()\nw = _Watchdog(broker)\n"
+              "from worker.stream.watchdog import Watchdog\nbroker = BrokerLiveness()\nw = Watchdog(broker)\n"
               "for _ in range(200):\n    with w.guard('quick', 0.4, 0.5):\n        pass\n"
               "print('after quick calls:', broker.liveness_problem(), file=sys.stderr, flush=True)\n"
               "report = lambda: (time.sleep(0.3), print('overrun:', broker.liveness_problem(), file=sys.stderr, flush=True))\n"
