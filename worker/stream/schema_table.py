@@ -14,12 +14,13 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, TopicPartition
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, TopicPartition
 
 import schemas
 from worker.exceptions import BrokerUnavailableError
 from worker.config import Cluster
 from worker.kafka_clients import as_cluster, reader_consumer
+from worker.ops import liveness
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +96,16 @@ class SchemaTable:
                 change = self._apply(message)
                 if change is not None:
                     changes.append(change)
+        return changes
+
+    def catch_up_if_answered(self, timeout_s: float = 5.0) -> list[Change] | None:
+        """``catch_up``, reporting to ``worker.ops.liveness`` whether the broker answered; None when it did not."""
+        try:
+            changes = self.catch_up(timeout_s=timeout_s)
+        except KafkaException as exc:
+            liveness.BROKER.failed(f"schema topic: {exc.args[0].str()}")
+            return None
+        liveness.BROKER.succeeded()
         return changes
 
     def _reached(self, ends: dict[int, int]) -> bool:

@@ -211,18 +211,18 @@ def test_the_launch_lead_is_learned_from_committed_cycles_and_moves_the_close():
 
 
 def test_a_committed_cycles_event_says_where_its_first_states_time_went():
-    from worker.stream.loop import InFlight, Worker
+    from worker.stream.inflight import InFlight
     from worker.stream.scorer import LaunchTimes
 
     cycle = _cycle_of(2, opened_at=10.000)
     inflight = InFlight(cycle, [], Future(), closed_at=10.004, planned_visible_at=10.030, submitted_at=10.0042,
                         scored_at=10.016)
     inflight.on_launched(LaunchTimes(taken_at=10.0045, gathered_at=10.005, launched_at=10.006))
-    assert Worker._latency_fields(inflight, committed_at=10.019) == dict(
+    assert inflight.latency_fields(committed_at=10.019) == dict(
         arrived_monotonic_ms=pytest.approx(10_000.0), arrival_to_visible_ms=pytest.approx(19.0), planned_visible_ms=pytest.approx(30.0),
         closed_ms=pytest.approx(4.0), submitted_ms=pytest.approx(4.2), taken_ms=pytest.approx(4.5),
         gathered_ms=pytest.approx(5.0),
         launched_ms=pytest.approx(6.0), scored_ms=pytest.approx(16.0))
     # a cycle of dead letters only is never launched
     never_launched = InFlight(cycle, [], Future(), closed_at=10.004)
-    assert Worker._latency_fields(never_launched, committed_at=10.005)["launched_ms"] is None
+    assert never_launched.latency_fields(committed_at=10.005)["launched_ms"] is None

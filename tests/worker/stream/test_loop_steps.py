@@ -1,10 +1,14 @@
 """The loop's blocking steps are timed, and a slow one is logged (what a stalled stream's log should show)."""
+import functools
 import logging
-import queue
 import time
+from concurrent.futures import Future
 
 from worker.ops import metrics
 from worker.stream import loop
+from worker.stream.batcher import Cycle
+from worker.stream.inflight import CyclesInFlight
+from worker.stream.latency_budget import CycleBudget
 
 
 def _count(step: str) -> float:
@@ -32,62 +36,63 @@ def test_the_loop_wakes_when_the_cycle_in_flight_is_launched_then_when_it_is_sco
     the transaction open, on its scores, so that the commit follows them at once. With nothing in flight it waits on
     the consumer."""
     import threading
-    from collections import deque
-    from concurrent.futures import Future
 
     from confluent_kafka import TopicPartition
 
     from tests.worker.stream.test_transactions import _group_consumer, _transactions
     from worker.stream.scorer import LaunchTimes
 
-    worker = loop.Worker.__new__(loop.Worker)   # only the consumer, the transactions and the cycles in flight take part
-    worker._consumer, worker._wakeups = _group_consumer(stream), queue.SimpleQueue()
-    with _transactions(stream, "wake-test") as worker._txns:
+    consumer, cycles, scorer = _group_consumer(stream), CyclesInFlight(), _Scorer()
+    with _transactions(stream, "wake-test") as txns:
         try:
-            scores = Future()
-            inflight = loop.InFlight(cycle=None, keys=[], future=scores, closed_at=0.0)
-            worker._inflight = deque([inflight])
-            threading.Timer(0.05, inflight.on_launched, [LaunchTimes(0.0, 0.0, 0.0)]).start()
-            assert _woken_within(worker, 2.0) < 1.0        # by the launch, not the 2 s timeout
-            assert _woken_within(worker, 2.0) < 0.5        # launched, its transaction not open: no wait at all
-            inflight.offsets = [TopicPartition(stream.topics.states, 0, 1)]
-            worker._txns.open(inflight.offsets)
-            threading.Timer(0.2, scores.set_result, [[]]).start()
-            waited = _woken_within(worker, 2.0)
-            assert scores.done() and 0.15 <= waited < 1.0  # the transaction open: by the scores
-            assert _woken_within(worker, 2.0) < 0.5        # scored already: no wait at all
-            worker._txns.discard("test over")
-            worker._inflight = deque()
-            assert _woken_within(worker, 0.3) >= 0.25      # nothing in flight, nothing to read: the poll
+            cycles.submit(Cycle(), 0.0, CycleBudget(None, 0.05, cycles.gpu_busy), scorer)
+            threading.Timer(0.05, scorer.on_launched, [LaunchTimes(0.0, 0.0, 0.0)]).start()
+            woken_within = functools.partial(_woken_within, cycles, consumer, txns)
+            assert woken_within(2.0) < 1.0        # by the launch, not the 2 s timeout
+            assert woken_within(2.0) < 0.5        # launched, its transaction not open: no wait at all
+            cycles.oldest.offsets = [TopicPartition(stream.topics.states, 0, 1)]
+            txns.open(cycles.oldest.offsets)
+            threading.Timer(0.2, scorer.scores.set_result, [[]]).start()
+            waited = woken_within(2.0)
+            assert scorer.scores.done() and 0.15 <= waited < 1.0  # the transaction open: by the scores
+            assert woken_within(2.0) < 0.5        # scored already: no wait at all
+            txns.discard("test over")
+            cycles.clear()
+            assert woken_within(0.3) >= 0.25      # nothing in flight, nothing to read: the poll
         finally:
-            worker._consumer.close()
+            consumer.close()
 
 
-def _woken_within(worker, timeout_s: float) -> float:
+class _Scorer:
+    """Takes a cycle's batch and hands the test its scores and the callback that says it was launched."""
+
+    def submit(self, jobs, on_launched):
+        self.on_launched, self.scores = on_launched, Future()
+        return self.scores
+
+
+def _woken_within(cycles: CyclesInFlight, consumer, txns, timeout_s: float) -> float:
     started = time.monotonic()
-    assert worker._next_message(timeout_s) is None
+    assert cycles.next_message(consumer, txns, timeout_s) is None
     return time.monotonic() - started
 
 
 def test_dropping_the_uncommitted_states_aborts_the_transaction_opened_for_them(stream):
     """A rebalance drops the cycles in flight; a transaction already opened for the oldest (its offsets sent while the
     GPU scored it) is aborted with them, so those offsets never commit for partitions that may be another's now."""
-    from collections import deque
-    from concurrent.futures import Future
-
     from confluent_kafka import TopicPartition
 
     from tests.worker.stream.test_transactions import _records, _transactions
-    from worker.stream.batcher import Cycle
-    from worker.stream.latency_budget import CycleBudget
+    from worker.stream.closing import CycleClosing
 
-    worker = loop.Worker.__new__(loop.Worker)   # only the cycles, the budget and the transactions take part
+    worker = loop.Worker.__new__(loop.Worker)   # only the cycles, the closing rule and the transactions take part
     with _transactions(stream, "drop-test") as worker._txns:
-        inflight = loop.InFlight(cycle=Cycle(), keys=[], future=Future(), closed_at=0.0)
+        worker._cycle, worker._inflight = Cycle(), CyclesInFlight()
+        worker._closing = CycleClosing(8, 50, None, worker._inflight.gpu_busy)
+        worker._inflight.submit(Cycle(), 0.0, worker._closing.budget, _Scorer())
+        inflight = worker._inflight.oldest
         inflight.offsets = [TopicPartition(stream.topics.states, 0, 30)]
         worker._txns.open(inflight.offsets)
-        worker._cycle, worker._inflight = Cycle(), deque([inflight])
-        worker._budget = CycleBudget(None, 0.05, lambda: False)
         worker._drop_uncommitted("partitions revoked")
         assert not worker._inflight and not worker._txns.is_open_for(inflight.offsets)
         # the next transaction commits only its own offsets
