@@ -3,6 +3,7 @@
 - ``worker/``'s wings import one way: a module imports from its own wing or a lower one (``WORKER_LAYERS``);
 - no import cycle among the project's modules (``engine``, ``worker``, ``schemas``), a name a package re-exports
   counting as an import of the module that defines it;
+- no production module is longer than ``MAX_MODULE_LINES``;
 - no production module reads a test-only environment variable (a key naming TEST, FAULT or INJECT)."""
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("engine", "worker", "schemas")
 TEST_ONLY_ENV = re.compile(r"TEST|FAULT|INJECT", re.IGNORECASE)
+MAX_MODULE_LINES = 400
 
 WORKER_LAYERS = (
     "worker.exceptions",     # the error types every wing raises
@@ -153,6 +155,11 @@ def test_the_worker_wings_import_one_way():
 
 def test_no_import_cycle_among_the_projects_modules():
     assert _cycles(_project_edges()) == []
+
+
+def test_no_production_module_is_longer_than_the_limit():
+    lengths = {name: len(path.read_text(encoding="utf-8").splitlines()) for name, path in MODULES.items()}
+    assert {name: n for name, n in lengths.items() if n > MAX_MODULE_LINES} == {}
 
 
 def _write(root: Path, files: dict[str, str]) -> None:
