@@ -1,7 +1,7 @@
 """A time-stepped model of the worker's loop under --latency-budget-ms, driven by the worker's own planner.
 
 What p50/p99 (record timestamp -> visible) can a budget reach at a given rate, given what a batch costs on the GPU?
-The planner is the real one (`worker.latency_budget.LatencyBudget`: its estimates, `close_by`, the learned launch
+The planner is the real one (`worker.stream.latency_budget.LatencyBudget`: its estimates, `close_by`, the learned launch
 lead); the loop, the GPU and Kafka are modelled, with costs fitted to stream_bench runs' stage means (the defaults:
 run V's, bench/README.md):
 
@@ -33,7 +33,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine.graphs import B_BUCKETS, bucket  # noqa: E402
-from worker.latency_budget import CycleTimes, LatencyBudget  # noqa: E402
+from worker.stream.latency_budget import CycleTimes, LatencyBudget  # noqa: E402
 
 
 @dataclass

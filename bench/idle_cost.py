@@ -43,7 +43,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from worker.config import Topics  # noqa: E402
-from worker.embedded_broker import EmbeddedBroker, free_port  # noqa: E402
+from worker.devbroker.embedded_broker import EmbeddedBroker, free_port  # noqa: E402
 from worker.kafka_clients import create_topics  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -317,7 +317,7 @@ def worker_child(argv: list[str]) -> None:
             def patched(*a, _original=original, _extra=extra, **kw):
                 return {**_original(*a, **kw), **_extra}
             setattr(kafka_clients, fn_name, patched)
-    from worker.cli import main
+    from worker.cli.app import main
 
     sys.argv = ["decider", "worker", *argv]
     main()

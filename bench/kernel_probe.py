@@ -28,6 +28,7 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))      # this checkout's engine, whatever PYTHONPATH says
 from bench.variant_ab import patched  # noqa: E402
+from engine import causal_conv  # noqa: E402
 from engine import triton_kernels as tk  # noqa: E402
 
 # Qwen3.5-0.8B: Gated DeltaNet 16 k heads x 128, 16 v heads x 128, conv width 4; attention 8 q heads, 2 kv heads, 256
@@ -68,7 +69,7 @@ def conv_launch(x, weight, prev, slots, gates, BT: int, warps: int):
     B, T, C = x.shape
     q, k, v = (torch.empty(B, T, H, D, dtype=x.dtype, device=x.device) for H, D in ((HK, DK), (HK, DK), (HV, DV)))
     beta, alpha = (torch.empty(B, T, HV, dtype=x.dtype, device=x.device) for _ in range(2))
-    tk._conv_qkv_kernel[(triton.cdiv(T, BT), 2 * HK + HV, B)](
+    causal_conv._conv_qkv_kernel[(triton.cdiv(T, BT), 2 * HK + HV, B)](
         x, weight, prev, slots, gates, q, k, v, beta, alpha, T, x.stride(0), x.stride(1), weight.stride(0),
         weight.stride(1), *prev.stride(), gates.stride(0), gates.stride(1), 1e-6, HK=HK, HV=HV, DK=DK, DV=DV, KW=KW,
         BT=BT, BD=128, NG=HV, BG=2 * HV, HAS_PREV=True, HAS_INDEX=True, num_warps=warps)
@@ -85,7 +86,7 @@ def probe_conv(B: int, T: int) -> dict:
     # the bank stores them (`engine.prefix_bank.CONV_TIME_MAJOR`)
     prev = torch.randn(4, KW - 1, x.shape[-1], device=dev, dtype=torch.bfloat16).transpose(1, 2)
     slots = torch.full((B,), 1, dtype=torch.int64, device=dev)
-    conv = lambda: tk.conv_qkv(x, weight, prev, HK * DK, DK, DV, gates, slots)  # noqa: E731
+    conv = lambda: causal_conv.conv_qkv(x, weight, prev, HK * DK, DK, DV, gates, slots)  # noqa: E731
     ref = conv()
     dense = torch.empty(x.shape, dtype=x.dtype, device=dev)
     out = {"shape": [B, T, x.shape[-1]], "bytes_moved_mb": 2 * x.numel() * 2 / 1e6,

@@ -57,9 +57,9 @@ from bench import gil_profile  # noqa: E402
 from bench.engine_bench import QWEN35_08B, questions, states  # noqa: E402
 from bench.stream_windows import (all_workers_window, budget_plan_errors, cycle_timelines, gpu_pipeline,  # noqa: E402
                                   held_partitions, log_events, read_log_events, replay_timing)
-from worker.commands import put_schema  # noqa: E402
+from worker.cli.commands import put_schema  # noqa: E402
 from worker.config import Topics  # noqa: E402
-from worker.embedded_broker import EmbeddedBroker, free_port  # noqa: E402
+from worker.devbroker.embedded_broker import EmbeddedBroker, free_port  # noqa: E402
 from worker.kafka_clients import create_topics, plain_producer, reader_consumer  # noqa: E402
 
 from confluent_kafka import OFFSET_BEGINNING, KafkaError, TopicPartition  # noqa: E402

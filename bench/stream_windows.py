@@ -1,6 +1,6 @@
 """The stream benchmark's steady-state windows, from the workers' own structured logs (``--log-format json``).
 
-A worker logs each event of its loop as one JSON line with its wall-clock time (``worker.logs``): ``assigned`` /
+A worker logs each event of its loop as one JSON line with its wall-clock time (``worker.ops.logs``): ``assigned`` /
 ``revoked`` / ``lost`` with the partitions, ``committed`` with the states it scored and dead-lettered in that
 transaction. From those, on the same clock as the benchmark's reader:
 
@@ -17,7 +17,7 @@ import json
 import re
 from pathlib import Path
 
-_TS_FORMAT = "%Y-%m-%dT%H:%M:%S.%fZ"   # worker.logs.JsonFormatter's ts, UTC
+_TS_FORMAT = "%Y-%m-%dT%H:%M:%S.%fZ"   # worker.ops.logs.JsonFormatter's ts, UTC
 _MEMBERSHIP = ("assigned", "revoked", "lost")
 
 

@@ -5,7 +5,7 @@ are timed in turns, round after round. Timing two checkouts in two processes (`b
 
     python bench/variant_ab.py --batches 1,32,128 \\
         --variant "separate:engine.fla_kernels.FUSED_OUTPUT=False" \\
-        --variant "conv-16:engine.triton_kernels.CONV_CONFIG=(16, 2)" \\
+        --variant "conv-16:engine.causal_conv.CONV_CONFIG=(16, 2)" \\
         --variant "fused-128:engine.indexed_delta_rule.FUSED_CONFIG=(128, 8, 2)"
 
 A variant is NAME:module.ATTR=python literal[;module.ATTR=literal...]; the variant "base" is the code as it is. Each

@@ -2,10 +2,10 @@
 recurrence (a prefix pass runs fla's whole forward, with the decay gate and beta's sigmoid computed inside it; a suffix
 pass's rows start from prefix states read from the bank by index, `engine.indexed_delta_rule`, and its decay, beta and
 WY matrix come from `engine.delta_rule_inputs`, fla's kernels in fewer launches) and, from `engine.triton_kernels`
-(fixed launch configuration: no per-shape autotuning, 16-byte loads), SwiGLU, the causal conv fused with the q/k L2
-norms (continuing the prefix's conv state in place: no per-row concatenation of the prefix's conv inputs, no copies of
-q, k, v), the RMS/gated norms, the residual adds fused into them, q/k norm + RoPE, and the attention's merge with its
-output gate.
+and `engine.causal_conv` (fixed launch configuration: no per-shape autotuning, 16-byte loads), SwiGLU, the causal
+conv fused with the q/k L2 norms (continuing the prefix's conv state in place: no per-row concatenation of the
+prefix's conv inputs, no copies of q, k, v), the RMS/gated norms, the residual adds fused into them, q/k norm + RoPE,
+and the attention's merge with its output gate.
 
 Importing this module imports fla and triton: ImportError where they are not installed.
 """
@@ -28,7 +28,8 @@ from engine import delta_rule_inputs
 from engine.delta_rule_inputs import decay_and_beta
 from engine.indexed_delta_rule import CHUNK, chunk_outputs_indexed, chunk_states_indexed
 from engine.torch_kernels import by_index
-from engine.triton_kernels import GATED, add_rms_norm, conv_qkv, gate_attention, rms_norm_rope, row_norm, swiglu
+from engine.causal_conv import conv_qkv
+from engine.triton_kernels import GATED, add_rms_norm, gate_attention, rms_norm_rope, row_norm, swiglu
 
 __all__ = ["delta_rule", "delta_rule_indexed", "conv_qkv", "row_norm", "gated_rms_norm", "swiglu",
            "add_rms_norm", "qk_norm_rope", "gate_attention", "linear"]

@@ -7,7 +7,7 @@ exactly what transformers' modules compute (what CPU tests run). Deterministic (
 
 Deterministic on CUDA: the same table with the GEMMs of cuBLAS where a check at load shows them batch-invariant for
 this model's shapes, else `engine.batch_invariant.matmul`; the one-kernel suffix attention at launches that give a row
-the same bits at every batch size (`engine.batch_invariant.InvariantSuffixAttention`), and the answers' attention as it
+the same bits at every batch size (`engine.suffix_attention.InvariantSuffixAttention`), and the answers' attention as it
 is (one launch at every size); the forward then takes no path by the batch's size (`Kernels.batch_invariant`). Every
 other CUDA kernel here computes a row from that row alone in a fixed order (checked by `bench/invariance_probe.py` and
 the GPU tests).
@@ -154,6 +154,7 @@ def batch_invariant_kernels(table: Kernels, gemm_weights: Sequence[torch.Tensor]
     residual in its epilogue, a kernel family whose row-count invariance is not checked; `engine.model.FUSED_RESIDUAL`
     is off in the fast table too: it gained nothing on the H200)."""
     from engine import batch_invariant as bi      # imports triton
+    from engine.suffix_attention import InvariantSuffixAttention
     from engine.graphs import B_BUCKETS, TS_BUCKETS
 
     # the row counts a suffix pass's GEMMs see: batch buckets x suffix lengths, and x answers per row (a power of 2:
@@ -170,9 +171,9 @@ def batch_invariant_kernels(table: Kernels, gemm_weights: Sequence[torch.Tensor]
              sorted(linear.triton) or "none", time.perf_counter() - started)
     log.info("deterministic: Triton small tile below %d rows for %s", bi.SMALL_TILE_ROWS, sorted(linear.small) or "none")
     weight = gemm_weights[0] if gemm_weights else None
-    suffix = bi.InvariantSuffixAttention(attention_heads if weight is not None else None,
-                                         weight.dtype if weight is not None else torch.float32,
-                                         weight.device if weight is not None else "cuda")
+    suffix = InvariantSuffixAttention(attention_heads if weight is not None else None,
+                                      weight.dtype if weight is not None else torch.float32,
+                                      weight.device if weight is not None else "cuda")
     log.info("deterministic: %r", suffix)
     floors = ", ".join(f"{n}x{k}>={f}" for (n, k), f in sorted(linear.floors.items()))
     return replace(table, name=f"{table.name}+batch-invariant(cuBLAS {floors}; blocked {sorted(linear.blocked)}; "

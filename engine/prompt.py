@@ -35,7 +35,7 @@ DEFAULT_MAX_CTX_TOKENS = 1536
 
 # A schema's prefix runs once, on the device thread, while no state is scored: bounded so that one schema cannot
 # stall a worker (a 100,000-character question took 55 s to prepare on CPU). English runs about 4 characters a
-# token, so the character limits of a schema file (see worker.user_files) fit well inside the token limit.
+# token, so the character limits of a schema file (see worker.cli.user_files) fit well inside the token limit.
 MAX_QUESTION_CHARS = 2000
 """Characters of one question's text at most."""
 MAX_OPTION_CHARS = 500

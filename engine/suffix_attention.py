@@ -16,7 +16,7 @@ the batch's size, the row's place in it, its neighbours (their prefixes, lengths
 What can change it is the configuration: `suffix_attention` takes `SMALL_CONFIG` where `CONFIG` gives too few
 programs, and another query-block height and warp count compile to another MMA instruction and register layout,
 which may add a row's products, and its softmax sum, in another order. `answer_attention` has one configuration.
-The batch-invariant table (`engine.batch_invariant.InvariantSuffixAttention`) takes the small launch only where the
+The batch-invariant table (`InvariantSuffixAttention`, below) takes the small launch only where the
 device shows that it gives the large one's bits.
 """
 from __future__ import annotations
@@ -227,3 +227,60 @@ def answer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bank_k: 
         KEY_CAP=bank_k.shape[2] if _INTERPRETED else 0, T_CAP=T if _INTERPRETED else 0, num_warps=warps,
         num_stages=stages)
     return out
+
+
+# ---- the batch-invariant table's launches -------------------------------------------------------------------------
+SUFFIX_SMALL_CANDIDATES = ((16, 64, 4, 2), (64, 64, 4, 2))
+"""Launches `InvariantSuffixAttention` may take where the large one gives too few programs, in order of preference:
+`engine.suffix_attention.SMALL_CONFIG` (the fast table's, 0.025 against 0.038 ms at batch 1 on the H200), then a
+64-row block (one warp group: the MMA instruction of the large launch's 64-row halves)."""
+
+
+def suffix_configs_agree(heads: tuple[int, int, int], dtype: torch.dtype, device, large, small, seed: int = 0) -> bool:
+    """Whether `engine.suffix_attention.suffix_attention` gives every query the same bits at the `small` launch as at
+    the `large` one, for random inputs at the model's head shape (heads: (query heads, kv heads, head dim)): rows of
+    two suffix lengths after prefixes of unequal lengths, keys crossing the prefix's end and the causal diagonal.
+    A row's keys are read in the same blocks at both; whether the MMA instruction and register layout each block
+    height and warp count compile to add a row's products and its softmax sum in the same order is the hardware's,
+    so it is checked on the device, as `engine.batch_invariant.small_tile_is_identical` checks the matmul's tiles."""
+    if large[1] != small[1]:
+        return False                          # another key block: another summation order by construction
+    Hq, Hkv, D = heads
+    gen = torch.Generator(device=device).manual_seed(seed)
+    rnd = lambda *shape: torch.randn(*shape, device=device, generator=gen).to(dtype)  # noqa: E731
+    lengths = torch.tensor([400, 37, 129], dtype=torch.int32, device=device)
+    bank_k, bank_v = rnd(3, Hkv, 512, D), rnd(3, Hkv, 512, D)
+    for B, T in ((2, 184), (3, 56)):
+        q, k, v, gate = rnd(B, Hq, T, D), rnd(B, Hkv, T, D), rnd(B, Hkv, T, D), rnd(B, T, Hq, D)
+        slots = torch.arange(B, device=device) % 3
+        args = (q, k, v, bank_k, bank_v, lengths, slots, gate, D ** -0.5)
+        try:
+            same = torch.equal(suffix_attention(*args, configs=(large, None)),
+                               suffix_attention(*args, configs=(small, None)))
+        except triton.runtime.errors.OutOfResources:              # a launch this device cannot hold is no candidate
+            return False
+        if not same:
+            return False
+    return True
+
+
+class InvariantSuffixAttention:
+    """`Kernels.suffix_attention` whose result for a row does not depend on the batch: `engine.suffix_attention`'s
+    kernel, which computes a query from its own row alone at any one launch configuration, with the large launch
+    (`CONFIG`) at every size, and the small one where the large gives too few programs (batch 1 to ~20 at the 0.8B
+    shape) only where `suffix_configs_agree` holds on the device for one of `SUFFIX_SMALL_CANDIDATES`. The launches are
+    fixed at construction: a later change of the module's constants does not reach this table."""
+
+    def __init__(self, heads: tuple[int, int, int] | None, dtype: torch.dtype, device):
+        self.large = CONFIG
+        self.small = None
+        if heads is not None:
+            self.small = next((c for c in SUFFIX_SMALL_CANDIDATES
+                               if suffix_configs_agree(heads, dtype, device, self.large, c)), None)
+
+    def __call__(self, q, k, v, bank_k, bank_v, key_lengths, slots, gate, scale):
+        return suffix_attention(q, k, v, bank_k, bank_v, key_lengths, slots, gate, scale,
+                                configs=(self.large, self.small))
+
+    def __repr__(self) -> str:
+        return f"suffix attention {self.large}" + (f", {self.small} below the fill" if self.small else " always")

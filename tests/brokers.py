@@ -6,7 +6,7 @@
   log replication 1, min ISR 1) plus ``confluentinc/cp-schema-registry`` on one Docker network, started with
   testcontainers. No Docker engine answering is a usage error with one line, never a skip: a run that asked
   for real Kafka and silently got less would report a pass it did not earn.
-- otherwise: the embedded noida-db broker (``worker.embedded_broker``) and the registry test double
+- otherwise: the embedded noida-db broker (``worker.devbroker.embedded_broker``) and the registry test double
   (``tests/registry_double.py``).
 
 conftest calls ``check_selection`` from ``pytest_configure`` (so a bad selection fails before collection) and
@@ -96,7 +96,7 @@ def started_broker(workdir: Path, environ: Mapping[str, str] = os.environ) -> It
         if choice == "external":
             yield TestBroker("external", environ[BOOTSTRAP_ENV], registry_url)
             return
-        from worker.embedded_broker import EmbeddedBroker, free_port
+        from worker.devbroker.embedded_broker import EmbeddedBroker, free_port
 
         log = stack.enter_context(open(workdir / "broker.log", "w"))
         embedded = stack.enter_context(EmbeddedBroker(port=free_port(), data_dir=str(workdir / "data"), log=log))
@@ -116,7 +116,7 @@ def kafka_containers() -> Iterator[TestBroker]:
     from testcontainers.core.network import Network
     from testcontainers.core.wait_strategies import LogMessageWaitStrategy
 
-    from worker.embedded_broker import free_port
+    from worker.devbroker.embedded_broker import free_port
 
     host, port = DockerClient().host(), free_port()
     with Network() as network:

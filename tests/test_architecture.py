@@ -1,6 +1,9 @@
 """The layering, checked on the source with ``ast`` (imports inside functions count too):
 - ``engine/`` imports nothing of Kafka, the worker or the Avro contracts;
-- no import cycle among the project's modules (``engine``, ``worker``, ``schemas``);
+- ``worker/``'s wings import one way: a module imports from its own wing or a lower one (``WORKER_LAYERS``);
+- no import cycle among the project's modules (``engine``, ``worker``, ``schemas``), a name a package re-exports
+  counting as an import of the module that defines it;
+- no production module is longer than ``MAX_MODULE_LINES``;
 - no production module reads a test-only environment variable (a key naming TEST, FAULT or INJECT)."""
 
 from __future__ import annotations
@@ -12,14 +15,29 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("engine", "worker", "schemas")
 TEST_ONLY_ENV = re.compile(r"TEST|FAULT|INJECT", re.IGNORECASE)
+MAX_MODULE_LINES = 400
+
+WORKER_LAYERS = (
+    "worker.exceptions",     # the error types every wing raises
+    "worker.ops",            # metrics, liveness, health endpoint, logs, ports: every wing above reports here
+    "worker.config_file",    # the TOML file and secret redaction (the registry's settings are redacted by it)
+    "worker.formats",        # record types, input mapping, output formats, the Schema Registry client
+    "worker.config",         # the frozen configuration: it holds the input mapping and the registry's settings
+    "worker.kafka_clients",  # client settings (reporting to liveness and metrics) and topic admin
+    "worker.stream",         # the loop, its steps, replay
+    "worker.devbroker",      # the embedded development broker: only the CLI starts it
+    "worker.cli",            # the command line
+    "worker.__main__",       # python -m worker
+)
+"""``worker/``'s wings and top-level modules, bottom to top (a module or a package and everything in it)."""
 
 
-def _modules() -> dict[str, Path]:
-    """Every module of the production packages, by dotted name."""
+def _modules(root: Path = REPO, packages: tuple[str, ...] = PACKAGES) -> dict[str, Path]:
+    """Every module of the production packages under ``root``, by dotted name."""
     found = {}
-    for package in PACKAGES:
-        for path in sorted((REPO / package).rglob("*.py")):
-            parts = path.relative_to(REPO).with_suffix("").parts
+    for package in packages:
+        for path in sorted((root / package).rglob("*.py")):
+            parts = path.relative_to(root).with_suffix("").parts
             found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     return found
 
@@ -27,54 +45,73 @@ def _modules() -> dict[str, Path]:
 MODULES = _modules()
 
 
+def _absolute(node: ast.ImportFrom, package: str) -> str:
+    """The module a ``from ... import`` statement in ``package`` names, relative imports made absolute."""
+    if not node.level:
+        return node.module or ""
+    anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+    return ".".join(anchor + ([node.module] if node.module else []))
+
+
+def _imported(name: str, path: Path, top_level_only: bool = False) -> list[tuple[str, str | None, str]]:
+    """What module ``name`` (at ``path``) imports, wherever the statement is (``top_level_only``: only at the
+    top of the module): ``(module, None, bound)`` for ``import module`` and ``(module, imported, bound)`` for
+    ``from module import imported``, with the name each binds."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    found = []
+    for node in (tree.body if top_level_only else ast.walk(tree)):
+        if isinstance(node, ast.Import):
+            found.extend((alias.name, None, alias.asname or alias.name.partition(".")[0]) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = _absolute(node, package)
+            found.extend((base, alias.name, alias.asname or alias.name) for alias in node.names)
+    return found
+
+
 def _imports(name: str, path: Path) -> set[str]:
     """Names ``name`` imports, resolved to absolute dotted names, wherever the import statement is."""
-    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    names = set()
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-        if isinstance(node, ast.Import):
-            names.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
-                base = ".".join(anchor + ([node.module] if node.module else []))
-            names.add(base)
-            names.update(f"{base}.{alias.name}" for alias in node.names)  # `from worker import loop` imports worker.loop
-    return names
+    imported = _imported(name, path)
+    # `from worker.stream import loop` imports worker.stream.loop
+    return {module for module, _, _ in imported} | {f"{module}.{n}" for module, n, _ in imported if n}
 
 
-def _project_edges() -> dict[str, set[str]]:
-    """Module -> the project modules it imports (an imported name inside a module counts as that module)."""
+def _defining_module(modules: dict[str, Path], module: str, name: str, seen: frozenset[str] = frozenset()) -> str:
+    """Where ``from module import name`` takes ``name`` from: the module ``module.name`` if there is one; else, where
+    ``module`` re-exports ``name`` (``engine/__init__.py``'s ``from engine.schema_engine import SchemaEngine``), the
+    module it comes from, followed on; else ``module`` itself."""
+    if f"{module}.{name}" in modules:
+        return f"{module}.{name}"
+    if module in modules and module not in seen:
+        for source, imported, bound in _imported(module, modules[module], top_level_only=True):
+            if bound == name:
+                return source if imported is None else _defining_module(modules, source, imported, seen | {module})
+    return module
+
+
+def _project_edges(modules: dict[str, Path] | None = None) -> dict[str, set[str]]:
+    """Module -> the project modules it imports: a name imported from a module counts as the module that defines it."""
+    modules = MODULES if modules is None else modules
     edges = {}
-    for name, path in MODULES.items():
+    for name, path in modules.items():
         targets = set()
-        for imported in _imports(name, path):
-            while imported and imported not in MODULES:
-                imported = imported.rpartition(".")[0]
-            if imported and imported != name:
-                targets.add(imported)
+        for module, imported, _ in _imported(name, path):
+            target = module if imported is None else _defining_module(modules, module, imported)
+            while target and target not in modules:
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                targets.add(target)
         edges[name] = targets
     return edges
 
 
-def test_the_module_list_is_the_project():
-    assert {"engine", "engine.schema_engine", "worker.loop", "worker.cli", "schemas"} <= set(MODULES)
-
-
-def test_engine_imports_nothing_of_kafka_the_worker_or_the_contracts():
-    offenders = {name: sorted(i for i in _imports(name, path) if i.split(".")[0] in ("worker", "confluent_kafka", "schemas", "fastavro"))
-                 for name, path in MODULES.items() if name.split(".")[0] == "engine"}
-    assert {name: found for name, found in offenders.items() if found} == {}
-
-
-def test_no_import_cycle_among_the_projects_modules():
-    edges = _project_edges()
+def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The import cycles a depth-first walk of ``edges`` finds, each as its path back to where it started."""
     cycles, state = [], {}
 
     def visit(node: str, stack: list[str]) -> None:
         state[node] = "open"
-        for target in sorted(edges[node]):
+        for target in sorted(edges.get(node, ())):
             if state.get(target) == "open":
                 cycles.append(stack[stack.index(target):] + [target])
             elif target not in state:
@@ -84,9 +121,84 @@ def test_no_import_cycle_among_the_projects_modules():
     for module in sorted(edges):
         if module not in state:
             visit(module, [module])
-    # A package's __init__ re-exporting its modules is not a cycle of the modules themselves.
-    cycles = [c for c in cycles if not any(m in PACKAGES for m in c)]
-    assert cycles == []
+    return cycles
+
+
+def _layer(module: str) -> int | None:
+    """The index in ``WORKER_LAYERS`` of the layer ``module`` belongs to; None outside them (``worker`` itself)."""
+    return next((i for i, layer in enumerate(WORKER_LAYERS) if module == layer or module.startswith(layer + ".")), None)
+
+
+def _back_edges(edges: dict[str, set[str]]) -> list[str]:
+    """Imports from one worker layer to a higher one."""
+    return sorted(f"{module} -> {target}" for module, targets in edges.items() for target in targets
+                  if _layer(module) is not None and _layer(target) is not None and _layer(target) > _layer(module))
+
+
+def test_the_module_list_is_the_project():
+    assert {"engine", "engine.schema_engine", "worker.stream.loop", "worker.cli.app", "schemas"} <= set(MODULES)
+
+
+def test_engine_imports_nothing_of_kafka_the_worker_or_the_contracts():
+    offenders = {name: sorted(i for i in _imports(name, path) if i.split(".")[0] in ("worker", "confluent_kafka", "schemas", "fastavro"))
+                 for name, path in MODULES.items() if name.split(".")[0] == "engine"}
+    assert {name: found for name, found in offenders.items() if found} == {}
+
+
+def test_every_worker_module_is_in_a_layer():
+    assert [name for name in MODULES if name.startswith("worker.") and _layer(name) is None] == []
+
+
+def test_the_worker_wings_import_one_way():
+    assert _back_edges(_project_edges()) == []
+
+
+def test_no_import_cycle_among_the_projects_modules():
+    assert _cycles(_project_edges()) == []
+
+
+def test_no_production_module_is_longer_than_the_limit():
+    lengths = {name: len(path.read_text(encoding="utf-8").splitlines()) for name, path in MODULES.items()}
+    assert {name: n for name, n in lengths.items() if n > MAX_MODULE_LINES} == {}
+
+
+def _write(root: Path, files: dict[str, str]) -> None:
+    for relative, source in files.items():
+        (root / relative).parent.mkdir(parents=True, exist_ok=True)
+        (root / relative).write_text(source)
+
+
+def test_the_wing_check_catches_an_import_up_the_layers(tmp_path):
+    """Imports up the layers are found, at the top of a module or inside a function; the CLI starting the development
+    broker is not one."""
+    _write(tmp_path, {
+        "worker/__init__.py": "",
+        "worker/cli/app.py": "def main():\n    pass\n",
+        "worker/cli/demo.py": "from worker.devbroker.embedded_broker import EmbeddedBroker\n",
+        "worker/devbroker/embedded_broker.py": "class EmbeddedBroker:\n    pass\n",
+        "worker/stream/loop.py": "def run():\n    from worker.cli.app import main\n",
+        "worker/stream/batcher.py": "from worker.formats import records\n",
+        "worker/stream/replay.py": "from worker.devbroker.embedded_broker import EmbeddedBroker\n",
+        "worker/formats/records.py": "from worker.stream.batcher import Cycle\n",
+    })
+    assert _back_edges(_project_edges(_modules(tmp_path, ("worker",)))) == [
+        "worker.formats.records -> worker.stream.batcher", "worker.stream.loop -> worker.cli.app",
+        "worker.stream.replay -> worker.devbroker.embedded_broker"]
+
+
+def test_the_cycle_check_follows_a_packages_re_exports(tmp_path):
+    """``from pkg import Thing``, where ``pkg/__init__.py`` re-exports ``Thing`` from ``pkg.core``, is an import of
+    ``pkg.core``: a module that ``pkg.core`` imports closes a cycle with it (as ``from engine import SchemaEngine`` in
+    ``engine/prompt.py`` would). Importing a submodule through its package is not an import of the package."""
+    _write(tmp_path, {
+        "pkg/__init__.py": "from pkg.core import Thing as Thing\n",
+        "pkg/core.py": "from pkg.helper import helps\n\nclass Thing:\n    pass\n",
+        "pkg/helper.py": "def helps():\n    from pkg import Thing\n",
+        "pkg/leaf.py": "from pkg import helper\n",
+    })
+    edges = _project_edges(_modules(tmp_path, ("pkg",)))
+    assert edges == {"pkg": {"pkg.core"}, "pkg.core": {"pkg.helper"}, "pkg.helper": {"pkg.core"}, "pkg.leaf": {"pkg.helper"}}
+    assert _cycles(edges) == [["pkg.core", "pkg.helper", "pkg.core"]]
 
 
 def _environment_keys(tree: ast.AST) -> list[str]:

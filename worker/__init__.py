@@ -1,21 +1,14 @@
 """decider's Kafka side: the exactly-once stream processor, its CLI and the embedded development broker.
 
-Modules, one concern each, in the order a state meets them:
-``loop`` (the processor: poll -> decode -> route -> batch -> score -> records -> transaction),
-``assignment`` (where states come from: the consumer group), ``records`` (the record types and conversions:
-source record, decoded state, dead-letter reasons, output records), ``routing`` (which batch a
-state joins, kept right as schemas change), ``schema_table`` (the schemas topic as a table), ``batcher`` (the
-open cycle's bookkeeping), ``scorer`` (the engine's device thread, tokenizer pool and prepared-schema budget),
-``outputs`` (a cycle's probability records and dead letters, in input order), ``transactions`` (the exactly-once
-commit). Around it: ``config`` (the frozen per-process configuration), ``config_file`` (the TOML config file and
-secret redaction), ``exceptions``, ``kafka_clients`` (client settings and topic admin), ``metrics``, ``liveness``
-(whether the broker answers and whether a call on it is stuck), ``health`` (the /metrics, /healthz, /readyz
-endpoint), ``logs`` (structured event logs), ``gc_pauses``, ``ops`` (running a
-loop as an operated process), ``replay`` (``decider replay``: the loop over a fixed range), ``cli`` and
-``cli_options`` (the command line and its shared options), ``commands`` (what the CLI's schema/produce/tail
-commands do), ``offline`` (``decider score``), ``user_files`` (reading users' schema and states files, with one-line
-errors), ``input_mapping`` (users' own events -> states) with ``paths`` (dotted paths and templates),
-``output_formats`` (avro, avro-registry, json out, and read back), ``registry`` (the Schema Registry client and
-its secrets), ``embedded_broker`` (with ``reaper``, clean-up that outlives a SIGKILL, and ``ports``, who holds a local
-port) and ``demo``.
+Wings, bottom to top; a module imports only from its own wing or a lower one (``tests/test_architecture.py``):
+
+``exceptions`` (the error types and their exit codes) < ``ops`` (metrics, broker liveness, the /healthz endpoint,
+structured logs, local ports) < ``config_file`` (the TOML file and secret redaction) < ``formats`` (record types,
+users' input mapping, output formats, the Schema Registry client) < ``config`` (the frozen per-process configuration)
+< ``kafka_clients`` (client settings and topic admin) < ``stream`` (the loop: poll -> decode -> route -> batch ->
+score -> records -> transaction, and replay) < ``devbroker`` (the embedded development broker) < ``cli`` (the
+``decider`` command line: ``worker.cli.app``).
+
+``config``, ``config_file``, ``exceptions`` and ``kafka_clients`` are single modules at this level; the others are
+sub-packages, each ``__init__`` saying what its wing owns. ``python -m worker`` is the ``decider`` command.
 """

@@ -1,5 +1,5 @@
 """``python -m worker ...`` is the ``decider`` command."""
 
-from worker.cli import main
+from worker.cli.app import main
 
 main()

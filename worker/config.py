@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from worker.exceptions import ConfigError
-from worker.input_mapping import InputMapping
-from worker.output_formats import check_output_format
-from worker.registry import RegistryConfig
+from worker.formats.input_mapping import InputMapping
+from worker.formats.output_formats import check_output_format
+from worker.formats.registry import RegistryConfig
 
 DEFAULT_STATES_TOPIC = "decider.states"
 DEFAULT_SCHEMAS_TOPIC = "decider.schemas"
@@ -69,12 +69,12 @@ class WorkerConfig:
     transaction_timeout_ms: int = 30_000
     session_timeout_ms: int = 10_000
     broker_outage_s: float = 300.0  # how long the loop rides out an unreachable broker before it exits (code 5)
-    stall_after_s: float = 180.0  # a partition without progress this long is reported and fails /readyz (worker.progress)
+    stall_after_s: float = 180.0  # a partition without progress this long is reported and fails /readyz (worker.stream.progress)
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"   # this machine only; a scraper in another container needs 0.0.0.0
     kafka: Mapping[str, Any] = field(default_factory=dict)  # the config file's [kafka] table
     input: InputMapping = field(default_factory=InputMapping)  # how the states topic's records become states
-    output_format: str = "avro"  # avro | avro-registry | json (worker.output_formats)
+    output_format: str = "avro"  # avro | avro-registry | json (worker.formats.output_formats)
     registry: RegistryConfig | None = None  # --schema-registry-url and the config file's [schema_registry] table
 
     def __post_init__(self) -> None:

@@ -35,9 +35,9 @@ from worker.exceptions import ConfigError
 
 CONFIG_ENV = "DECIDER_CONFIG"
 KAFKA_TABLE = "kafka"
-REGISTRY_TABLE = "schema_registry"  # Schema Registry client settings (worker.registry)
+REGISTRY_TABLE = "schema_registry"  # Schema Registry client settings (worker.formats.registry)
 INPUT_TABLE = "input"  # the input mapping's options, for every command that has them (worker, replay)
-# The options [input] may set (worker.input_mapping.InputMapping's fields, as the CLI names them); list values
+# The options [input] may set (worker.formats.input_mapping.InputMapping's fields, as the CLI names them); list values
 # are allowed for the two comma-separated ones.
 INPUT_KEYS = ("input_format", "id_field", "text_field", "text_template", "schema_id_field", "schema_id",
               "event_time_field", "metadata_fields", "propagate_headers")

@@ -7,12 +7,12 @@
 - ``FatalError``: this process cannot go on (fenced by a newer instance, bad configuration, bad model
   path); exit non-zero with the message, which is written for a user to act on.
 
-Retriable Kafka errors have no type here: ``worker.transactions`` retries what librdkafka marks retriable, within
+Retriable Kafka errors have no type here: ``worker.stream.transactions`` retries what librdkafka marks retriable, within
 the transaction timeout, and turns what is left into one of these.
 
 Exit codes of ``decider worker``: 1 fatal, 2 configuration, 3 fenced, 4 broker or topic unavailable at start,
 5 the broker stayed unreachable longer than --broker-outage-s, or a Kafka client call hung past its timeout
-(``worker.transactions``' watchdog exits the process directly, since the hung call cannot be interrupted; restart
+(``worker.stream.transactions``' watchdog exits the process directly, since the hung call cannot be interrupted; restart
 to recover).
 """
 

@@ -9,8 +9,8 @@ from confluent_kafka.admin import AdminClient, NewTopic
 
 from worker.config import Cluster, Topics, WorkerConfig
 from worker.exceptions import BrokerUnavailableError
-from worker import liveness
-from worker.metrics import on_consumer_stats
+from worker.ops import liveness
+from worker.ops.metrics import on_consumer_stats
 
 # librdkafka logs every failed connection attempt to stderr; the CLI reports unreachable brokers itself.
 _QUIET = {"log_level": 0}
@@ -143,7 +143,7 @@ def reader_consumer_config(cluster: Cluster | str, group: str | None = None) -> 
         # On Kafka a wait, not a poll interval: an empty Fetch is held at the broker until a record arrives (then
         # answered at once, whatever this value) or this many ms pass, so an idle reader sends ~20 fetches/s. A request
         # sent behind that parked Fetch on the same connection waits for it (Kafka answers one at a time per
-        # connection): the schema table asks for end offsets through a client that never fetches (worker.schema_table).
+        # connection): the schema table asks for end offsets through a client that never fetches (worker.stream.schema_table).
         "fetch.wait.max.ms": 50,
     }
     # librdkafka requires a group.id even for assign()-only consumers; it is never joined or committed.
@@ -183,7 +183,7 @@ def worker_consumer_config(config: WorkerConfig) -> dict[str, Any]:
         # the loaded 2-core development machine), at 500 ms exactly as at 20; no client setting changes that.
         "fetch.wait.max.ms": 20,
         # Consumer lag per partition for the metrics, computed by librdkafka from the fetch responses, and whether
-        # any broker connection is up, for /readyz (``worker.liveness``).
+        # any broker connection is up, for /readyz (``worker.ops.liveness``).
         "statistics.interval.ms": 2000,
         "stats_cb": _on_states_consumer_stats,
     }

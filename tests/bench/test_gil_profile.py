@@ -9,7 +9,7 @@ import pytest
 
 from bench import gil_profile
 
-RAW = """thread (0x1): MainThread;<module> (x.py:1);Worker.run (worker/loop.py:10);Worker._step (worker/loop.py:20) 50
+RAW = """thread (0x1): MainThread;<module> (x.py:1);Worker.run (worker/stream/loop.py:10);Worker._step (worker/stream/loop.py:20) 50
 thread (0x2): decider-gpu_0;_worker (concurrent/futures/thread.py:83);SchemaEngine._score_step (engine/schema_engine.py:270);copy_ (torch/x.py:5) 25
 thread (0x2): decider-gpu_0;_worker (concurrent/futures/thread.py:83);fill_ids (engine/readout.py:19) 25
 thread (0x3): decider-tok_0;_worker (concurrent/futures/thread.py:83);encode (tokenizers/x.py:9) 10
@@ -22,7 +22,7 @@ def test_summarize_gives_each_threads_share_of_the_wall_time_and_where_it_held_t
     assert summary["by_thread"] == {"MainThread": 0.2, "decider-gpu_0": 0.2, "decider-tok_0": 0.04}
     places = {(p["thread"], p["where"]): p["share"] for p in summary["top"]}
     # the deepest frame of the project's code, else the innermost frame
-    assert places[("MainThread", "Worker._step (worker/loop.py:20)")] == 0.2
+    assert places[("MainThread", "Worker._step (worker/stream/loop.py:20)")] == 0.2
     assert places[("decider-gpu_0", "SchemaEngine._score_step (engine/schema_engine.py:270)")] == 0.1
     assert places[("decider-gpu_0", "fill_ids (engine/readout.py:19)")] == 0.1
     assert places[("decider-tok_0", "encode (tokenizers/x.py:9)")] == 0.04

@@ -5,7 +5,7 @@ import pytest
 
 from bench.stream_windows import (all_workers_window, budget_plan_errors, cycle_timelines, gpu_pipeline, held_partitions, log_events,
                                   replay_timing)
-from worker.logs import JsonFormatter
+from worker.ops.logs import JsonFormatter
 
 T0 = 1_790_000_000.0  # an epoch second; events are placed relative to it
 

@@ -219,7 +219,7 @@ def test_the_deterministic_table_runs_one_kernel_attention_and_the_answers_at_ev
     path it takes in a batch); the split path's kernels never."""
     import dataclasses
 
-    from engine.batch_invariant import InvariantSuffixAttention
+    from engine.suffix_attention import InvariantSuffixAttention
 
     eng = engines[True]
     table = eng.forward.kernels

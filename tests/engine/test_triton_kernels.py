@@ -66,8 +66,8 @@ def test_conv_qkv_continues_the_prefix_state_and_l2_normalises_q_and_k(dtype, P,
     state as the suffix pass passes it (the bank's states read by slot inside the kernel, or per row: expanded in place
     for one prefix, repeated for several), q and k L2-normalised per head, and the delta rule's b and a copied out of
     the same projection: against the PyTorch conv and transformers' l2norm."""
+    from engine.causal_conv import conv_qkv
     from engine.torch_kernels import torch_conv_qkv
-    from engine.triton_kernels import conv_qkv
 
     B, T, Hk, Dk, Hv, Dv, KW = 6, 37, 2, 16, 4, 16, 4
     C = 2 * Hk * Dk + Hv * Dv
@@ -100,8 +100,8 @@ def test_conv_qkv_gives_the_same_bits_at_its_small_grid_launch_and_with_weight_t
     """`CONV_SMALL_CONFIG` (batch 1) and `CONV_CONFIG` at the 0.8B shape (128-wide heads, whose L2 norms sum a row's
     channels across a warp's threads): a row scored alone must get the bits it gets inside a batch. And
     `CONV_WEIGHT_TILE`, which changes only the layout the weights load in, must not change a bit either."""
-    from engine import triton_kernels
-    from engine.triton_kernels import conv_qkv
+    from engine import causal_conv
+    from engine.causal_conv import conv_qkv
 
     B, T, Hk, D, Hv, KW = 1, 40, 16, 128, 16, 4
     C = 2 * Hk * D + Hv * D
@@ -112,11 +112,11 @@ def test_conv_qkv_gives_the_same_bits_at_its_small_grid_launch_and_with_weight_t
     args = (qkv.view(B, T, C), weight, prev, Hk * D, D, D, gates.view(B, T, 2 * Hv), torch.tensor([2], device=DEV))
     outs = []
     for tile in (False, True):
-        monkeypatch.setattr(triton_kernels, "CONV_WEIGHT_TILE", tile)
+        monkeypatch.setattr(causal_conv, "CONV_WEIGHT_TILE", tile)
         for fill in (0, 10 ** 9):               # never the small launch, always it
-            monkeypatch.setattr(triton_kernels, "CONV_FILL_PROGRAMS", fill)
+            monkeypatch.setattr(causal_conv, "CONV_FILL_PROGRAMS", fill)
             outs.append(conv_qkv(*args))
-    assert triton_kernels.CONV_SMALL_CONFIG != triton_kernels.CONV_CONFIG
+    assert causal_conv.CONV_SMALL_CONFIG != causal_conv.CONV_CONFIG
     assert all(torch.equal(a, b) for out in outs[1:] for a, b in zip(outs[0], out))
 
 
@@ -214,7 +214,8 @@ def test_the_forward_with_these_kernels_matches_the_oracle(tiny_dir, answer_quer
     from engine.kernels import torch_kernels
     from engine.reference import score_full
     from engine.suffix_attention import answer_attention, suffix_attention
-    from engine.triton_kernels import GATED, add_rms_norm, conv_qkv, gate_attention, rms_norm_rope, row_norm, swiglu
+    from engine.causal_conv import conv_qkv
+    from engine.triton_kernels import GATED, add_rms_norm, gate_attention, rms_norm_rope, row_norm, swiglu
 
     from .conftest import make_questions, make_states
 
@@ -755,15 +756,15 @@ def test_the_invariant_suffix_attention_takes_the_small_launch_only_where_it_giv
 
     from .attention_cases import Case
 
-    assert bi.InvariantSuffixAttention(None, torch.float32, DEV).small is None
+    assert sa.InvariantSuffixAttention(None, torch.float32, DEV).small is None
     checked = []
-    monkeypatch.setattr(bi, "suffix_configs_agree",
+    monkeypatch.setattr(sa, "suffix_configs_agree",
                         lambda heads, dtype, device, large, small: checked.append(small) or small == (64, 64, 4, 2))
-    attention = bi.InvariantSuffixAttention((4, 2, 32), torch.float32, DEV)
-    assert checked == list(bi.SUFFIX_SMALL_CANDIDATES) and attention.small == (64, 64, 4, 2)
+    attention = sa.InvariantSuffixAttention((4, 2, 32), torch.float32, DEV)
+    assert checked == list(sa.SUFFIX_SMALL_CANDIDATES) and attention.small == (64, 64, 4, 2)
     assert attention.large == sa.CONFIG and "(64, 64, 4, 2)" in repr(attention)
-    monkeypatch.setattr(bi, "suffix_configs_agree", lambda *a: False)
-    attention = bi.InvariantSuffixAttention((4, 2, 32), torch.float32, DEV)
+    monkeypatch.setattr(sa, "suffix_configs_agree", lambda *a: False)
+    attention = sa.InvariantSuffixAttention((4, 2, 32), torch.float32, DEV)
     assert attention.small is None and "always" in repr(attention)
     # its launch at one row is the large one, where the fast table's would be the small one
     launches = []
@@ -783,8 +784,8 @@ def test_suffix_configs_agree_compares_two_launches_on_the_device():
     from engine import batch_invariant as bi
     from engine import suffix_attention as sa
 
-    assert isinstance(bi.suffix_configs_agree((4, 2, 32), torch.float32, DEV, sa.CONFIG, sa.SMALL_CONFIG), bool)
-    assert not bi.suffix_configs_agree((4, 2, 32), torch.float32, DEV, sa.CONFIG, (16, 32, 4, 2))
+    assert isinstance(sa.suffix_configs_agree((4, 2, 32), torch.float32, DEV, sa.CONFIG, sa.SMALL_CONFIG), bool)
+    assert not sa.suffix_configs_agree((4, 2, 32), torch.float32, DEV, sa.CONFIG, (16, 32, 4, 2))
 
 
 class _LaunchSpy:
@@ -811,7 +812,7 @@ def test_the_deterministic_forward_with_triton_attention_scores_a_state_the_same
     import random
 
     from engine import Engine, SchemaEngine
-    from engine.batch_invariant import InvariantSuffixAttention
+    from engine.suffix_attention import InvariantSuffixAttention
     from engine.reference import score_full
     from engine.suffix_attention import answer_attention
     from engine.testing import write_tiny_model

@@ -15,6 +15,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from engine import causal_conv  # noqa: E402
 from engine import triton_kernels as tk  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -96,7 +97,7 @@ def test_conv_kernel_loads_the_projection_and_the_prefix_state_in_16_byte_vector
     ints = _ints(["T", "x_b", "x_t", "w_k", "p_b", "p_k", "g_b", "g_t"], T=184, x_b=184 * 8224, x_t=8224, w_k=6144,
                  p_b=3 * 6144, p_k=6144, g_b=184 * 8224, g_t=8224)
     for tile in (False, True):
-        ptx = _ptx(tk._conv_qkv_kernel, {**sig, "W_TILE": "constexpr"},
+        ptx = _ptx(causal_conv._conv_qkv_kernel, {**sig, "W_TILE": "constexpr"},
                    dict(w_c=1, p_c=1, HK=16, HV=16, DK=128, DV=128, KW=4, BT=8, BD=128, NG=16, BG=32, HAS_PREV=True,
                         HAS_INDEX=True, W_TILE=tile), ints, num_warps=2)
         assert "ld.global.v4.b32" in ptx and _scalar_bf16_loads(ptx) == 0

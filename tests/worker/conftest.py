@@ -23,7 +23,7 @@ import pytest
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, Producer, TopicPartition
 
 import schemas
-from worker import commands
+from worker.cli import commands
 from worker.config import Topics
 from worker.kafka_clients import create_topics, reader_consumer, reader_consumer_config
 
@@ -177,7 +177,7 @@ class Stream:
         still there, and librdkafka then skips every later batch of that producer id on the partition (the
         producer id a worker keeps across restarts with its --worker-id). Kafka lists only the aborted
         transactions that overlap the fetched range. A pass from offset 0 fetches each partition in one response
-        that holds the abort markers before the later batches (``tests/worker/test_progress.py`` shows the gap)."""
+        that holds the abort markers before the later batches (``tests/worker/stream/test_progress.py`` shows the gap)."""
         deadline = time.monotonic() + timeout_s
         found = self.read_outputs(registry_url)
         while len(found[0]) + len(found[1]) < expected and time.monotonic() < deadline:
@@ -191,8 +191,8 @@ class Stream:
     def read_outputs(self, registry_url: str | None = None, pass_timeout_s: float = 20.0) -> tuple[list[dict], list[dict]]:
         """One pass: both output topics from the beginning to their last stable offsets, by a fresh read_committed
         reader that fetches each partition whole (up to 64 MiB) in one response."""
-        from worker.output_formats import OutputDecoder
-        from worker.registry import registry_client
+        from worker.formats.output_formats import OutputDecoder
+        from worker.formats.registry import registry_client
 
         client = registry_client(registry_url) if registry_url else None
         decoders = {kind: OutputDecoder(kind, client) for kind in ("probabilities", "dead-letter")}
@@ -343,7 +343,7 @@ def stream(stream_factory) -> Stream:
 
 def expected_probabilities(schema_engine, document: dict, texts: list[str]) -> list[list[list[float]]]:
     """What ``SchemaEngine.score`` gives for ``texts`` under ``document``'s questions, per state, per question."""
-    from worker.records import engine_questions, question_schema_record
+    from worker.formats.records import engine_questions, question_schema_record
 
     record = question_schema_record(document, "ref", 1)
     handle = schema_engine.prepare(engine_questions(record), independent=document.get("mode") == "independent")

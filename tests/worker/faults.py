@@ -74,7 +74,7 @@ FAULTS = {"fail-on": failing_on, "scores-late": lambda seconds: scores_late(floa
 
 if __name__ == "__main__":
     import engine
-    from worker.cli import main
+    from worker.cli.app import main
 
     kind, _, value = sys.argv[1].partition("=")
     engine.SchemaEngine = FAULTS[kind](value)  # the worker loads its engine through engine.SchemaEngine

@@ -74,7 +74,7 @@ def test_flag_beats_environment_beats_file_beats_default(tmp_path):
 def test_the_file_becomes_click_default_map_for_every_command_with_the_option(tmp_path):
     from typer.main import get_command
 
-    from worker.cli import app
+    from worker.cli.app import app
 
     path = tmp_path / "decider.toml"
     path.write_text('bootstrap = "k:9092"\nstates_topic = "s"\n[worker]\nmax_batch = 64\n[topics.create]\npartitions = 12\n'

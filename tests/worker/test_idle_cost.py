@@ -140,7 +140,7 @@ def test_schema_catch_up_does_not_queue_behind_the_readers_parked_fetch(mock_clu
     max wait (50 ms) while the topic is idle, so the end offsets catch_up() asks for at every cycle's close must not
     go on that connection. Asked there, a query waited out the parked fetch: 0-49 ms (p50 20) on the mock cluster,
     catch_up p50 178 ms over its 4 auto-created partitions; through a client that never fetches, 0.3 ms."""
-    from worker.schema_table import SchemaTable
+    from worker.stream.schema_table import SchemaTable
 
     topic = f"idle-{uuid.uuid4().hex[:8]}.schemas"
     mock_cluster.create(topic)

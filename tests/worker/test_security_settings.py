@@ -17,7 +17,7 @@ from confluent_kafka.admin import AdminClient
 from tests.worker.conftest import REPO
 from worker.config import WorkerConfig
 from worker.config_file import REDACTED, load_config_file, redact, redact_text
-from worker.embedded_broker import free_port
+from worker.devbroker.embedded_broker import free_port
 from worker.kafka_clients import (base_config, reader_consumer_config, replay_consumer_config, transactional_producer_config,
                                   worker_consumer_config)
 
@@ -47,7 +47,7 @@ def secured_file(tmp_path) -> Path:
 def test_every_worker_client_gets_the_security_settings(secured_file):
     from typer.main import get_command
 
-    from worker.cli import app
+    from worker.cli.app import app
 
     settings = load_config_file(secured_file, get_command(app)).kafka
     config = WorkerConfig(bootstrap="b:9093", model_dir="m", worker_id="secure-1", kafka=settings)

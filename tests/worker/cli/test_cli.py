@@ -1,0 +1,96 @@
+"""The ``decider`` command line as users run it: help text, env-var defaults, and one-line errors (no
+tracebacks) for an unreachable broker, a missing topic, a bad model path and a bad schema file."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.worker.conftest import REPO, SCHEMA_FILE
+from worker.devbroker.embedded_broker import free_port
+
+
+def decider(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "worker", *args], capture_output=True, text=True, timeout=timeout,
+                          cwd=REPO, env={**os.environ, **(env or {})})
+
+
+@pytest.mark.parametrize("command", [[], ["demo"], ["broker"], ["topics", "create"], ["schema", "put"], ["schema", "delete"],
+                                     ["produce"], ["worker"], ["replay"], ["score"], ["tail"]])
+def test_every_command_has_help(command):
+    result = decider(*command, "--help")
+    assert result.returncode == 0 and "Usage" in result.stdout
+
+
+def test_unreachable_broker_is_one_clear_line():
+    result = decider("topics", "create", "-b", f"127.0.0.1:{free_port()}")
+    assert result.returncode == 4
+    assert result.stderr.startswith("error: no Kafka broker answered at 127.0.0.1:")
+    assert "Traceback" not in result.stderr + result.stdout
+
+
+def test_missing_topic_names_the_fix(kafka_bootstrap):
+    result = decider("produce", "-b", kafka_bootstrap, "--schema-id", "x", "--states-topic", "no-such-topic",
+                     str(REPO / "worker" / "examples" / "support_states.jsonl"))
+    assert result.returncode == 4
+    assert "no-such-topic" in result.stderr and "decider topics create" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_bad_model_path_and_non_model_directory(stream, tmp_path):
+    flags = ["-b", stream.bootstrap, "--worker-id", "w", "--states-topic", stream.topics.states,
+             "--schemas-topic", stream.topics.schemas, "--probabilities-topic", stream.topics.probabilities,
+             "--dead-letter-topic", stream.topics.dead_letter]
+    missing = decider("worker", "--model", str(tmp_path / "nope"), *flags)
+    assert missing.returncode == 2 and "no such directory" in missing.stderr, missing.stderr
+    empty = tmp_path / "empty-model"
+    empty.mkdir()
+    not_a_model = decider("worker", "--model", str(empty), *flags, timeout=120)
+    assert not_a_model.returncode == 2, not_a_model.stderr
+    assert "cannot load the model from" in not_a_model.stderr and "Traceback" not in not_a_model.stderr
+
+
+def test_bad_schema_file_is_rejected_before_publishing(kafka_bootstrap, tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"questions": [{"id": "q", "question": "Q?", "options": ["only one"]}]}))
+    result = decider("schema", "put", "-b", kafka_bootstrap, "--id", "x", str(bad))
+    assert result.returncode == 2 and "1 options; 2 to 8 are allowed" in result.stderr
+
+
+def test_topics_schema_produce_tail_through_env_vars(kafka_bootstrap, tmp_path):
+    suffix = tmp_path.name[-12:].replace("_", "-")
+    env = {"DECIDER_BOOTSTRAP": kafka_bootstrap, "DECIDER_STATES_TOPIC": f"cli-{suffix}.states",
+           "DECIDER_SCHEMAS_TOPIC": f"cli-{suffix}.schemas", "DECIDER_PROBABILITIES_TOPIC": f"cli-{suffix}.probabilities",
+           "DECIDER_DEAD_LETTER_TOPIC": f"cli-{suffix}.dead-letter"}
+    created = decider("topics", "create", "--partitions", "2", env=env)
+    assert created.returncode == 0 and created.stdout.count("created") == 4, created.stderr
+    again = decider("topics", "create", env=env)
+    assert again.returncode == 0 and again.stdout.count("exists") == 4
+    assert "version 1 published" in decider("schema", "put", "--id", "support", str(SCHEMA_FILE), env=env).stdout
+    assert "version 2 published" in decider("schema", "put", "--id", "support", str(SCHEMA_FILE), env=env).stdout
+    produced = decider("produce", "--schema-id", "support", str(REPO / "worker" / "examples" / "support_states.jsonl"), env=env)
+    assert produced.returncode == 0 and "20 states published" in produced.stdout
+    assert decider("schema", "delete", "--id", "support", env=env).returncode == 0
+    tail = decider("tail", "--json", "--from-beginning", "--timeout", "1", env=env)
+    assert tail.returncode == 0 and tail.stdout == ""  # no worker ran: nothing committed to the output
+
+
+def test_demo_runs_the_whole_pipeline_and_stops_everything():
+    result = decider("demo", "--show", "1", timeout=240)
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    for expected in ("embedded Kafka broker", "decider.schemas created", "schema support v1 prepared",
+                     "batch committed", "read back 20 committed records", "angry", "worker stopped"):
+        assert expected in out, out
+
+
+def test_bad_warmup_state_tokens_exit_2_naming_the_option(tmp_path):
+    flags = ["-b", "127.0.0.1:1", "--worker-id", "w", "--model", str(tmp_path)]
+    for value, says in (("128,abc", "expected comma-separated whole numbers"), ("128,0", "at least 1 token")):
+        result = decider("worker", *flags, "--warmup-state-tokens", value)
+        assert result.returncode == 2 and "--warmup-state-tokens" in result.stderr and says in result.stderr, result.stderr
+        assert "Traceback" not in result.stderr

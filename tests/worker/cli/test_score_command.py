@@ -1,0 +1,47 @@
+"""`decider score`: offline scoring of a states file, as a real subprocess, equal to SchemaEngine.score."""
+import json
+import subprocess
+import sys
+
+from tests.worker.conftest import expected_probabilities, state_texts
+
+SCHEMA = {"mode": "packed", "questions": [
+    {"id": "angry", "question": "Is the customer angry?", "options": ["yes", "no"]},
+    {"id": "team", "question": "Which team?", "options": ["billing", "shipping", "support", "sales"], "temperature": 0.5},
+]}
+
+
+def run_score(*args):
+    return subprocess.run([sys.executable, "-m", "worker", "score", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_scores_every_line_like_the_engine(model_dir, schema_engine, tmp_path):
+    texts = state_texts(9, seed=21)
+    (tmp_path / "schema.json").write_text(json.dumps(SCHEMA))
+    (tmp_path / "states.jsonl").write_text("".join(json.dumps({"id": f"s-{i}", "state": t}) + "\n" for i, t in enumerate(texts)))
+    out = run_score("--model", str(model_dir), "--schema", str(tmp_path / "schema.json"),
+                    "--states", str(tmp_path / "states.jsonl"), "--batch-size", "4")
+    assert out.returncode == 0, out.stderr
+    lines = [json.loads(line) for line in out.stdout.splitlines()]
+    assert [r["state_id"] for r in lines] == [f"s-{i}" for i in range(9)]
+    want = expected_probabilities(schema_engine, SCHEMA, texts)
+    for record, probs in zip(lines, want):
+        assert record["schema_id"] == "schema" and record["schema_version"] == 1
+        assert [q["id"] for q in record["questions"]] == ["angry", "team"]
+        for q, p in zip(record["questions"], probs):
+            assert len(q["probabilities"]) == len(q["options"])
+            assert max(abs(a - b) for a, b in zip(q["probabilities"], p)) < 1e-5
+    assert "scored 9 states" in out.stderr
+
+
+def test_clear_errors(model_dir, tmp_path):
+    (tmp_path / "schema.json").write_text(json.dumps(SCHEMA))
+    (tmp_path / "states.jsonl").write_text('{"id": "a", "state": "fine"}\nnot json\n')
+    bad_model = run_score("--model", str(tmp_path / "missing"), "--schema", str(tmp_path / "schema.json"),
+                          "--states", str(tmp_path / "states.jsonl"))
+    assert bad_model.returncode != 0 and "line 2 is not JSON" in bad_model.stderr and "Traceback" not in bad_model.stderr
+    (tmp_path / "states.jsonl").write_text('{"id": "a", "state": "fine"}\n')
+    bad_model = run_score("--model", str(tmp_path / "missing"), "--schema", str(tmp_path / "schema.json"),
+                          "--states", str(tmp_path / "states.jsonl"))
+    assert bad_model.returncode != 0 and "model directory does not exist" in bad_model.stderr
+    assert "Traceback" not in bad_model.stderr

@@ -1,0 +1,204 @@
+"""Property tests: whatever a user's file holds (random bytes, random JSON, near-misses of the right shape), the
+commands that read it (``produce``, ``schema put``, ``score`` and the ``--config`` file) either accept it, and what
+they accept can be published, or refuse it with one ``ConfigError`` line (exit code 2). Never another exception.
+
+The readers are called in this process (the commands call exactly these before touching a broker or a model), with
+few examples and no deadline, so the file runs in seconds."""
+
+from __future__ import annotations
+
+import json
+import math
+import tempfile
+from pathlib import Path
+
+import pytest
+import typer
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import schemas
+from worker.cli.app import app
+from worker.exceptions import ConfigError
+from worker.cli.offline import score_file
+from worker.formats.records import engine_questions, question_schema_record
+from worker.config_file import load_config_file
+from worker.cli.user_files import load_schema_file, read_state_lines
+
+BOUNDED = settings(max_examples=100, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+
+scalars = st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20)
+json_values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+                           max_leaves=12)
+# Unpaired surrogates (which only JSON's \u escapes can carry into a file) and characters JSON strings may hold raw
+# but str.splitlines() would cut a line at.
+tricky_text = st.text(alphabet=st.characters(codec=None, categories=None), max_size=12) | st.sampled_from(
+    ["\ud800", "a\udfffb", "\u2028", "\x85", "\x00", "\ufeff", "", " "])
+
+
+def _json_text(value) -> str:
+    return json.dumps(value)  # writes NaN/Infinity and lone surrogates as JSON does (\ud800 escapes)
+
+
+event_times = st.sampled_from(["2026-01-01T00:00:00Z", "2026-01-01T01:00:00+01:00", "yesterday", [1], 1e30, 0, -1,
+                                True, 1.5, "1700000000000", None]) | json_values
+
+
+def state_like_objects():
+    """Objects close to a state line: string id and state mostly, the optional keys with any values, and
+    sometimes a stray key."""
+    optional = st.fixed_dictionaries({}, optional={
+        "metadata": st.dictionaries(tricky_text, json_values | tricky_text, max_size=3) | json_values,
+        "event_time": event_times,
+    })
+    words = st.text(max_size=12)
+    required = st.fixed_dictionaries({"id": st.one_of(words, words, tricky_text, json_values),
+                                      "state": st.one_of(words, words, tricky_text, json_values)})
+    stray = st.fixed_dictionaries({}, optional={"evnet_time": st.just(0)})
+    return st.tuples(required, optional, stray).map(lambda parts: {**parts[0], **parts[1], **parts[2]})
+
+
+def schema_like_objects():
+    """Objects close to a schema file: questions with the right keys, mostly of the right types (so that some are
+    accepted and go on to Avro and the engine's own checks), sometimes a stray key or a text over the limits."""
+    words = st.text(min_size=1, max_size=10)
+    long_text = st.sampled_from(["x" * 2001, "y" * 501, "z" * 1999])
+    question = st.fixed_dictionaries(
+        {"id": st.one_of(words, words, tricky_text, json_values),
+         "question": st.one_of(words, words, words, tricky_text, long_text, json_values),
+         "options": st.one_of(*[st.lists(words, min_size=2, max_size=8, unique=True)] * 3,
+                              st.lists(st.one_of(tricky_text, long_text), max_size=9), json_values)},
+        optional={"temperature": st.sampled_from([0.5, 1, 2.0, 0, -1, float("nan"), True, "hot"])},
+    )
+    misspelt = st.fixed_dictionaries({"id": st.just("q"), "question": st.just("Q?"), "optoins": st.just(["a", "b"])})
+    questions = st.lists(st.one_of(*[question] * 6, misspelt), min_size=1, max_size=3)
+    return st.fixed_dictionaries({"questions": st.one_of(questions, questions, questions, json_values)},
+                                 optional={"mode": st.sampled_from(["packed", "independent", "both", None, 1])})
+
+
+@pytest.fixture(scope="module")
+def scratch():
+    with tempfile.TemporaryDirectory(prefix="decider-properties-") as directory:
+        yield Path(directory)
+
+
+def _assert_one_line(error: ConfigError) -> None:
+    assert error.exit_code == 2 and str(error) and "\n" not in str(error), repr(str(error))
+
+
+def _check_states_file(path: Path) -> None:
+    try:
+        records = read_state_lines(path, "s")
+    except ConfigError as error:
+        _assert_one_line(error)
+        return
+    for record in records:  # what produce would publish: the key and the Avro value must encode
+        record["state_id"].encode("utf-8")
+        assert schemas.decode_state(schemas.encode_state(record))["state"] == record["state"]
+
+
+def _check_schema_file(path: Path) -> None:
+    try:
+        document = load_schema_file(path)
+    except ConfigError as error:
+        _assert_one_line(error)
+        return
+    record = question_schema_record(document, "s", 1)
+    assert schemas.decode_question_schema(schemas.encode_question_schema(record))["questions"] == record["questions"]
+    from engine.prompt import parse_questions
+
+    parse_questions(engine_questions(record))  # what schema put accepts, the engine accepts (as the worker hands it over)
+
+
+# ---- produce ----------------------------------------------------------------------------------------------------------
+@BOUNDED
+@given(data=st.binary(max_size=300))
+def test_states_file_of_random_bytes(scratch, data):
+    (scratch / "states.jsonl").write_bytes(data)
+    _check_states_file(scratch / "states.jsonl")
+
+
+@BOUNDED
+@given(lines=st.lists(st.one_of(state_like_objects(), state_like_objects(), state_like_objects(), json_values), min_size=1, max_size=3))
+def test_states_file_of_random_json_lines(scratch, lines):
+    (scratch / "states.jsonl").write_text("\n".join(_json_text(line) for line in lines), encoding="utf-8")
+    _check_states_file(scratch / "states.jsonl")
+
+
+# ---- schema put ---------------------------------------------------------------------------------------------------
+@BOUNDED
+@given(data=st.binary(max_size=300))
+def test_schema_file_of_random_bytes(scratch, data):
+    (scratch / "schema.json").write_bytes(data)
+    _check_schema_file(scratch / "schema.json")
+
+
+@BOUNDED
+@given(document=st.one_of(schema_like_objects(), schema_like_objects(), json_values))
+def test_schema_file_of_random_json(scratch, document):
+    (scratch / "schema.json").write_text(_json_text(document), encoding="utf-8")
+    _check_schema_file(scratch / "schema.json")
+
+
+# ---- score --------------------------------------------------------------------------------------------------------
+@BOUNDED
+@given(schema_data=st.binary(max_size=120) | schema_like_objects().map(lambda d: _json_text(d).encode()),
+       states_data=st.binary(max_size=120) | st.lists(state_like_objects(), max_size=3).map(
+           lambda lines: "\n".join(map(_json_text, lines)).encode()))
+def test_score_files_of_random_content(scratch, schema_data, states_data):
+    (scratch / "schema.json").write_bytes(schema_data)
+    (scratch / "states.jsonl").write_bytes(states_data)
+    # No model there: good files end at the model, with a ConfigError too; nothing else may escape.
+    with pytest.raises(ConfigError) as refused:
+        score_file(str(scratch / "no-model"), scratch / "schema.json", scratch / "states.jsonl")
+    _assert_one_line(refused.value)
+
+
+# ---- the config file ----------------------------------------------------------------------------------------------
+OPTION_KEYS = ["bootstrap", "states_topic", "max_batch", "max-wait-ms", "metrics_port", "metrics_host", "log_level",
+               "partitions", "nope", "model"]
+toml_scalars = (st.booleans() | st.integers(min_value=-2**63, max_value=2**63 - 1)
+                | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=12))
+
+
+def _toml_value(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float):
+        return repr(value) if math.isfinite(value) and "e" not in repr(value) else "1.5"
+    return json.dumps(value)  # TOML basic strings share JSON's escapes (a lone surrogate's is invalid TOML)
+
+
+def _toml(document: dict) -> str:
+    top = [f"{json.dumps(k)} = {_toml_value(v)}" for k, v in document.items() if not isinstance(v, dict)]
+    tables = [f"[{json.dumps(k)}]\n" + "\n".join(f"{json.dumps(kk)} = {_toml_value(vv)}" for kk, vv in v.items())
+              for k, v in document.items() if isinstance(v, dict)]
+    return "\n".join(top) + "\n" + "\n".join(tables) + "\n"
+
+
+config_documents = st.dictionaries(
+    st.sampled_from(OPTION_KEYS + ["worker", "replay", "kafka", "topics"]) | st.text(max_size=6),
+    toml_scalars | st.dictionaries(st.sampled_from(OPTION_KEYS + ["security.protocol", "transactional.id"]) | st.text(max_size=6),
+                                   toml_scalars, max_size=3),
+    max_size=4)
+
+
+def _check_config_file(path: Path) -> None:
+    try:
+        load_config_file(path, typer.main.get_command(app))
+    except ConfigError as error:
+        _assert_one_line(error)
+
+
+@BOUNDED
+@given(data=st.binary(max_size=200))
+def test_config_file_of_random_bytes(scratch, data):
+    (scratch / "decider.toml").write_bytes(data)
+    _check_config_file(scratch / "decider.toml")
+
+
+@BOUNDED
+@given(document=config_documents)
+def test_config_file_of_random_settings(scratch, document):
+    (scratch / "decider.toml").write_text(_toml(document), encoding="utf-8", errors="surrogatepass")
+    _check_config_file(scratch / "decider.toml")

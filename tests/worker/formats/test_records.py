@@ -1,0 +1,53 @@
+"""The stream's record conversions: a consumed record decodes to a StateEvent or to the reason it cannot be scored;
+dead letters and probability records carry their source, and every reason code is one the Avro contract knows."""
+
+from __future__ import annotations
+
+import pytest
+
+import schemas
+from tests.worker.conftest import encode_state
+from worker.formats.records import Reason, SourceRecord, Unscorable, dead_letter, decode_source, probability_record
+
+
+def _source(value: bytes | None, key: bytes | None = b"k") -> SourceRecord:
+    return SourceRecord("decider.states", 3, 41, key, value)
+
+
+def test_every_worker_reason_code_is_in_the_schema():
+    assert {r.value for r in Reason} <= set(schemas.DEAD_LETTER_REASONS)
+
+
+def test_decode_source_gives_the_state_or_the_reason():
+    assert decode_source(_source(encode_state("s-1", "support", "late order")), 100)["state"] == "late order"
+    cases = [
+        (None, Reason.UNDECODABLE, "no value"),
+        (b"\xff\xfe not avro", Reason.UNDECODABLE, "not a valid io.decider.StateEvent"),
+        (encode_state("", "support", "text"), Reason.INVALID_FIELDS, "state_id is empty"),
+        (encode_state("s-1", "support", "   "), Reason.INVALID_FIELDS, "state text is empty"),
+        (encode_state("s-1", "support", "x" * 101), Reason.STATE_TOO_LARGE, "101 characters; the limit is 100"),
+    ]
+    for value, reason, says in cases:
+        with pytest.raises(Unscorable, match=says) as caught:
+            decode_source(_source(value), 100)
+        assert caught.value.reason is reason
+
+
+def test_dead_letter_carries_the_source_bytes_reason_and_ids():
+    source = _source(b"\x00raw", key=b"s-9")
+    record = dead_letter(source, Reason.UNKNOWN_SCHEMA, "no schema", "dlq", "w0", state={"state_id": "s-9", "schema_id": "x"})
+    assert (record.topic, record.key) == ("dlq", b"s-9")
+    decoded = schemas.decode_dead_letter(record.value)
+    assert decoded["reason"] == "unknown_schema" and decoded["message"] == "no schema"
+    assert (decoded["source_topic"], decoded["source_partition"], decoded["source_offset"]) == ("decider.states", 3, 41)
+    assert decoded["original_key"] == b"s-9" and decoded["original_value"] == b"\x00raw"
+    assert (decoded["state_id"], decoded["schema_id"], decoded["worker_id"]) == ("s-9", "x", "w0")
+
+
+def test_probability_record_follows_the_schema_and_the_source():
+    schema = {"schema_id": "support", "version": 2, "questions": [{"id": "angry", "options": ["yes", "no"]}]}
+    state = {"state_id": "s-1", "event_time": 5, "metadata": {"a": "b"}}
+    record = probability_record(state, schema, [[0.25, 0.75]], "tiny", _source(b""), "w0", truncated=True)
+    assert schemas.decode_probability(schemas.encode_probability(record)) == record
+    assert record["questions"] == [{"id": "angry", "options": ["yes", "no"], "probabilities": [0.25, 0.75]}]
+    assert (record["source_partition"], record["source_offset"], record["schema_version"]) == (3, 41, 2)

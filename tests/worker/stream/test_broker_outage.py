@@ -1,0 +1,154 @@
+"""A broker outage mid-stream: the broker is SIGKILLed while the worker works through a backlog, /readyz turns 503,
+the broker comes back on the same port and data dir, and the same worker process resumes by itself and finishes:
+every state the broker kept is scored exactly once (read_committed), with no worker restart.
+
+noida-db is not crash-durable (it may lose acknowledged records on kill -9), so exactly-once is asserted over the
+states the broker still holds after the restart, read back from the states topic.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import urllib.error
+import urllib.request
+from collections import Counter
+
+import pytest
+from confluent_kafka import OFFSET_BEGINNING, KafkaError, TopicPartition
+
+import schemas
+from tests.worker.conftest import QUESTIONS, Stream, encode_state, state_texts
+from worker.config import Topics
+from worker.devbroker.embedded_broker import EmbeddedBroker, free_port
+from worker.kafka_clients import create_topics, plain_producer, reader_consumer
+
+
+def _status(port: int, path: str) -> int | None:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=2) as response:
+            return response.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+    except (urllib.error.URLError, ConnectionError, TimeoutError):
+        return None
+
+
+def _wait_for(condition, timeout_s: float, what: str, log) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} not within {timeout_s} s:\n{log()}"
+        time.sleep(0.1)
+
+
+def _produce(bootstrap: str, topic: str, states: list[tuple[str, bytes]]) -> None:
+    producer = plain_producer(bootstrap)
+    for state_id, value in states:
+        producer.produce(topic, key=state_id.encode(), value=value)
+    assert producer.flush(15) == 0
+
+
+def _states_kept(stream: Stream) -> list[str]:
+    """The state ids the states topic holds now (read_committed, to its end)."""
+    consumer = reader_consumer(stream.bootstrap)
+    ends = {p: consumer.get_watermark_offsets(TopicPartition(stream.topics.states, p), timeout=10)[1]
+            for p in range(stream.partitions)}
+    consumer.assign([TopicPartition(stream.topics.states, p, OFFSET_BEGINNING) for p in ends if ends[p] > 0])
+    ids, done = [], {p for p, end in ends.items() if end == 0}
+    deadline = time.monotonic() + 30
+    try:
+        while len(done) < len(ends) and time.monotonic() < deadline:
+            message = consumer.poll(0.2)
+            if message is None:
+                continue
+            if message.error() is not None:
+                assert message.error().code() == KafkaError._PARTITION_EOF, message.error().str()
+                if message.offset() >= ends[message.partition()]:
+                    done.add(message.partition())
+                continue
+            ids.append(schemas.decode_state(message.value())["state_id"])
+            if message.offset() + 1 >= ends[message.partition()]:
+                done.add(message.partition())
+    finally:
+        consumer.close()
+    assert len(done) == len(ends), "could not read the states topic to its end"
+    return ids
+
+
+@pytest.mark.skipif(bool(os.environ.get("KAFKA_BOOTSTRAP")), reason="kills the embedded broker, not an external one")
+def test_worker_rides_out_a_broker_outage(tmp_path, model_dir):
+    port, data_dir = free_port(), str(tmp_path / "broker-data")
+    broker = EmbeddedBroker(port=port, data_dir=data_dir, log=open(tmp_path / "broker.log", "a"))
+    broker.start()
+    stream = Stream(broker.bootstrap, Topics("o.states", "o.schemas", "o.probabilities", "o.dead-letter"), "g-outage",
+                    tmp_path, 2)
+    metrics_port = free_port()
+    try:
+        create_topics(broker.bootstrap, stream.topics, 2)
+        stream.put_schema("tickets", QUESTIONS)
+        # the transaction opened when the broker dies blocks in send_offsets_to_transaction until the broker is back,
+        # or at most for the transaction timeout (10 s; librdkafka ignores the call's own 5 s); the watchdog waits 15 s
+        worker = stream.start_worker(model_dir, "outlasts", "--metrics-port", str(metrics_port),
+                                     "--transaction-timeout-ms", "10000", "--max-batch", "4")
+        _wait_for(lambda: _status(metrics_port, "/readyz") == 200, 90, "ready", worker.log)
+        texts = state_texts(400, seed=8)
+        states = [(f"o-{i}", encode_state(f"o-{i}", "tickets", t)) for i, t in enumerate(texts)]
+        _produce(broker.bootstrap, stream.topics.states, states[:300])  # a backlog: the worker is mid-stream
+        _wait_for(lambda: "committed scored=" in worker.log(), 60, "a first commit", worker.log)
+
+        broker.process.kill()  # SIGKILL: no clean shutdown of the broker
+        broker.process.wait()
+        broker.stop()  # releases the dead broker's bookkeeping; the data dir stays
+        _wait_for(lambda: _status(metrics_port, "/readyz") == 503, 20, "/readyz 503 during the outage", worker.log)
+        assert worker.process.poll() is None, worker.log()
+        time.sleep(3.0)
+
+        broker.start()
+        _produce(broker.bootstrap, stream.topics.states, states[300:])
+        kept = _states_kept(stream)
+        assert len(kept) >= 100, kept  # at least what was produced after the restart
+
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            probabilities, dead = stream.collect(len(kept), timeout_s=5, settle_s=0)
+            if set(kept) <= {r["state_id"] for r in probabilities}:
+                break
+            assert worker.process.poll() is None, f"the worker exited:\n{worker.log()}"
+        probabilities, dead = stream.collect(len(kept), timeout_s=30, settle_s=2.0)
+        counts = Counter(r["state_id"] for r in probabilities)
+        assert not dead, dead
+        assert set(kept) <= set(counts), (sorted(set(kept) - set(counts))[:10], worker.log())
+        assert set(counts.values()) == {1}, {k: v for k, v in counts.items() if v > 1}
+        assert stream.committed_offsets() == stream.end_offsets()
+        assert _status(metrics_port, "/readyz") == 200 and _status(metrics_port, "/healthz") == 200
+        assert worker.process.poll() is None, "the same worker process finished the stream"
+        assert worker.stop() == 0, worker.log()
+    finally:
+        for process in stream.workers:
+            process.kill()
+        broker.stop()
+
+
+@pytest.mark.skipif(bool(os.environ.get("KAFKA_BOOTSTRAP")), reason="kills the embedded broker, not an external one")
+def test_worker_exits_5_when_the_broker_stays_away(tmp_path, model_dir):
+    broker = EmbeddedBroker(port=free_port(), data_dir=str(tmp_path / "broker-data"), log=open(tmp_path / "broker.log", "a"))
+    broker.start()
+    stream = Stream(broker.bootstrap, Topics("g.states", "g.schemas", "g.probabilities", "g.dead-letter"), "g-gone",
+                    tmp_path, 1)
+    try:
+        create_topics(broker.bootstrap, stream.topics, 1)
+        stream.put_schema("tickets", QUESTIONS)
+        worker = stream.start_worker(model_dir, "gives-up", "--broker-outage-s", "4", "--transaction-timeout-ms", "6000")
+        _produce(broker.bootstrap, stream.topics.states, [("g-0", encode_state("g-0", "tickets", "the box was damaged"))])
+        stream.collect(1, timeout_s=90, settle_s=0)
+        broker.process.kill()
+        broker.process.wait()
+        killed = time.monotonic()
+        assert worker.process.wait(60) == 5, worker.log()
+        assert time.monotonic() - killed >= 4
+        log = worker.log()
+        assert "--broker-outage-s" in log and "Traceback" not in log, log
+    finally:
+        for process in stream.workers:
+            process.kill()
+        broker.stop()

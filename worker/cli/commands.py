@@ -1,0 +1,160 @@
+"""The CLI's client-side operations: publish schemas and states, read topics back as JSON.
+
+Kept apart from ``cli.py`` so tests and the demo call the same code the commands run.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+from confluent_kafka import OFFSET_BEGINNING, OFFSET_END, KafkaError, KafkaException, TopicPartition
+
+import schemas
+from worker.config import Cluster, Topics
+from worker.exceptions import BrokerUnavailableError, ConfigError
+from worker.kafka_clients import as_cluster, plain_producer, reader_consumer, require_topics
+from worker.formats.output_formats import OutputDecoder, json_ready
+from worker.formats.records import question_schema_record
+from worker.formats.registry import RegistryConfig
+from worker.stream.schema_table import SchemaTable
+from worker.cli.user_files import load_schema_file
+
+
+def _deliver(producer, what: str) -> None:
+    """Flush ``producer`` and raise if anything was not delivered."""
+    remaining = producer.flush(30)
+    if remaining:
+        raise BrokerUnavailableError(f"{remaining} {what} were not delivered within 30 s; is the broker up?")
+
+
+def put_schema(cluster: Cluster | str, topics: Topics, schema_id: str, path: str | Path, version: int | None = None) -> dict[str, Any]:
+    """Publish the schema file at ``path`` as the next version of ``schema_id``; returns the record."""
+    if not schema_id:
+        raise ConfigError("--id must not be empty")
+    document = load_schema_file(path)
+    require_topics(cluster, [topics.schemas], roles=topics)
+    if version is None:
+        table = SchemaTable(cluster, topics.schemas)
+        try:
+            table.catch_up()
+            version = table.highest_version(schema_id) + 1
+        finally:
+            table.close()
+    record = question_schema_record(document, schema_id, version)
+    producer = plain_producer(cluster)
+    producer.produce(topics.schemas, key=schema_id.encode(), value=schemas.encode_question_schema(record))
+    _deliver(producer, "schema records")
+    return record
+
+
+def delete_schema(cluster: Cluster | str, topics: Topics, schema_id: str) -> None:
+    """Publish a tombstone for ``schema_id``: workers forget it; later states for it are dead-lettered."""
+    if not schema_id:
+        raise ConfigError("--id must not be empty")
+    require_topics(cluster, [topics.schemas], roles=topics)
+    producer = plain_producer(cluster)
+    producer.produce(topics.schemas, key=schema_id.encode(), value=None)
+    _deliver(producer, "tombstones")
+
+
+def produce_states(cluster: Cluster | str, topics: Topics, records: Iterable[dict[str, Any]]) -> int:
+    """Publish StateEvent records keyed by state id; returns how many."""
+    require_topics(cluster, [topics.states], roles=topics)
+    producer = plain_producer(cluster)
+    count = 0
+    for record in records:
+        payload = schemas.encode_state(record)
+        while True:
+            try:
+                producer.produce(topics.states, key=record["state_id"].encode(), value=payload)
+                break
+            except BufferError:
+                producer.poll(0.1)
+            except KafkaException as exc:
+                if exc.args[0].code() == KafkaError.MSG_SIZE_TOO_LARGE:
+                    raise _too_large(cluster, record["state_id"], count + 1, len(payload)) from None
+                raise
+        count += 1
+    _deliver(producer, "states")
+    return count
+
+
+def _too_large(cluster: Cluster | str, state_id: str, number: int, size: int) -> ConfigError:
+    limit = as_cluster(cluster).settings.get("message.max.bytes", 1_000_000)  # librdkafka's default
+    return ConfigError(
+        f"state {state_id!r} (number {number}) is {size} bytes as a record, over the producer's limit of {limit} bytes "
+        "(message.max.bytes); shorten it (workers dead-letter states over --max-state-chars, 32768 characters by "
+        "default), or raise message.max.bytes in the config file's [kafka] table and the topic's max.message.bytes")
+
+
+def as_json(topic_kind: str, message, decoder: OutputDecoder | None = None) -> dict[str, Any]:
+    """A probability record or dead letter (any ``--output-format``; registry framing needs a ``decoder`` with a
+    registry client) as a JSON-ready dict, plus where it was read from and, if any, its headers."""
+    where = {"topic": message.topic(), "partition": message.partition(), "offset": message.offset()}
+    record = (decoder or OutputDecoder(topic_kind)).decode(message.value(), message.topic())
+    shown = {**json_ready(topic_kind, record), "kafka": where}
+    if message.headers():
+        shown["headers"] = {name: None if value is None else value.decode("utf-8", errors="replace")
+                            for name, value in message.headers()}
+    return shown
+
+
+def tail(
+    cluster: Cluster | str,
+    topic: str,
+    topic_kind: str,
+    from_beginning: bool = False,
+    max_records: int | None = None,
+    idle_timeout_s: float | None = None,
+    registry: RegistryConfig | None = None,
+) -> Iterator[dict[str, Any]]:
+    """Yield records of ``topic`` as a read_committed reader sees them (aborted output never shows), in any
+    ``--output-format`` (registry-framed ones through ``registry``).
+
+    Stops after ``max_records``, or once nothing new arrived for ``idle_timeout_s`` seconds.
+    """
+    counts = require_topics(cluster, [topic])
+    decoder = OutputDecoder(topic_kind, registry.client() if registry is not None else None)
+    consumer = reader_consumer(cluster)
+    start = OFFSET_BEGINNING if from_beginning else OFFSET_END
+    consumer.assign([TopicPartition(topic, p, start) for p in range(counts[topic])])
+    seen, last_activity = 0, time.monotonic()
+    try:
+        while max_records is None or seen < max_records:
+            message = consumer.poll(0.1)
+            if message is None or message.error() is not None:
+                if message is not None and message.error().code() != KafkaError._PARTITION_EOF:
+                    raise BrokerUnavailableError(f"reading {topic}: {message.error().str()}")
+                if idle_timeout_s is not None and time.monotonic() - last_activity > idle_timeout_s:
+                    return
+                continue
+            last_activity = time.monotonic()
+            try:
+                record = as_json(topic_kind, message, decoder)
+            except ValueError as exc:
+                record = {"undecodable": str(exc), "kafka": {"topic": topic, "partition": message.partition(), "offset": message.offset()}}
+            seen += 1
+            yield record
+    finally:
+        consumer.close()
+
+
+def json_line(record: dict[str, Any]) -> str:
+    """One compact JSON line."""
+    return json.dumps(record, separators=(",", ":"), ensure_ascii=False)
+
+
+def summary_line(topic_kind: str, record: dict[str, Any]) -> str:
+    """A record of ``tail`` as one short human-readable line."""
+    if "undecodable" in record:
+        return f"(undecodable record at {record['kafka']}: {record['undecodable']})"
+    if topic_kind == "dead-letter":
+        return (f"{record['reason']:<20} state={record.get('state_id')} from {record['source_topic']}[{record['source_partition']}]"
+                f"@{record['source_offset']}: {record['message']}")
+    answers = "  ".join(
+        f"{q['id']}=" + max(zip(q["probabilities"], q["options"]))[1] + f" ({max(q['probabilities']):.2f})" for q in record["questions"]
+    )
+    return f"{record['state_id']}  {record['schema_id']} v{record['schema_version']}  {answers}"

@@ -1,0 +1,64 @@
+"""`decider score`: score a states file against a schema file with a local model, no Kafka.
+
+For trying a schema and a model before streaming: the same engine, prompt layout and output shape as the worker's
+probability records, one JSON line per state on stdout.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import IO, Iterator
+
+from worker.exceptions import ConfigError
+from worker.formats.records import engine_questions, question_schema_record
+from worker.cli.user_files import load_schema_file, read_state_lines
+
+
+def score_file(model_dir: str, schema_path: str | Path, states_path: str | Path, device: str = "cpu",
+               dtype: str | None = None, schema_id: str | None = None, batch_size: int = 32,
+               deterministic: bool | None = None) -> Iterator[dict]:
+    """Read both files, load the model and prepare the schema now; return an iterator that scores the states,
+    one result per state line in file order: {"state_id", "schema_id", "schema_version", "model_id",
+    "questions": [{"id", "options", "probabilities"}], "truncated"}."""
+    if batch_size < 1:
+        raise ConfigError(f"--batch-size must be at least 1, not {batch_size}")
+    schema_id = schema_id or Path(schema_path).stem
+    schema = question_schema_record(load_schema_file(schema_path), schema_id, version=1)
+    states = read_state_lines(states_path, schema_id)
+    from engine import Engine, InputError, ModelLoadError, SchemaEngine  # torch: only once the files are good
+    try:
+        eng = Engine.load(model_dir, device=device, dtype=dtype, deterministic=deterministic)
+    except ModelLoadError as exc:
+        raise ConfigError(f"--model: {exc}") from None
+    se = SchemaEngine(eng)
+    try:
+        h = se.prepare(engine_questions(schema), independent=schema["mode"] == "independent")
+    except InputError as exc:  # what only the model's tokenizer can tell, such as the prefix's length in tokens
+        raise ConfigError(f"schema file {schema_path}: {exc}") from None
+    return _scores(se, h, eng.model_id, schema, states, batch_size)
+
+
+def _scores(se, h, model_id: str, schema: dict, states: list[dict], batch_size: int) -> Iterator[dict]:
+    for start in range(0, len(states), batch_size):
+        batch = states[start:start + batch_size]
+        rows = [se.tokenize(h, s["state"]) for s in batch]
+        for state, row, probs in zip(batch, rows, se.score_lists(h, rows)):
+            yield {"state_id": state["state_id"], "schema_id": schema["schema_id"], "schema_version": schema["version"],
+                   "model_id": model_id, "truncated": row.truncated,
+                   "questions": [{"id": q["id"], "options": q["options"], "probabilities": p}
+                                 for q, p in zip(schema["questions"], probs)]}
+
+
+def write_scores(results: Iterator[dict], out: IO[str], err: IO[str] = sys.stderr) -> int:
+    """Print each result as a JSON line; a summary goes to `err` (its rate counts scoring only: pass an iterator
+    whose model is already loaded, as ``score_file`` returns).  -> the count."""
+    from worker.cli.commands import json_line
+
+    t, n = time.perf_counter(), 0
+    for n, result in enumerate(results, 1):
+        out.write(json_line(result) + "\n")
+        out.flush()
+    dt = time.perf_counter() - t
+    err.write(f"scored {n} states in {dt:.1f} s ({n / dt if dt else 0:.1f} states/s; loading the model not counted)\n")
+    return n

@@ -1,0 +1,133 @@
+"""Prometheus metrics of the worker (served on --metrics-port when given)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Callable, Mapping
+
+from prometheus_client import Counter, Gauge, Histogram
+
+STATES_SCORED = Counter("decider_states_scored_total", "States scored and committed", ["schema_id"])
+DEAD_LETTERS = Counter("decider_dead_letters_total", "States sent to the dead-letter topic", ["reason"])
+TRANSACTIONS = Counter("decider_transactions_total", "Transactions by outcome", ["outcome"])
+CYCLE_SECONDS = Histogram(
+    "decider_cycle_seconds", "From a cycle's first state to its commit",
+    buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+)
+BATCH_SIZE = Histogram("decider_batch_states", "States per scored batch (a cycle's states of every schema)", buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256))
+PREPARED_BYTES = Gauge("decider_prepared_schema_bytes", "Device bytes held by prepared schemas")
+PREFIX_BANK_BYTES = Gauge("decider_prefix_bank_bytes", "Device bytes of the engine's prefix bank, where every prepared "
+                          "schema's prefix states live (it grows by doubling and never shrinks; released slots are reused)")
+PREPARED_SCHEMAS = Gauge("decider_prepared_schemas", "Schema versions prepared and held on the device")
+FILL_WAIT = Histogram(
+    "decider_batch_fill_wait_seconds", "From a cycle's first state to its submission for scoring",
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+)
+ENGINE_SECONDS = Histogram(
+    "decider_engine_seconds", "One batch on the device: from its launch, or from the end of the batch queued "
+    "ahead of it, to its probabilities read",
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
+)
+LAUNCH_SECONDS = Histogram(
+    "decider_batch_launch_seconds", "Host time to queue one batch on the device (on the GPU thread: waiting for its "
+    "tokenization, building the step inputs, the launch)",
+    buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1),
+)
+COMMIT_SECONDS = Histogram(
+    "decider_transaction_commit_seconds", "One transaction: produce, flush, send offsets, commit",
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
+)
+CONSUMER_LAG = Gauge("decider_consumer_lag", "Offsets between the worker's read position and the partition's last stable "
+                     "offset (librdkafka statistics)", ["topic", "partition"])
+LOOP_STEP_SECONDS = Histogram(
+    "decider_loop_step_seconds", "Steps that block the consume loop: the schema catch-up before a cycle closes, the "
+    "wait for a cycle's scores, the transaction's opening while the batch is scored, the commit", ["step"],
+    buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5),
+)
+GC_PAUSE_SECONDS = Histogram(
+    "decider_gc_pause_seconds", "Python garbage collections by generation (each pauses every thread of the worker)",
+    ["generation"], buckets=(0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1),
+)
+ENGINE_PATHS = Gauge("decider_engine_batches", "Engine batches by path: CUDA graph captures and replays, eager runs",
+                     ["path"])
+ENGINE_GRAPHS = Gauge("decider_engine_graphs", "CUDA graphs held: one per step shape, shared by every schema "
+                      "(the count does not grow with the schemas)")
+LATENCY_BUDGET_SECONDS = Gauge("decider_latency_budget_seconds", "--latency-budget-ms: a cycle's first state's record "
+                               "is to be visible this long after the state was consumed")
+ESTIMATED_ENGINE_SECONDS = Gauge(
+    "decider_estimated_engine_seconds", "The latency budget's running estimate (mean + 4 mean deviations) of the time "
+    "from closing a cycle to its scores, by batch bucket (scored states, rounded up to a power of two)", ["batch"])
+ESTIMATED_COMMIT_SECONDS = Gauge(
+    "decider_estimated_commit_seconds", "The latency budget's running estimate (mean + 4 mean deviations) of the time "
+    "from a cycle's scores to the end of its transaction, by batch bucket", ["batch"])
+LATENCY_BUDGET_MISSES = Counter(
+    "decider_latency_budget_misses_total", "Committed cycles whose first state's record became visible later than "
+    "--latency-budget-ms after the state was consumed (transaction end - first state consumed)")
+
+
+PARTITION_STALL_SECONDS = Gauge(
+    "decider_partition_stall_seconds", "Seconds a partition has gone without progress: a states partition with records "
+    "waiting whose committed offset stands still, or an output partition where read_committed readers do not get the "
+    "newest record this worker committed (worker.stream.progress); at --stall-after-s it is reported and /readyz fails",
+    ["topic", "partition"])
+PARTITION_STALLS = Counter("decider_partition_stalls_total", "Stalled-partition warnings (worker.stream.progress)")
+
+
+def clear_stall_seconds(keep: set[tuple[str, str]]) -> None:
+    """Drop the stall gauge of every partition not in ``keep`` (it made progress, or is no longer this worker's)."""
+    for labels in list(PARTITION_STALL_SECONDS._metrics):  # prometheus_client keeps a labelled child per label tuple
+        if labels not in keep:
+            PARTITION_STALL_SECONDS.remove(*labels)
+
+
+def observe_budget(engine: Mapping[int, float], commit: Mapping[int, float], missed: bool) -> None:
+    """A cycle committed under the latency budget: the estimates it updated, and whether it missed the budget."""
+    for batch, seconds in engine.items():
+        ESTIMATED_ENGINE_SECONDS.labels(str(batch)).set(seconds)
+    for batch, seconds in commit.items():
+        ESTIMATED_COMMIT_SECONDS.labels(str(batch)).set(seconds)
+    if missed:
+        LATENCY_BUDGET_MISSES.inc()
+
+
+def count_committed(cycle_seconds: float, scored: Mapping[str, int], dead_letters: Mapping[str, int]) -> None:
+    """A cycle committed: its latency, its probability records by schema id, its dead letters by reason code."""
+    TRANSACTIONS.labels("committed").inc()
+    CYCLE_SECONDS.observe(cycle_seconds)
+    for schema_id, count in scored.items():
+        STATES_SCORED.labels(schema_id).inc(count)
+    for reason, count in dead_letters.items():
+        DEAD_LETTERS.labels(reason).inc(count)
+
+
+def on_event(kind: str, info: dict[str, Any]) -> None:
+    """Update the metrics the loop reports as events (``Worker(on_event=...)``)."""
+    if kind == "committed" and "commit_ms" in info:
+        COMMIT_SECONDS.observe(info["commit_ms"] / 1000)
+
+
+def on_consumer_stats(stats_json: str) -> None:
+    """librdkafka's ``stats_cb``: per assigned partition, last stable offset minus the application's position.
+
+    librdkafka's own ``consumer_lag`` counts from offsets committed through the consumer, and the worker commits
+    only through its transactions, so it stays -1; ``ls_offset - app_offset`` is the lag that matters here."""
+    stats = json.loads(stats_json)
+    for topic, topic_stats in stats.get("topics", {}).items():
+        for partition, p in topic_stats.get("partitions", {}).items():
+            if partition == "-1" or p.get("fetch_state") in (None, "none", "stopped"):
+                continue  # the internal UA partition, or one not assigned to us
+            end, position = p.get("ls_offset", -1), p.get("app_offset", -1)
+            if end >= 0 and position >= 0:
+                CONSUMER_LAG.labels(topic, partition).set(max(0, end - position))
+
+
+def watch_scorer(engine_stats: Callable[[], dict[str, int]], prepared: Callable[[], tuple[int, int]],
+                 bank_bytes: Callable[[], int] = lambda: 0) -> None:
+    """Read the engine's counters and the prepared-schema figures at every scrape (no bookkeeping in the loop)."""
+    for path in ("captures", "replays", "eager"):
+        ENGINE_PATHS.labels(path).set_function(lambda path=path: engine_stats().get(path, 0))
+    ENGINE_GRAPHS.set_function(lambda: engine_stats().get("graphs", 0))
+    PREPARED_SCHEMAS.set_function(lambda: prepared()[0])
+    PREPARED_BYTES.set_function(lambda: prepared()[1])
+    PREFIX_BANK_BYTES.set_function(bank_bytes)
+

@@ -1,0 +1,159 @@
+"""The cycles in flight: closed cycles handed to the GPU thread whose transactions are not committed yet, oldest
+first, each with the times the loop and the GPU thread stamped on it, and the loop's wait on the oldest.
+
+While a cycle is scored the loop keeps consuming and tokenizing the next one. A consumer's poll cannot be woken by
+another thread, so while a cycle is being scored the loop waits on that cycle instead (``CyclesInFlight.next_message``):
+on its launch, when its transaction is to be opened then (its offsets are sent while the GPU scores it), and on its
+scores, so that its commit follows them at once rather than at the end of a poll (a wait of up to its timeout, spent
+from every record's latency); it takes the messages fetched meanwhile when woken.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import astuple, dataclass, field
+from typing import Any, Iterator
+
+from confluent_kafka import Consumer
+
+from worker.formats.records import SchemaKey
+from worker.ops import metrics
+from worker.stream.batcher import Cycle, monotonic
+from worker.stream.latency_budget import CycleBudget
+from worker.stream.scorer import BatchJob, LaunchTimes, Scorer
+from worker.stream.transactions import Transactions
+
+
+@dataclass
+class InFlight:
+    """A closed cycle whose scoring was submitted and whose transaction is not committed yet."""
+
+    cycle: Cycle
+    keys: list[SchemaKey]  # the cycle's batches, in the order of the scorer's results
+    future: Future
+    closed_at: float  # when the loop decided to close the cycle
+    planned_visible_at: float | None = None  # when the latency budget's plan expects it visible
+    submitted_at: float | None = None  # when the loop handed it to the GPU thread (schemas caught up, batches built)
+    launched: Future = field(default_factory=Future)  # its ``LaunchTimes``, once its batch is queued on the device
+    scored_at: float | None = None  # when its scores were ready (set on the scoring thread)
+    offsets: list | None = None  # what its transaction commits, once ``Transactions.open`` sent them ahead
+    wakes_loop: bool = False  # its launch and its scores put a wake-up on the loop's queue (once it waited on them)
+
+    def on_launched(self, times: LaunchTimes) -> None:
+        """(GPU thread) Its batch is queued on the device."""
+        self.launched.set_result(times)
+
+    def wake(self, wakeups: queue.SimpleQueue) -> None:
+        """Have ``wakeups`` told (once) when its batch is launched and when its scores are ready."""
+        if not self.wakes_loop:
+            self.wakes_loop = True
+            for future in (self.launched, self.future):
+                future.add_done_callback(lambda _: wakeups.put(None))
+
+    @property
+    def launch(self) -> LaunchTimes | None:
+        """When the GPU thread took it, had its states and queued its batch; None until then."""
+        return self.launched.result() if self.launched.done() else None
+
+    def latency_fields(self, committed_at: float) -> dict[str, float | None]:
+        """Its first state's arrival-to-visible time, once committed at ``committed_at``, what the plan expected under a
+        budget, and where the time went: when, after that arrival, the cycle closed, the loop handed it to the GPU
+        thread (after the schema catch-up), that thread took it and had its tokenized states, its batch was queued on
+        the device and its scores were ready (None where it did not happen: a cycle of dead letters only is never
+        launched)."""
+        arrived_at = self.cycle.arrived_at
+        if arrived_at is None:
+            return {}
+        since_arrival = lambda at: None if at is None else round((at - arrived_at) * 1000, 2)  # noqa: E731
+        taken, gathered, launched = astuple(self.launch) if self.launch else (None, None, None)
+        # the arrival on the monotonic clock places cycles on one clock finer than the log's milliseconds (the GPU's
+        # idle time between two cycles, for one)
+        return {"arrived_monotonic_ms": round(arrived_at * 1000, 3),
+                "arrival_to_visible_ms": since_arrival(committed_at),
+                "planned_visible_ms": since_arrival(self.planned_visible_at),
+                "closed_ms": since_arrival(self.closed_at), "submitted_ms": since_arrival(self.submitted_at),
+                "taken_ms": since_arrival(taken),
+                "gathered_ms": since_arrival(gathered), "launched_ms": since_arrival(launched),
+                "scored_ms": since_arrival(self.scored_at)}
+
+
+class CyclesInFlight:
+    """The loop's cycles in flight, oldest first, and its wait on the oldest."""
+
+    def __init__(self) -> None:
+        self._cycles: deque[InFlight] = deque()
+        # a cycle in flight's launch and scores wake the loop's wait through this (``next_message``): a C-level
+        # queue, where concurrent.futures.wait built and tore down waiters in Python on every wait
+        self._wakeups: queue.SimpleQueue = queue.SimpleQueue()
+
+    def __len__(self) -> int:
+        return len(self._cycles)
+
+    def __iter__(self) -> Iterator[InFlight]:
+        return iter(self._cycles)
+
+    @property
+    def oldest(self) -> InFlight:
+        """The cycle whose transaction commits next."""
+        return self._cycles[0]
+
+    def submit(self, cycle: Cycle, closed_at: float, budget: CycleBudget, scorer: Scorer) -> None:
+        """Hand ``cycle``, closed at ``closed_at``, to ``scorer`` as one GPU batch, with ``budget``'s plan for it: it is
+        in flight from now on."""
+        if cycle.opened_at is not None:
+            metrics.FILL_WAIT.observe(monotonic() - cycle.opened_at)
+        keys = list(cycle.batches)
+        jobs = [BatchJob(cycle.batches[key].handle, list(cycle.batches[key].rows)) for key in keys]
+        if jobs:  # one GPU batch, every schema's states together
+            metrics.BATCH_SIZE.observe(sum(len(job.rows) for job in jobs))
+        inflight = InFlight(cycle, keys, Future(), closed_at, budget.submitted(closed_at, cycle))  # before it is in flight
+        inflight.submitted_at = monotonic()
+        inflight.future = scorer.submit(jobs, on_launched=lambda times: inflight.on_launched(times))
+        inflight.future.add_done_callback(lambda _: setattr(inflight, "scored_at", monotonic()))
+        self._cycles.append(inflight)
+
+    def pop_oldest(self) -> InFlight:
+        """The oldest cycle committed: it is no longer in flight."""
+        return self._cycles.popleft()
+
+    def clear(self) -> None:
+        """Every cycle in flight was dropped (an abort, a rebalance)."""
+        self._cycles.clear()
+
+    def gpu_busy(self) -> bool:
+        """Whether the last submitted cycle is still being scored."""
+        return bool(self._cycles) and not self._cycles[-1].future.done()
+
+    def next_message(self, consumer: Consumer, txns: Transactions, timeout: float) -> Any:
+        """``consumer``'s next message, waiting up to ``timeout`` for one or, while a cycle is being scored, for its
+        scores (and for its launch, when its transaction is to be opened then): the cycle is then committed at once
+        rather than at the end of a poll."""
+        if not self._cycles:
+            return consumer.poll(timeout)
+        oldest = self.oldest
+        opened = txns.is_open_for(oldest.offsets)
+        awaited = [oldest.future] if opened else [oldest.future, oldest.launched]
+        if timeout <= 0 or any(future.done() for future in awaited):
+            return consumer.poll(0)     # its commit, or the opening of its transaction, is due now
+        message = consumer.poll(0)
+        if message is None:
+            self._wait_for(oldest, awaited, timeout)
+            message = consumer.poll(0)
+        return message
+
+    def _wait_for(self, inflight: InFlight, awaited: list[Future], timeout: float) -> None:
+        """Wait up to ``timeout`` for one of ``awaited`` (``inflight``'s launch or scores) to be done. Another cycle's
+        progress may end the wait early: the loop then merely looks again."""
+        inflight.wake(self._wakeups)
+        while True:                            # forget the wake-ups of what is already done
+            try:
+                self._wakeups.get_nowait()
+            except queue.Empty:
+                break
+        if any(future.done() for future in awaited):
+            return
+        with contextlib.suppress(queue.Empty):
+            self._wakeups.get(timeout=timeout)

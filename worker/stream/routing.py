@@ -1,0 +1,77 @@
+"""Routing: which part of the open cycle a decoded state joins, kept right as the schema topic changes.
+
+A state whose schema is in the table joins that schema version's batch: the schema is prepared on first sight and
+the state's tokenization starts now, on the scorer's pool, so its row is usually ready when the batch closes. A
+state naming a schema never seen waits (up to ``--schema-wait-ms``, holding back only later states of its own
+partition: ``worker.stream.batcher``); one naming a broken or a deleted schema, or one whose wait ran out, becomes a dead
+letter. When the schema topic changes, waiting states are routed again, and before a cycle
+closes its batches of superseded or deleted versions are too.
+"""
+
+from __future__ import annotations
+
+from worker.stream.assignment import EventSink
+from worker.stream.batcher import Cycle, Pending, monotonic
+from worker.config import WorkerConfig
+from worker.stream.outputs import Outputs
+from worker.formats.records import Reason
+from worker.stream.schema_table import BrokenSchema, Change, SchemaTable
+from worker.stream.scorer import Scorer
+
+
+class Router:
+    """Routes decoded states into a cycle with the schema table's current view."""
+
+    def __init__(self, config: WorkerConfig, table: SchemaTable, scorer: Scorer, outputs: Outputs, emit: EventSink) -> None:
+        self._config, self._table, self._scorer, self._outputs, self._emit = config, table, scorer, outputs, emit
+        self._schema_wait_s = config.schema_wait_ms / 1000
+
+    def route(self, pending: Pending, cycle: Cycle, now: float) -> None:
+        """Send a decoded state to its schema's batch, to the waiting list, or to the dead letters."""
+        schema_id = pending.state["schema_id"]
+        schema = self._table.get(schema_id)
+        if isinstance(schema, BrokenSchema):
+            self._outputs.reject(pending, Reason.SCHEMA_UNPREPARABLE, schema.problem)
+        elif schema is not None:
+            # One pin per state on the prepared schema (prepared on first sight), released when its cycle ends.
+            handle = self._scorer.acquire(schema)
+            cycle.add_to_batch(pending, schema, handle, self._scorer.tokenize(handle, pending.state["state"]), now)
+        elif self._table.highest_version(schema_id) and pending.wait_deadline is None:
+            # Seen before and tombstoned since. Decided when the cycle closes, after the table caught up with the
+            # schema topic (the schema may have been published again just now); no longer than that.
+            cycle.add_waiting(pending, now)
+        elif self._table.highest_version(schema_id):
+            self._outputs.reject(pending, Reason.UNKNOWN_SCHEMA, f"schema {schema_id!r} was deleted (a tombstone in "
+                                 f"topic {self._config.topics.schemas}); publish it again to score its states")
+        elif pending.wait_deadline is not None and now >= pending.wait_deadline:
+            self._outputs.reject(pending, Reason.UNKNOWN_SCHEMA, f"no schema with id {schema_id!r} in topic "
+                                 f"{self._config.topics.schemas} after waiting {self._config.schema_wait_ms} ms")
+        else:
+            cycle.add_waiting(pending, pending.wait_deadline if pending.wait_deadline is not None else now + self._schema_wait_s)
+
+    def apply(self, changes: list[Change], cycle: Cycle) -> None:
+        """Schema-topic changes: release superseded prepared versions; route the states that waited again."""
+        for change in changes:
+            if change.record is None:
+                self._scorer.forget(change.schema_id)
+                self._emit("schema_deleted", {"schema_id": change.schema_id})
+            else:
+                self._scorer.forget(change.schema_id, keep_version=change.record["version"])
+                self._emit("schema_seen", {"schema_id": change.schema_id, "version": change.record["version"]})
+        if changes and cycle.waiting:
+            now = monotonic()
+            for pending in cycle.take_waiting():
+                self.route(pending, cycle, now)
+
+    def reroute(self, cycle: Cycle, now: float) -> None:
+        """Bring a closing cycle up to date: batches of superseded or deleted versions, and expired waits."""
+        def latest_version(schema_id: str) -> int | None:
+            schema = self._table.get(schema_id)
+            return schema["version"] if schema is not None else None
+
+        for batch in cycle.take_stale(latest_version):
+            for pending in batch.members:
+                self._scorer.release_pin(batch.key)
+                self.route(pending, cycle, now)
+        for pending in cycle.take_waiting():
+            self.route(pending, cycle, now)

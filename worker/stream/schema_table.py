@@ -1,0 +1,163 @@
+"""The schema table: the whole compacted schema topic, read by every worker as a key -> latest value map.
+
+Read outside the consumer group (every partition assigned from the beginning, no offsets committed):
+each worker needs every schema, not a share of them. Last write wins per key, as compaction would
+leave it, and a tombstone (null value) deletes the key. The table keeps consuming while the worker
+runs; ``catch_up()`` reads to the current end of the topic, so a schema published before a state was
+consumed is known when that state's batch closes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, TopicPartition
+
+import schemas
+from worker.exceptions import BrokerUnavailableError
+from worker.config import Cluster
+from worker.kafka_clients import as_cluster, reader_consumer
+from worker.ops import liveness
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Change:
+    """One applied schema-topic record: ``record`` None means the id was deleted."""
+
+    schema_id: str
+    record: dict[str, Any] | None
+
+
+class BrokenSchema(dict):
+    """A schema-topic value that is present but unusable (undecodable or invalid); states naming it are
+    dead-lettered as ``schema_unpreparable`` with ``problem`` as the message."""
+
+    def __init__(self, schema_id: str, version: int, problem: str) -> None:
+        super().__init__(schema_id=schema_id, version=version, questions=[], mode="packed")
+        self.problem = problem
+
+
+class SchemaTable:
+    """Latest QuestionSchema record per schema id, kept current from the schema topic."""
+
+    def __init__(self, cluster: Cluster | str, topic: str, consumer: Consumer | None = None) -> None:
+        self._topic = topic
+        self._consumer = consumer or reader_consumer(cluster)
+        metadata = self._consumer.list_topics(topic, timeout=10).topics.get(topic)
+        if metadata is None or metadata.error is not None or not metadata.partitions:
+            raise BrokerUnavailableError(f"schema topic {topic} does not exist; create it with: "
+                                         f"decider topics create -b {as_cluster(cluster).bootstrap}")
+        self._partitions = [TopicPartition(topic, p, OFFSET_BEGINNING) for p in sorted(metadata.partitions)]
+        self._consumer.assign(self._partitions)
+        # catch_up() asks the broker for the partitions' ends through a second client that never fetches. Kafka
+        # answers one request at a time per connection, and the consumer above always has a Fetch parked at the
+        # broker for up to its fetch.wait.max.ms (50) while the topic is idle: a ListOffsets sent behind it waited out
+        # the rest of that wait, at every cycle's close. Measured on librdkafka's mock cluster, which holds fetches and
+        # orders responses the same way: 0-49 ms a query (p50 20), against 0.1 ms on noida-db, which never waits.
+        self._ends = reader_consumer(cluster)
+        self._latest: dict[str, dict[str, Any]] = {}
+        self._highest_version: dict[str, int] = {}  # survives tombstones (until compaction drops them)
+        self._broken_versions = 0  # pseudo-versions for broken records, so each one differs from the last
+
+    def get(self, schema_id: str) -> dict[str, Any] | None:
+        """The latest record for ``schema_id`` (a ``BrokenSchema`` if unusable), or None if unknown/deleted."""
+        return self._latest.get(schema_id)
+
+    def highest_version(self, schema_id: str) -> int:
+        """The highest version ever read for ``schema_id``, deleted or not (0 if never seen): a re-created
+        schema continues the numbering, so (id, version) never names two different question sets."""
+        return self._highest_version.get(schema_id, 0)
+
+    def ids(self) -> list[str]:
+        """Schema ids currently in the table."""
+        return sorted(self._latest)
+
+    def poll(self, max_records: int = 500) -> list[Change]:
+        """Apply whatever the topic has ready now, without waiting; returns what changed."""
+        changes: list[Change] = []
+        for message in self._consumer.consume(max_records, timeout=0):
+            change = self._apply(message)
+            if change is not None:
+                changes.append(change)
+        return changes
+
+    def catch_up(self, timeout_s: float = 5.0) -> list[Change]:
+        """Read until every partition's position reaches the end it had when called."""
+        deadline = time.monotonic() + timeout_s
+        ends = {}
+        for tp in self._partitions:
+            _low, high = self._ends.get_watermark_offsets(TopicPartition(tp.topic, tp.partition), timeout=timeout_s, cached=False)
+            ends[tp.partition] = high
+        changes: list[Change] = []
+        while not self._reached(ends):
+            if time.monotonic() > deadline:
+                log.warning("schema topic %s: could not catch up within %.1f s", self._topic, timeout_s)
+                break
+            for message in self._consumer.consume(500, timeout=0.05):
+                change = self._apply(message)
+                if change is not None:
+                    changes.append(change)
+        return changes
+
+    def catch_up_if_answered(self, timeout_s: float = 5.0) -> list[Change] | None:
+        """``catch_up``, reporting to ``worker.ops.liveness`` whether the broker answered; None when it did not."""
+        try:
+            changes = self.catch_up(timeout_s=timeout_s)
+        except KafkaException as exc:
+            liveness.BROKER.failed(f"schema topic: {exc.args[0].str()}")
+            return None
+        liveness.BROKER.succeeded()
+        return changes
+
+    def _reached(self, ends: dict[int, int]) -> bool:
+        positions = self._consumer.position([TopicPartition(self._topic, p) for p in ends])
+        # A negative position means nothing was fetched yet; that is only "reached" for an empty partition.
+        return all((tp.offset if tp.offset >= 0 else 0) >= ends[tp.partition] for tp in positions)
+
+    def _apply(self, message) -> Change | None:
+        if message.error() is not None:
+            if message.error().code() != KafkaError._PARTITION_EOF:
+                log.warning("schema topic: %s", message.error().str())
+            return None
+        key = message.key().decode("utf-8", errors="replace") if message.key() is not None else None
+        if key is None:
+            log.warning("schema topic %s offset %d has no key; ignored", self._topic, message.offset())
+            return None
+        if message.value() is None:
+            self._latest.pop(key, None)
+            log.info("schema %s deleted (tombstone)", key)
+            return Change(key, None)
+        record = self._decode(key, message)
+        if not isinstance(record, BrokenSchema):
+            self._highest_version[key] = max(self._highest_version.get(key, 0), int(record["version"]))
+        self._latest[key] = record
+        return Change(key, record)
+
+    def _decode(self, key: str, message) -> dict[str, Any]:
+        where = f"schema topic {self._topic} partition {message.partition()} offset {message.offset()}"
+        try:
+            record = schemas.decode_question_schema(message.value())
+        except ValueError as exc:
+            return self._broken(key, f"{where} is not a valid QuestionSchema: {exc}")
+        if record["schema_id"] != key:
+            return self._broken(key, f"{where}: key {key!r} but schema_id {record['schema_id']!r}")
+        # Question-level checks (option counts, duplicates, temperatures) are the engine's: a schema it
+        # rejects in prepare() dead-letters its states as schema_unpreparable, with the engine's message.
+        return record
+
+    def _broken(self, key: str, problem: str) -> BrokenSchema:
+        log.warning("%s", problem)
+        self._broken_versions -= 1
+        return BrokenSchema(key, self._broken_versions, problem)
+
+    def close(self) -> None:
+        """Close both clients."""
+        try:
+            self._consumer.close()
+        finally:
+            self._ends.close()

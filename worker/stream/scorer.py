@@ -1,0 +1,360 @@
+"""The worker's side of the engine: one GPU thread, a tokenizer pool, and prepared schemas within a budget.
+
+The device is used from one thread only (``decider-gpu``, a single-thread executor, which is the GPU lock):
+schema preparation and the launch of each batch are queued there. A launched batch's scores are read by a second
+thread (``decider-collect``), so the next batch is queued on the device before the one ahead of it finishes.
+Tokenization is CPU work and runs on a small pool, so the next batch is tokenized while the current one is on
+the GPU. Nothing here reaches inside tensors: the engine's ``PendingScores`` hands back plain Python floats.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from worker.ops import metrics
+from worker.config import WorkerConfig
+from worker.exceptions import ConfigError
+from worker.formats.records import Reason, SchemaKey, engine_questions, probabilities_problem
+
+log = logging.getLogger(__name__)
+
+# A schema the engine rejected is not retried for every state; after this long it is tried again, in
+# case the failure was transient (device memory exhausted by other schemas at the time).
+FAILED_PREPARE_RETRY_S = 60.0
+
+
+def load_scorer(config: WorkerConfig) -> tuple[Any, Scorer]:
+    """Load the model on the device thread and wrap it: (the engine, its ``Scorer``); ``ConfigError`` with the
+    engine's message on a bad model directory."""
+    if config.device == "cpu":
+        # OpenMP's default active wait makes torch's idle pool threads spin between ops; next to the Kafka
+        # clients and tokenizer threads that starved CPU scoring (~15 vs ~150 states/s on 2 cores). It only
+        # takes effect if set before torch starts OpenMP, i.e. before the import below in a fresh process.
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    from engine import Engine, SchemaEngine  # torch is imported only by processes that score
+
+    gpu = device_thread()
+    try:
+        engine = gpu.submit(Engine.load, config.model_dir, device=config.device, dtype=config.resolved_dtype,
+                            deterministic=config.deterministic).result()
+    except (ValueError, OSError) as exc:
+        raise ConfigError(f"cannot load the model from {config.model_dir}: {exc}") from exc
+    except RuntimeError as exc:  # e.g. CUDA requested on a machine without it
+        raise ConfigError(f"cannot load the model on {config.device}: {exc}") from exc
+    except Exception as exc:  # a damaged checkpoint can fail anywhere in the loaders: still the user's input
+        raise ConfigError(f"cannot load the model from {config.model_dir}: {type(exc).__name__}: {exc}") from exc
+    schema_engine = gpu.submit(SchemaEngine, engine).result()
+    return engine, Scorer(schema_engine, config.schema_memory_bytes, config.tokenizer_threads, gpu_thread=gpu,
+                          warmup_state_tokens=config.warmup_state_tokens, max_batch=config.max_batch)
+
+
+def device_thread() -> ThreadPoolExecutor:
+    """The single thread that makes every device call (the GPU lock). Loading the model on it too keeps
+    one OpenMP thread team per process on CPU: a second team (one per calling thread) spin-waits
+    against the first and, on a 2-core machine, made CPU scoring ~10x slower."""
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="decider-gpu")
+
+
+@dataclass
+class _Entry:
+    future: Future
+    pins: int = 0
+    nbytes: int = 0
+    created_at: float = field(default_factory=time.monotonic)
+
+    def failed_long_ago(self) -> bool:
+        return (self.future.done() and self.future.exception() is not None
+                and time.monotonic() - self.created_at > FAILED_PREPARE_RETRY_S)
+
+
+@dataclass
+class ScoredState:
+    """Outcome for one state: probabilities (per question, per option), or a dead-letter reason and message."""
+
+    probabilities: list[list[float]] | None = None
+    truncated: bool = False
+    reason: Reason | None = None  # set when scoring did not happen
+    error: str | None = None
+
+
+def _warn_captured(requests: Sequence[tuple[Any, Any]], seconds: float) -> None:
+    """A batch captured a CUDA graph on the stream's path (a batch size or length not warmed up): say what it cost
+    and how to avoid it. A first capture at a new length can also compile kernels: seconds, not milliseconds."""
+    lengths = [len(row.ids) for _, row in requests]
+    log.warning("a batch of %d states (rows of %d to %d tokens: state and answer slots) captured a CUDA graph on the "
+                "stream's path, which held it %.0f ms; --warmup-state-tokens with the lengths your states have "
+                "captures their graphs when a schema is prepared instead", len(requests), min(lengths), max(lengths),
+                seconds * 1000)
+
+
+@dataclass(frozen=True)
+class LaunchTimes:
+    """When the GPU thread took a cycle, had its tokenized states (the tokenizer pool may still have been on them)
+    and had its batch queued on the device, in ``time.monotonic()`` seconds."""
+
+    taken_at: float
+    gathered_at: float
+    launched_at: float
+
+
+@dataclass
+class _Launch:
+    """A cycle's batch between the GPU thread, which launched it, and the collector, which reads it."""
+
+    outcomes: list[list[ScoredState | None]]    # per job, per state; the unscorable ones filled in already
+    ready: list[tuple[int, int, Any, Any]]      # (job, state, prepared schema, tokenized row) of the launched states
+    launched_at: float
+    pending: Any = None                         # the engine's PendingScores, when the launch succeeded
+    results: list[ScoredState] | None = None    # per ready state, once read
+
+    def requests(self) -> list[tuple[Any, Any]]:
+        return [(handle, row) for _, _, handle, row in self.ready]
+
+
+@dataclass
+class BatchJob:
+    """One schema's batch: the future of its prepared schema and, per state, the future of its tokenized row."""
+
+    handle: Future
+    rows: list[Future]
+
+
+class Scorer:
+    """Owns the ``SchemaEngine``: prepares schemas on first use, tokenizes off the GPU thread, scores batches.
+
+    ``memory_budget`` bounds the bytes held by prepared schemas (``PreparedSchema.nbytes``); when a new one
+    does not fit, the least recently used schemas that no pending state still needs are released.
+    """
+
+    def __init__(self, schema_engine: Any, memory_budget: int, tokenizer_threads: int = 2,
+                 gpu_thread: ThreadPoolExecutor | None = None, warmup_state_tokens: Sequence[int] = (),
+                 max_batch: int = 32) -> None:
+        self._se = schema_engine
+        self._warmup_state_tokens = tuple(warmup_state_tokens)
+        self._max_batch = max_batch
+        self._budget = memory_budget
+        # Pass the executor the model was loaded on, so every torch call of the process runs on one thread.
+        self._gpu = gpu_thread or device_thread()
+        self._tokenizers = ThreadPoolExecutor(max_workers=max(1, tokenizer_threads), thread_name_prefix="decider-tok")
+        # Waits for launched batches and reads their scores, so that the GPU thread is free to launch the next one.
+        self._collector = ThreadPoolExecutor(max_workers=1, thread_name_prefix="decider-collect")
+        self._last_ready_at = 0.0  # when the collector last had a batch's scores (collector thread only)
+        self._lock = threading.Lock()  # guards _entries between the main thread and the GPU thread
+        self._entries: OrderedDict[SchemaKey, _Entry] = OrderedDict()
+        self._held_bytes = 0  # by the prepared schemas in _entries
+        # Called (from the GPU thread) as on_event("schema_prepared", {...}); the demo prints it.
+        self.on_event: Callable[[str, dict[str, Any]], None] | None = None
+
+    # ---- prepared schemas ------------------------------------------------------------------------------------
+    def acquire(self, schema_record: dict[str, Any]) -> Future:
+        """A future of the prepared handle for this schema version, prepared on first sight; pins it
+        against eviction until ``release_pin``. The future fails with the engine's ValueError if the
+        schema cannot be prepared (the failure is remembered for FAILED_PREPARE_RETRY_S: no retry per state)."""
+        key: SchemaKey = (schema_record["schema_id"], schema_record["version"])
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None and entry.pins == 0 and entry.failed_long_ago():
+                del self._entries[key]
+                entry = None
+            if entry is None:
+                questions = engine_questions(schema_record)
+                independent = schema_record.get("mode") == "independent"
+                entry = _Entry(self._gpu.submit(self._prepare, key, questions, independent))
+                self._entries[key] = entry
+            entry.pins += 1
+            self._entries.move_to_end(key)
+            return entry.future
+
+    def release_pin(self, key: SchemaKey) -> None:
+        """Undo one ``acquire``: a pending state no longer needs this schema."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None and entry.pins > 0:
+                entry.pins -= 1
+
+    def forget(self, schema_id: str, keep_version: int | None = None) -> None:
+        """Release unpinned prepared versions of ``schema_id`` other than ``keep_version`` (new version or
+        tombstone); pinned ones go when the budget needs room."""
+        self._gpu.submit(self._forget, schema_id, keep_version)
+
+    def _prepare(self, key: SchemaKey, questions: list[dict], independent: bool) -> Any:
+        handle = self._se.prepare(questions, independent=independent)
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None:
+                entry.nbytes = int(handle.nbytes)
+            self._evict_to_fit(keep=key)
+        if self._warmup_state_tokens:
+            self._warm_up(key, handle)
+        if self.on_event is not None:
+            self.on_event("schema_prepared", {"schema_id": key[0], "version": key[1], "questions": handle.n_questions,
+                                              "nbytes": int(handle.nbytes), "held_bytes": self._held_bytes})
+        return handle
+
+    def _warm_up(self, key: SchemaKey, handle: Any) -> None:
+        """Capture the schema's graphs for every batch size up to --max-batch at the --warmup-state-tokens lengths
+        now, once, rather than one by one as batches of new sizes first arrive (each a stall of the stream)."""
+        batch_sizes = self._se.batch_buckets(self._max_batch)
+        seconds = self._se.warmup(handle, batch_sizes=batch_sizes, state_tokens=self._warmup_state_tokens)
+        if seconds:
+            log.info("warmed up schema %s v%d: graphs for batches %s x states of %s tokens in %.1f s", key[0], key[1],
+                     batch_sizes, list(self._warmup_state_tokens), seconds)
+
+    def _evict_to_fit(self, keep: SchemaKey) -> None:
+        """Release least recently used, unpinned schemas until the held bytes fit the budget (lock held)."""
+        held = sum(e.nbytes for e in self._entries.values())
+        for key in list(self._entries):
+            if held <= self._budget:
+                break
+            entry = self._entries[key]
+            if key == keep or entry.pins > 0 or not entry.future.done():
+                continue
+            self._drop(key)
+            held -= entry.nbytes
+        if held > self._budget:
+            log.warning("prepared schemas hold %.1f MiB, over the %.1f MiB budget: all are in use",
+                        held / 2**20, self._budget / 2**20)
+        self._held_bytes = held
+
+    def _forget(self, schema_id: str, keep_version: int | None) -> None:
+        with self._lock:
+            for key in [k for k, e in self._entries.items() if k[0] == schema_id and k[1] != keep_version and e.pins == 0]:
+                self._drop(key)
+            self._held_bytes = sum(e.nbytes for e in self._entries.values())
+
+    def _drop(self, key: SchemaKey) -> None:
+        entry = self._entries.pop(key)
+        if entry.future.done() and entry.future.exception() is None:
+            self._se.release(entry.future.result())
+
+    # ---- requests --------------------------------------------------------------------------------------------
+    def tokenize(self, handle_future: Future, text: str) -> Future:
+        """A future of the engine's tokenized row for ``text`` (runs on the tokenizer pool)."""
+        return self._tokenizers.submit(lambda: self._se.tokenize(handle_future.result(), text))
+
+    def submit(self, jobs: Sequence[BatchJob], on_launched: Callable[[LaunchTimes], None] | None = None) -> Future:
+        """Score a cycle's batches, every schema's states in one mixed GPU batch (the engine reads each row's prefix by
+        index): a future of, per job, one ``ScoredState`` per state.
+
+        The GPU thread only launches the batch; the collector thread waits for it and reads the scores. So a cycle
+        submitted while the one before it is still on the device is queued right behind it, and the device does not
+        wait for the previous cycle's scores to be read, nor for the GPU thread to get the GIL back from the loop.
+        ``on_launched(times)`` is called (on the GPU thread) once the batch is queued on the device, with when the
+        GPU thread took the cycle, had its tokenized states and had queued it (``LaunchTimes``)."""
+        scored: Future = Future()
+        if not jobs:  # a cycle of dead letters only: nothing to wait for behind the GPU's queue
+            scored.set_result([])
+            return scored
+        self._gpu.submit(self._launch_jobs, list(jobs), scored, on_launched)
+        return scored
+
+    def _launch_jobs(self, jobs: list[BatchJob], scored: Future,
+                     on_launched: Callable[[LaunchTimes], None] | None) -> None:
+        """(GPU thread) Launch the jobs' ready states; hand the rest of the work to the collector."""
+        started, taken_at = time.perf_counter(), time.monotonic()
+        try:
+            gathered = self._gather(jobs)
+            gathered_at = time.monotonic()
+            launch = _Launch(*gathered, time.perf_counter())
+            requests = launch.requests()
+            if requests:
+                captures = self._se.graph_stats()["captures"]
+                try:
+                    launch.pending = self._se.launch_mixed(requests)
+                except Exception as batch_error:
+                    launch.results = self._one_by_one(requests, batch_error)
+                metrics.LAUNCH_SECONDS.observe(time.perf_counter() - started)
+                if self._se.graph_stats()["captures"] > captures:
+                    _warn_captured(requests, time.perf_counter() - started)
+                if on_launched is not None:
+                    on_launched(LaunchTimes(taken_at, gathered_at, time.monotonic()))
+            self._collector.submit(self._collect, launch, scored)
+        except BaseException as error:  # noqa: BLE001 - the loop must hear of it, not a thread's log
+            scored.set_exception(error)
+
+    def _collect(self, launch: "_Launch", scored: Future) -> None:
+        """(Collector thread, in launch order) Wait for a launched batch and turn its scores into outcomes."""
+        try:
+            if launch.pending is not None:
+                try:
+                    launch.results = self._checked(launch.requests(), launch.pending.result())
+                except Exception as batch_error:  # the device failed the batch: isolate the state at fault
+                    launch.results = self._gpu.submit(self._one_by_one, launch.requests(), batch_error).result()
+                ready_at = time.perf_counter()
+                # the batch started on the device when it was launched or when the batch ahead of it finished
+                metrics.ENGINE_SECONDS.observe(ready_at - max(launch.launched_at, self._last_ready_at))
+                self._last_ready_at = ready_at
+            for (j, i, _, row), outcome in zip(launch.ready, launch.results or []):
+                outcome.truncated = bool(getattr(row, "truncated", False))
+                launch.outcomes[j][i] = outcome
+            scored.set_result(launch.outcomes)
+        except BaseException as error:  # noqa: BLE001
+            scored.set_exception(error)
+
+    @staticmethod
+    def _gather(jobs: list[BatchJob]) -> tuple[list[list[ScoredState | None]], list[tuple[int, int, Any, Any]]]:
+        """The jobs' prepared schemas and tokenized rows: (outcomes, with the states that cannot be scored filled in;
+        the (job, state, prepared schema, tokenized row) of those that can)."""
+        outcomes: list[list[ScoredState | None]] = [[None] * len(job.rows) for job in jobs]
+        ready: list[tuple[int, int, Any, Any]] = []
+        for j, job in enumerate(jobs):
+            try:
+                handle = job.handle.result()  # prepared earlier on the GPU thread: already done
+            except Exception as error:
+                message = f"the engine rejected the schema: {error}"
+                outcomes[j] = [ScoredState(reason=Reason.SCHEMA_UNPREPARABLE, error=message) for _ in job.rows]
+                continue
+            for i, row_future in enumerate(job.rows):
+                try:
+                    ready.append((j, i, handle, row_future.result()))
+                except Exception as error:
+                    outcomes[j][i] = ScoredState(reason=Reason.SCORING_ERROR, error=f"tokenization failed: {error!r}")
+        return outcomes, ready
+
+    def _one_by_one(self, requests: list[tuple[Any, Any]], batch_error: Exception) -> list[ScoredState]:
+        """(GPU thread) The batch failed: score each state alone, so that only the state at fault fails."""
+        log.warning("batch of %d failed (%r); scoring its states one by one", len(requests), batch_error)
+        outcomes = []
+        for request in requests:
+            try:
+                outcomes.extend(self._checked([request], self._se.score_mixed([request])))
+            except Exception as error:
+                outcomes.append(ScoredState(reason=Reason.SCORING_ERROR, error=f"{type(error).__name__}: {error}"))
+        return outcomes
+
+    @staticmethod
+    def _checked(requests: list[tuple[Any, Any]], results: list[list[list[float]]]) -> list[ScoredState]:
+        outcomes = []
+        for (handle, _), probabilities in zip(requests, results):
+            problem = probabilities_problem(probabilities, list(handle.n_options))
+            if problem:
+                outcomes.append(ScoredState(reason=Reason.SCORING_ERROR, error=f"unusable engine output: {problem}"))
+            else:
+                outcomes.append(ScoredState(probabilities=probabilities))
+        return outcomes
+
+    def graph_stats(self) -> dict[str, int]:
+        """The engine's path counters: CUDA graph ``captures`` and ``replays`` (0 off CUDA) and ``eager`` batches."""
+        return self._se.graph_stats()
+
+    def prepared(self) -> tuple[int, int]:
+        """How many schema versions are held prepared, and their device bytes."""
+        with self._lock:
+            return len(self._entries), self._held_bytes
+
+    def bank_bytes(self) -> int:
+        """Device bytes of the engine's prefix bank (what prepared schemas really hold: it never shrinks)."""
+        return int(self._se.memory()["bank_bytes"])
+
+    def close(self) -> None:
+        """Stop the threads (queued work is cancelled; the running step finishes)."""
+        self._tokenizers.shutdown(wait=False, cancel_futures=True)
+        self._gpu.shutdown(wait=True, cancel_futures=True)
+        self._collector.shutdown(wait=True, cancel_futures=True)
