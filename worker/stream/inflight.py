@@ -1,11 +1,11 @@
 """The cycles in flight: closed cycles handed to the GPU thread whose transactions are not committed yet, oldest
 first, each with the times the loop and the GPU thread stamped on it, and the loop's wait on the oldest.
 
-While a cycle is scored the loop keeps consuming and tokenizing the next one. A consumer's poll cannot be woken by
-another thread, so while a cycle is being scored the loop waits on that cycle instead (``CyclesInFlight.next_message``):
+While one cycle is scored the loop keeps consuming and tokenizing the next. A consumer's poll cannot be woken by
+another thread, so meanwhile the loop waits on the cycle rather than inside a poll (``CyclesInFlight.next_message``):
 on its launch, when its transaction is to be opened then (its offsets are sent while the GPU scores it), and on its
 scores, so that its commit follows them at once rather than at the end of a poll (a wait of up to its timeout, spent
-from every record's latency); it takes the messages fetched meanwhile when woken.
+from every record's latency); woken, it takes the messages fetched meanwhile.
 """
 
 from __future__ import annotations
