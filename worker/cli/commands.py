@@ -116,7 +116,8 @@ def tail(
 
     Stops after ``max_records``, or once nothing new arrived for ``idle_timeout_s`` seconds.
     """
-    counts = require_topics(cluster, [topic])
+    role = Topics(probabilities=topic) if topic_kind == "probabilities" else Topics(dead_letter=topic)
+    counts = require_topics(cluster, [topic], roles=role)
     decoder = OutputDecoder(topic_kind, registry.client() if registry is not None else None)
     consumer = reader_consumer(cluster)
     start = OFFSET_BEGINNING if from_beginning else OFFSET_END

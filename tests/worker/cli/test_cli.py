@@ -41,6 +41,17 @@ def test_missing_topic_names_the_fix(kafka_bootstrap):
     assert "Traceback" not in result.stderr
 
 
+def test_tail_of_a_missing_topic_says_typo_and_gives_the_flags(kafka_bootstrap):
+    """`topics create -b B` alone would create the default topics and leave the same error: the fix names the topic."""
+    result = decider("tail", "-b", kafka_bootstrap, "--probabilities-topic", "nosuch.topic", "--timeout", "1")
+    assert result.returncode == 4 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.count("\n") == 1, result.stderr
+    assert "nosuch.topic do not exist" in result.stderr and "a typo?" in result.stderr, result.stderr
+    assert result.stderr.rstrip().endswith(f"decider topics create -b {kafka_bootstrap} --probabilities-topic nosuch.topic")
+    dead = decider("tail", "-b", kafka_bootstrap, "--topic", "dead-letter", "--dead-letter-topic", "decider.dead-leter")
+    assert dead.stderr.rstrip().endswith("--dead-letter-topic decider.dead-leter"), dead.stderr
+
+
 def test_bad_model_path_and_non_model_directory(stream, tmp_path):
     flags = ["-b", stream.bootstrap, "--worker-id", "w", "--states-topic", stream.topics.states,
              "--schemas-topic", stream.topics.schemas, "--probabilities-topic", stream.topics.probabilities,
