@@ -122,11 +122,14 @@ def schema_put(
     bootstrap: str = BootstrapOpt,
     schemas_topic: str = SchemasTopicOpt,
 ) -> None:
-    """Publish a question schema as a new version of ID."""
+    """Publish a question schema as a new version of ID; a file equal to the latest version publishes nothing."""
     from worker.cli.commands import put_schema
 
-    record = put_schema(cluster(ctx, bootstrap), Topics(schemas=schemas_topic), schema_id, file, version)
-    typer.echo(f"schema {schema_id} version {record['version']} published ({len(record['questions'])} questions)")
+    record, published = put_schema(cluster(ctx, bootstrap), Topics(schemas=schemas_topic), schema_id, file, version)
+    if published:
+        typer.echo(f"schema {schema_id} version {record['version']} published ({len(record['questions'])} questions)")
+    else:
+        typer.echo(f"schema {schema_id} unchanged, version {record['version']} (the same content; nothing published)")
 
 
 @schema_app.command("delete")
