@@ -143,9 +143,20 @@ def loop_config(ctx: typer.Context, flags: dict[str, Any], probabilities_topic: 
         input=input_mapping(ctx, flags), output_format=flags["output_format"],
         registry=registry_config(ctx, flags["schema_registry_url"], flags["auto_register"]),
     )
-    if not Path(config.model_dir).is_dir():
-        raise ConfigError(f"--model {config.model_dir}: no such directory")
+    check_model_dir(config.model_dir)
     return config
+
+
+def check_model_dir(model_dir: str) -> None:
+    """``ConfigError`` when ``model_dir`` cannot be a model directory: checked before anything loads, since importing
+    torch alone takes seconds."""
+    path = Path(model_dir)
+    if not path.is_dir():
+        what = "a file, not a directory" if path.exists() else "no such directory"
+        raise ConfigError(f"--model {model_dir}: {what}; give a local Hugging Face model directory (Qwen3.5 family)")
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"--model {model_dir}: cannot load the model from {model_dir}: it has no config.json, so it is "
+                          "not a Hugging Face model directory")
 
 
 def registry_settings(ctx: typer.Context | None) -> Mapping[str, Any]:
