@@ -65,6 +65,19 @@ def test_bad_model_path_and_non_model_directory(stream, tmp_path):
     assert "cannot load the model from" in not_a_model.stderr and "Traceback" not in not_a_model.stderr
 
 
+def test_worker_on_cuda_without_cuda_suggests_cpu(stream, model_dir):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    result = decider("worker", "-b", stream.bootstrap, "--model", str(model_dir), "--device", "cuda:0", "--worker-id", "w",
+                     "--states-topic", stream.topics.states, "--schemas-topic", stream.topics.schemas,
+                     "--probabilities-topic", stream.topics.probabilities, "--dead-letter-topic", stream.topics.dead_letter,
+                     timeout=120)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert "error: --device cuda:0: CUDA is not available" in result.stderr and "use --device cpu" in result.stderr
+
+
 def test_bad_schema_file_is_rejected_before_publishing(kafka_bootstrap, tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"questions": [{"id": "q", "question": "Q?", "options": ["only one"]}]}))
