@@ -106,8 +106,11 @@ def _too_large(cluster: Cluster | str, state_id: str, number: int, size: int) ->
 
 def as_json(topic_kind: str, message, decoder: OutputDecoder | None = None) -> dict[str, Any]:
     """A probability record or dead letter (any ``--output-format``; registry framing needs a ``decoder`` with a
-    registry client) as a JSON-ready dict, plus where it was read from and, if any, its headers."""
-    where = {"topic": message.topic(), "partition": message.partition(), "offset": message.offset()}
+    registry client) as a JSON-ready dict, plus where it was read from (topic, partition, offset, key) and, if any,
+    its headers."""
+    key = message.key()
+    where = {"topic": message.topic(), "partition": message.partition(), "offset": message.offset(),
+             "key": None if key is None else key.decode("utf-8", errors="replace")}
     record = (decoder or OutputDecoder(topic_kind)).decode(message.value(), message.topic())
     shown = {**json_ready(topic_kind, record), "kafka": where}
     if message.headers():

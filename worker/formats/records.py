@@ -95,11 +95,17 @@ def checked_state(state: dict[str, Any], max_state_chars: int) -> dict[str, Any]
     return state
 
 
+def state_key(state_id: str) -> bytes:
+    """The Kafka key of every output record of a state: its state id, UTF-8 (so a consumer joins or compacts by it,
+    whatever the input's key was: a mapped topic's key may be null or another id)."""
+    return state_id.encode("utf-8", errors="surrogatepass")
+
+
 def dead_letter(source: SourceRecord, reason: Reason, message: str, topic: str, worker_id: str,
                 state: dict[str, Any] | None = None, encode: Callable[[dict[str, Any]], bytes] = schemas.encode_dead_letter,
                 headers: Headers | None = None) -> OutgoingRecord:
-    """The dead-letter record for ``source`` (with the ids of its decoded ``state``, if any), keyed by the original key,
-    its value made by ``encode`` (``--output-format``)."""
+    """The dead-letter record for ``source`` (with the ids of its decoded ``state``, if any), keyed by the state id when
+    the record was read that far, else by the original key; its value made by ``encode`` (``--output-format``)."""
     state = state or {}
     record = {
         "reason": reason.value,
@@ -114,7 +120,8 @@ def dead_letter(source: SourceRecord, reason: Reason, message: str, topic: str, 
         "failed_at": int(time.time() * 1000),
         "worker_id": worker_id,
     }
-    return OutgoingRecord(topic=topic, key=source.key, value=encode(record), headers=headers)
+    key = state_key(record["state_id"]) if record["state_id"] else source.key
+    return OutgoingRecord(topic=topic, key=key, value=encode(record), headers=headers)
 
 
 def schema_problem(document: Any) -> str | None:

@@ -166,7 +166,9 @@ def test_avro_events_from_confluents_serializer_scored_into_json_output(stream, 
     for schema, document in (("support", QUESTIONS), ("triage", QUESTIONS_V2)):
         assert_scored_as_rendered(schema_engine, document, [r for r in probabilities if r["schema_id"] == schema], by_schema[schema])
     assert all(r["metadata"] == {"customer.tier": "gold"} for r in probabilities)
-    assert [(d["reason"], d["original_key"]) for d in dead] == [("undecodable", "unknown")]
+    # keyed by state id (from --id-field), not by the input's key k0..k7; a record never read that far by its own key
+    assert all(r["kafka"]["key"] == r["state_id"] for r in probabilities), [r["kafka"] for r in probabilities]
+    assert [(d["reason"], d["original_key"], d["kafka"]["key"]) for d in dead] == [("undecodable", "unknown", "unknown")]
     assert "987654" in dead[0]["message"]
     assert stream.committed_offsets() == stream.end_offsets()
 
