@@ -19,7 +19,7 @@ try:
 except ImportError:
     from click import exceptions as click_errors
 
-from worker.cli.options import (DEFAULTS, BootstrapOpt, DeadLetterTopicOpt, DeterministicOpt, DeviceOpt, DtypeOpt, ModelOpt, ProbabilitiesTopicOpt,
+from worker.cli.options import (DEFAULTS, PanelledCommand, in_panels, BootstrapOpt, DeadLetterTopicOpt, DeterministicOpt, DeviceOpt, DtypeOpt, ModelOpt, ProbabilitiesTopicOpt,
                                 SchemasTopicOpt, StatesTopicOpt, cluster, kafka_settings, loop_config, loop_options,
                                 registry_config, registry_settings)
 from worker.config import MAX_LATENCY_BUDGET_MS, REPLAY_MAX_BATCH, Topics
@@ -164,8 +164,9 @@ def produce(
     typer.echo(f"{count} states published to {states_topic}")
 
 
-@app.command("worker")
+@app.command("worker", cls=PanelledCommand)
 @friendly_errors
+@in_panels
 @loop_options
 def worker(
     ctx: typer.Context,
@@ -197,8 +198,9 @@ def worker(
     run_logged(lambda on_event: Worker(config, stop=stop_on_signals(), on_event=on_event).run(), config)
 
 
-@app.command("replay")
+@app.command("replay", cls=PanelledCommand)
 @friendly_errors
+@in_panels
 @loop_options
 def replay(
     ctx: typer.Context,

@@ -26,6 +26,31 @@ def test_every_command_has_help(command):
     assert result.returncode == 0 and "Usage" in result.stdout
 
 
+@pytest.mark.parametrize("command", ["worker", "replay"])
+def test_loop_help_reads_at_80_columns(command):
+    """~40 options in panels; at 80 columns nothing is cut (an environment variable name in full, no "…"), and the
+    descriptions get a column of their own wide enough to read (typer's tables had left them ~15 characters)."""
+    from worker.cli.app import app
+    from worker.cli.options import PANELS
+    import typer
+
+    result = decider(command, "--help", env={"COLUMNS": "80"})
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert "…" not in result.stdout and max(map(len, lines)) <= 80
+    assert len(lines) < 220, len(lines)  # 408 before
+    for panel in PANELS:
+        assert f"{panel}:" in lines, panel
+    flat = " ".join(line.strip() for line in lines)
+    params = typer.main.get_command(app).commands[command].params
+    for param in params:
+        if param.envvar:
+            assert f"env var: {param.envvar}" in flat or f"var: {param.envvar}" in flat, param.envvar
+    # the description column: where the help text of "--bootstrap" starts, and how wide its lines run
+    start = next(line for line in lines if line.lstrip().startswith("-b, --bootstrap")).index("Kafka bootstrap servers")
+    assert start <= 36 and 80 - start >= 44, start
+
+
 def test_unreachable_broker_is_one_clear_line():
     result = decider("topics", "create", "-b", f"127.0.0.1:{free_port()}")
     assert result.returncode == 4
