@@ -147,14 +147,15 @@ def schema_problem(document: Any) -> str | None:
         if not isinstance(question.get("question"), str) or not question["question"].strip():
             return f"question {qid!r} needs a non-empty 'question' text"
         options = question.get("options")
-        if not isinstance(options, list) or not all(isinstance(o, str) and o for o in options):
-            return f"question {qid!r} needs 'options', a list of non-empty strings"
+        if not isinstance(options, list) or not all(isinstance(o, str) and o.strip() for o in options):
+            return f"question {qid!r} needs 'options', a list of non-blank strings"
         if not 2 <= len(options) <= MAX_OPTIONS:
             return f"question {qid!r} has {len(options)} options; 2 to {MAX_OPTIONS} are allowed"
         if len(set(options)) != len(options):
             return f"question {qid!r} repeats an option"
         temperature = question.get("temperature")
-        if temperature is not None and not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
+        if temperature is not None and (isinstance(temperature, bool) or not (
+                isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0)):
             return f"question {qid!r} has temperature {temperature!r}; it must be a positive number"
     return None
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import typer
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import schemas
@@ -23,7 +23,7 @@ from worker.exceptions import ConfigError
 from worker.cli.offline import score_file
 from worker.formats.records import engine_questions, question_schema_record
 from worker.config_file import load_config_file
-from worker.cli.user_files import load_schema_file, read_state_lines
+from worker.cli.user_files import MAX_OPTION_CHARS, MAX_QUESTION_CHARS, load_schema_file, read_state_lines
 
 BOUNDED = settings(max_examples=100, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -74,6 +74,73 @@ def schema_like_objects():
     questions = st.lists(st.one_of(*[question] * 6, misspelt), min_size=1, max_size=3)
     return st.fixed_dictionaries({"questions": st.one_of(questions, questions, questions, json_values)},
                                  optional={"mode": st.sampled_from(["packed", "independent", "both", None, 1])})
+
+
+def _sized(seed: str, length: int) -> str:
+    """A text of exactly ``length`` characters that starts with a letter (never blank), repeating ``seed``."""
+    return ("Q" + seed * length)[:length]
+
+
+@st.composite
+def near_limit_schemas(draw):
+    """Schema files of the right shape and valid but for at most one defect (two in five): texts at the limits
+    (MAX_QUESTION_CHARS, MAX_OPTION_CHARS, 2 and 8 options, and at times over MAX_SCHEMA_CHARS in all), or one past a
+    limit, a lone surrogate, a blank option, a bad temperature. Most are accepted, so the half that checks what is
+    accepted (Avro and the engine accept it too) runs on most examples, and a limit moved or a check removed lets a
+    defect through to it."""
+    seed = draw(st.text(alphabet=st.characters(codec="utf-8"), min_size=1, max_size=4))  # astral characters included
+    questions = []
+    for index in range(draw(st.integers(1, 6))):
+        count = draw(st.sampled_from([2, 2, 3, 4, 5, 8]))
+        question = {"id": f"q{index}", "question": _sized(seed, draw(st.sampled_from([1, 40, MAX_QUESTION_CHARS - 1, MAX_QUESTION_CHARS]))),
+                    "options": [f"{n}" + _sized(seed, draw(st.sampled_from([1, 12, 12, MAX_OPTION_CHARS - 1, MAX_OPTION_CHARS])) - 1)
+                                for n in range(count)]}
+        if draw(st.booleans()):
+            question["temperature"] = draw(st.sampled_from([0.5, 1, 2.0, 0.05]))
+        questions.append(question)
+    first, last = questions[0], questions[-1]
+    defect = draw(st.sampled_from([None] * 18 + list(_DEFECTS)))
+    if defect is not None:
+        _DEFECTS[defect](first, last)
+    return {"mode": draw(st.sampled_from(["packed", "independent"])), "questions": questions}
+
+
+_DEFECTS = {  # name: how it spoils the first or the last question of a valid schema
+    "question over the limit": lambda first, last: last.update(question=_sized("x", MAX_QUESTION_CHARS + 1)),
+    "question far over the limit": lambda first, last: last.update(question=_sized("x", 2500)),
+    "option over the limit": lambda first, last: first["options"].__setitem__(0, _sized("o", MAX_OPTION_CHARS + 1)),
+    "one option": lambda first, last: first.update(options=first["options"][:1]),
+    "nine options": lambda first, last: first.update(options=[f"option {n}" for n in range(9)]),
+    "zero temperature": lambda first, last: first.update(temperature=0),
+    "boolean temperature": lambda first, last: first.update(temperature=True),
+    "NaN temperature": lambda first, last: first.update(temperature=float("nan")),
+    "surrogate in an id": lambda first, last: first.update(id=first["id"] + "\ud800"),
+    "surrogate in a question": lambda first, last: last.update(question=last["question"][:-1] + "\udfff"),
+    "half an astral pair in an option": lambda first, last: first["options"].__setitem__(-1, "\ud83d" + first["options"][-1][1:]),
+    "blank option": lambda first, last: first["options"].__setitem__(0, " "),
+}
+
+
+def _schema(*questions: tuple[int, list[int]], **question_keys) -> dict:
+    """A schema file of questions of these (question length, [option lengths])."""
+    return {"questions": [{"id": f"q{i}", "question": _sized("ab", length), **question_keys,
+                           "options": [f"{n}" + _sized("cd", size - 1) for n, size in enumerate(sizes)]}
+                          for i, (length, sizes) in enumerate(questions)]}
+
+
+# Each limit exactly met (accepted), and exceeded by one (refused); a lone surrogate wherever text goes.
+_AT_THE_LIMITS = [
+    _schema((MAX_QUESTION_CHARS, [MAX_OPTION_CHARS] * 8)),
+    _schema((MAX_QUESTION_CHARS + 1, [1, 1])),
+    _schema((1, [MAX_OPTION_CHARS + 1, 1])),
+    _schema(*[(2000, [500, 500, 500, 500, 500, 500])] * 6, (1000, [500, 500])),  # 32,000 characters exactly
+    _schema(*[(2000, [500, 500, 500, 500, 500, 500])] * 6, (1001, [500, 500])),  # one over
+    {"questions": [{"id": "q\ud800", "question": "Q?", "options": ["a", "b"]}]},
+    {"questions": [{"id": "q", "question": "Q \udfff?", "options": ["a", "b"]}]},
+    {"questions": [{"id": "q", "question": "Q?", "options": ["a", "b\ud83d"]}]},
+    {"questions": [{"id": "q", "question": "Q?", "options": ["a", " "]}]},
+    {"questions": [{"id": "q", "question": "Q?", "options": ["a", "b"], "temperature": True}]},
+]
 
 
 @pytest.fixture(scope="module")
@@ -134,15 +201,33 @@ def test_schema_file_of_random_bytes(scratch, data):
 
 
 @BOUNDED
-@given(document=st.one_of(schema_like_objects(), schema_like_objects(), json_values))
+@given(document=st.one_of(near_limit_schemas(), near_limit_schemas(), near_limit_schemas(), schema_like_objects(), json_values))
 def test_schema_file_of_random_json(scratch, document):
     (scratch / "schema.json").write_text(_json_text(document), encoding="utf-8")
     _check_schema_file(scratch / "schema.json")
 
 
+for _document in _AT_THE_LIMITS:
+    test_schema_file_of_random_json = example(document=_document)(test_schema_file_of_random_json)
+
+
+def test_the_examples_at_the_limits_are_accepted_or_refused_as_meant(scratch):
+    """The @examples above do test both halves: those within the limits are accepted, the others refused."""
+    outcomes = []
+    for document in _AT_THE_LIMITS:
+        (scratch / "limits.json").write_text(_json_text(document), encoding="utf-8")
+        try:
+            load_schema_file(scratch / "limits.json")
+            outcomes.append("accepted")
+        except ConfigError:
+            outcomes.append("refused")
+    assert outcomes == ["accepted", "refused", "refused", "accepted", "refused"] + ["refused"] * 5
+
+
 # ---- score --------------------------------------------------------------------------------------------------------
 @BOUNDED
-@given(schema_data=st.binary(max_size=120) | schema_like_objects().map(lambda d: _json_text(d).encode()),
+@given(schema_data=st.binary(max_size=120) | near_limit_schemas().map(lambda d: _json_text(d).encode())
+       | schema_like_objects().map(lambda d: _json_text(d).encode()),
        states_data=st.binary(max_size=120) | st.lists(state_like_objects(), max_size=3).map(
            lambda lines: "\n".join(map(_json_text, lines)).encode()))
 def test_score_files_of_random_content(scratch, schema_data, states_data):
@@ -152,6 +237,14 @@ def test_score_files_of_random_content(scratch, schema_data, states_data):
     with pytest.raises(ConfigError) as refused:
         score_file(str(scratch / "no-model"), scratch / "schema.json", scratch / "states.jsonl")
     _assert_one_line(refused.value)
+    if str(refused.value).startswith("--model "):  # both files were accepted: what score accepts, the engine accepts
+        _check_schema_file(scratch / "schema.json")
+        _check_states_file(scratch / "states.jsonl")
+
+
+for _document in _AT_THE_LIMITS:
+    test_score_files_of_random_content = example(schema_data=_json_text(_document).encode(),
+                                                 states_data=b'{"id": "s", "state": "t"}')(test_score_files_of_random_content)
 
 
 # ---- the config file ----------------------------------------------------------------------------------------------
