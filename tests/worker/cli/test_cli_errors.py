@@ -171,7 +171,11 @@ def test_score_refuses_bad_files_before_loading_a_model(decider, tmp_path, schem
 
 # ---- options of worker, replay, tail, topics create -----------------------------------------------------------------
 def _worker_args(tmp_path: Path, *extra: str) -> list[str]:
-    return ["worker", "-b", NOWHERE, "--model", str(tmp_path), "--worker-id", "w", *extra]
+    """A worker command line whose model directory passes the check made before anything loads (it has a config.json),
+    so that the mistake in ``extra`` is the one met."""
+    (tmp_path / "model").mkdir(exist_ok=True)
+    (tmp_path / "model" / "config.json").write_text("{}")
+    return ["worker", "-b", NOWHERE, "--model", str(tmp_path / "model"), "--worker-id", "w", *extra]
 
 
 @pytest.mark.parametrize("extra, says", [
