@@ -192,6 +192,20 @@ def test_states_file_of_random_json_lines(scratch, lines):
     _check_states_file(scratch / "states.jsonl")
 
 
+# A lone surrogate (or half of an astral pair) in each place a states line holds text: every one must be refused.
+_SURROGATE_LINES = [
+    {"id": "s\ud800", "state": "text"},
+    {"id": "s", "state": "text \udfff"},
+    {"id": "s", "state": "\ud83d half a pair"},
+    {"id": "s", "state": "text", "metadata": {"key": "value \ud800"}},
+    {"id": "s", "state": "text", "metadata": {"key \udfff": "value"}},
+    {"id": "s", "state": "text", "metadata": {"nested": ["\ud800"]}},  # a non-string value is kept as its JSON text
+]
+for _line in _SURROGATE_LINES:
+    test_states_file_of_random_json_lines = example(lines=[{"id": "ok", "state": "fine"}, _line])(
+        test_states_file_of_random_json_lines)
+
+
 # ---- schema put ---------------------------------------------------------------------------------------------------
 @BOUNDED
 @given(data=st.binary(max_size=300))
