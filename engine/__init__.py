@@ -2,10 +2,10 @@
 
 Knows nothing of Kafka.  See `SchemaEngine` for the request path and `engine.reference.score_full` for the oracle.
 """
-from engine.errors import InputError, ModelLoadError
+from engine.errors import DeviceUnavailableError, InputError, ModelLoadError
 from engine.loader import Engine
 from engine.prompt import MAX_OPTIONS, QWEN_CHAT, ChatTemplate
 from engine.schema_engine import PendingScores, PreparedSchema, SchemaEngine, TokenizedState
 
 __all__ = ["Engine", "SchemaEngine", "PendingScores", "PreparedSchema", "TokenizedState", "MAX_OPTIONS", "ChatTemplate",
-           "QWEN_CHAT", "InputError", "ModelLoadError"]
+           "QWEN_CHAT", "InputError", "ModelLoadError", "DeviceUnavailableError"]

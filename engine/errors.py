@@ -5,5 +5,13 @@ class ModelLoadError(ValueError):
     """The model directory is missing, incomplete, or not of a supported family."""
 
 
+class DeviceUnavailableError(ModelLoadError):
+    """The device asked for is not on this machine: CUDA without CUDA, or a cuda:N beyond its GPUs."""
+
+    def __init__(self, device: str, reason: str) -> None:
+        super().__init__(f"device {device!r}: {reason}")
+        self.reason = reason
+
+
 class InputError(ValueError):
     """Questions, states or temperatures that cannot be scored."""

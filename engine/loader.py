@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from engine.errors import ModelLoadError
+from engine.errors import DeviceUnavailableError, ModelLoadError
 from engine.prompt import label_token_ids
 
 log = logging.getLogger(__name__)
@@ -155,9 +155,15 @@ def _device(device: str) -> torch.device:
         raise ModelLoadError(f"device {device!r}: expected cpu, cuda or cuda:N") from None
     if dev.type == "cuda":
         if not torch.cuda.is_available():
-            raise ModelLoadError(f"device {device!r}: CUDA is not available on this machine")
+            why = ("this PyTorch is a CPU-only build" if torch.version.cuda is None
+                   else "no CUDA device is visible: check the driver and CUDA_VISIBLE_DEVICES")
+            raise DeviceUnavailableError(device, f"CUDA is not available on this machine ({why})")
         if dev.index is None:
             dev = torch.device("cuda", torch.cuda.current_device())
+        elif dev.index >= torch.cuda.device_count():
+            count = torch.cuda.device_count()
+            raise DeviceUnavailableError(device, f"this machine has {count} CUDA device{'s' if count > 1 else ''} "
+                                                 f"(cuda:0 to cuda:{count - 1})")
     elif dev.type != "cpu":
         raise ModelLoadError(f"device {device!r}: expected cpu, cuda or cuda:N")
     return dev

@@ -93,4 +93,8 @@ def test_basic_auth():
         with pytest.raises(SchemaRegistryError) as refused:
             SchemaRegistryClient({"url": double.url}).get_subjects()
         assert refused.value.http_status_code == 401
+        for wrong in ("u:wrong", "u:", "u:p2", "someone:p", "U:p"):  # a wrong password, or a user it does not know
+            with pytest.raises(SchemaRegistryError) as refused:
+                SchemaRegistryClient({"url": double.url, "basic.auth.user.info": wrong}).get_subjects()
+            assert refused.value.http_status_code == 401, wrong
         assert SchemaRegistryClient({"url": double.url, "basic.auth.user.info": "u:p"}).get_subjects() == []

@@ -53,6 +53,11 @@ class ConfigError(FatalError):
 
     exit_code = 2
 
+    @classmethod
+    def device_unavailable(cls, device: str, reason: str) -> "ConfigError":
+        """--device names a device this machine does not have (``reason``: the engine's why)."""
+        return cls(f"--device {device}: {reason}; on a machine without a GPU, use --device cpu")
+
 
 class BrokerUnavailableError(FatalError):
     """No broker answered at the bootstrap address, or a required topic is missing."""

@@ -81,10 +81,19 @@ def require_topics(cluster: Cluster | str, names: Iterable[str], timeout_s: floa
             counts[name] = len(meta.partitions)
     if missing:
         raise BrokerUnavailableError(
-            f"topic(s) {', '.join(missing)} do not exist on {bootstrap}; create them with: "
-            f"{create_topics_command(bootstrap, roles or Topics())}"
+            f"topic(s) {', '.join(missing)} do not exist on {bootstrap}{_typo_hint(missing, topics)}; if the name is "
+            f"right, create them with: {create_topics_command(bootstrap, roles or Topics())}"
         )
     return counts
+
+
+def _typo_hint(missing: list[str], existing: Iterable[str]) -> str:
+    """' (a typo? existing: a.b, c.d)', naming the existing topics closest to the missing ones, or ' (a typo?)'."""
+    import difflib
+
+    names = [name for name in existing if not name.startswith("__")]  # not Kafka's own internal topics
+    close = sorted({match for name in missing for match in difflib.get_close_matches(name, names, n=3, cutoff=0.6)})
+    return f" (a typo? existing: {', '.join(close)})" if close else " (a typo?)"
 
 
 def create_topics(cluster: Cluster | str, topics: Topics, partitions: int, replication: int = 1) -> dict[str, str]:

@@ -125,7 +125,7 @@ class Stream:
     def put_schema(self, schema_id: str, document: dict[str, Any]) -> dict[str, Any]:
         path = self.workdir / f"schema-{schema_id}-{uuid.uuid4().hex[:6]}.json"
         path.write_text(json.dumps(document))
-        return commands.put_schema(self.bootstrap, self.topics, schema_id, path)
+        return commands.put_schema(self.bootstrap, self.topics, schema_id, path)[0]
 
     def delete_schema(self, schema_id: str) -> None:
         commands.delete_schema(self.bootstrap, self.topics, schema_id)

@@ -19,7 +19,7 @@ try:
 except ImportError:
     from click import exceptions as click_errors
 
-from worker.cli.options import (DEFAULTS, BootstrapOpt, DeadLetterTopicOpt, DeterministicOpt, DeviceOpt, DtypeOpt, ModelOpt, ProbabilitiesTopicOpt,
+from worker.cli.options import (DEFAULTS, PanelledCommand, in_panels, BootstrapOpt, DeadLetterTopicOpt, DeterministicOpt, DeviceOpt, DtypeOpt, ModelOpt, ProbabilitiesTopicOpt,
                                 SchemasTopicOpt, StatesTopicOpt, cluster, kafka_settings, loop_config, loop_options,
                                 registry_config, registry_settings)
 from worker.config import MAX_LATENCY_BUDGET_MS, REPLAY_MAX_BATCH, Topics
@@ -122,11 +122,14 @@ def schema_put(
     bootstrap: str = BootstrapOpt,
     schemas_topic: str = SchemasTopicOpt,
 ) -> None:
-    """Publish a question schema as a new version of ID."""
+    """Publish a question schema as a new version of ID; a file equal to the latest version publishes nothing."""
     from worker.cli.commands import put_schema
 
-    record = put_schema(cluster(ctx, bootstrap), Topics(schemas=schemas_topic), schema_id, file, version)
-    typer.echo(f"schema {schema_id} version {record['version']} published ({len(record['questions'])} questions)")
+    record, published = put_schema(cluster(ctx, bootstrap), Topics(schemas=schemas_topic), schema_id, file, version)
+    if published:
+        typer.echo(f"schema {schema_id} version {record['version']} published ({len(record['questions'])} questions)")
+    else:
+        typer.echo(f"schema {schema_id} unchanged, version {record['version']} (the same content; nothing published)")
 
 
 @schema_app.command("delete")
@@ -161,8 +164,9 @@ def produce(
     typer.echo(f"{count} states published to {states_topic}")
 
 
-@app.command("worker")
+@app.command("worker", cls=PanelledCommand)
 @friendly_errors
+@in_panels
 @loop_options
 def worker(
     ctx: typer.Context,
@@ -194,8 +198,9 @@ def worker(
     run_logged(lambda on_event: Worker(config, stop=stop_on_signals(), on_event=on_event).run(), config)
 
 
-@app.command("replay")
+@app.command("replay", cls=PanelledCommand)
 @friendly_errors
+@in_panels
 @loop_options
 def replay(
     ctx: typer.Context,

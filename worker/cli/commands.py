@@ -19,7 +19,7 @@ from worker.kafka_clients import as_cluster, plain_producer, reader_consumer, re
 from worker.formats.output_formats import OutputDecoder, json_ready
 from worker.formats.records import question_schema_record
 from worker.formats.registry import RegistryConfig
-from worker.stream.schema_table import SchemaTable
+from worker.stream.schema_table import BrokenSchema, SchemaTable
 from worker.cli.user_files import load_schema_file
 
 
@@ -30,8 +30,12 @@ def _deliver(producer, what: str) -> None:
         raise BrokerUnavailableError(f"{remaining} {what} were not delivered within 30 s; is the broker up?")
 
 
-def put_schema(cluster: Cluster | str, topics: Topics, schema_id: str, path: str | Path, version: int | None = None) -> dict[str, Any]:
-    """Publish the schema file at ``path`` as the next version of ``schema_id``; returns the record."""
+def put_schema(cluster: Cluster | str, topics: Topics, schema_id: str, path: str | Path,
+               version: int | None = None) -> tuple[dict[str, Any], bool]:
+    """Publish the schema file at ``path`` as the next version of ``schema_id`` -> (the record, whether it was
+    published). Idempotent: a file whose content equals the latest version's publishes nothing and returns that
+    version (workers would prepare it again under a new version number for nothing). An explicit ``version`` is
+    always published."""
     if not schema_id:
         raise ConfigError("--id must not be empty")
     document = load_schema_file(path)
@@ -40,14 +44,24 @@ def put_schema(cluster: Cluster | str, topics: Topics, schema_id: str, path: str
         table = SchemaTable(cluster, topics.schemas)
         try:
             table.catch_up()
-            version = table.highest_version(schema_id) + 1
+            latest, version = table.get(schema_id), table.highest_version(schema_id) + 1
         finally:
             table.close()
+        if latest is not None and not isinstance(latest, BrokenSchema) and _same_content(latest, document):
+            return latest, False
     record = question_schema_record(document, schema_id, version)
     producer = plain_producer(cluster)
     producer.produce(topics.schemas, key=schema_id.encode(), value=schemas.encode_question_schema(record))
     _deliver(producer, "schema records")
-    return record
+    return record, True
+
+
+def _same_content(published: dict[str, Any], document: dict[str, Any]) -> bool:
+    """Whether ``document`` as a record equals the ``published`` one but for its version and creation time (both
+    through Avro, so optional fields compare with their defaults filled in)."""
+    stamp = {"version": published["version"], "created_at": published["created_at"]}
+    candidate = {**question_schema_record(document, published["schema_id"], published["version"]), **stamp}
+    return schemas.decode_question_schema(schemas.encode_question_schema(candidate)) == published
 
 
 def delete_schema(cluster: Cluster | str, topics: Topics, schema_id: str) -> None:
@@ -92,8 +106,11 @@ def _too_large(cluster: Cluster | str, state_id: str, number: int, size: int) ->
 
 def as_json(topic_kind: str, message, decoder: OutputDecoder | None = None) -> dict[str, Any]:
     """A probability record or dead letter (any ``--output-format``; registry framing needs a ``decoder`` with a
-    registry client) as a JSON-ready dict, plus where it was read from and, if any, its headers."""
-    where = {"topic": message.topic(), "partition": message.partition(), "offset": message.offset()}
+    registry client) as a JSON-ready dict, plus where it was read from (topic, partition, offset, key) and, if any,
+    its headers."""
+    key = message.key()
+    where = {"topic": message.topic(), "partition": message.partition(), "offset": message.offset(),
+             "key": None if key is None else key.decode("utf-8", errors="replace")}
     record = (decoder or OutputDecoder(topic_kind)).decode(message.value(), message.topic())
     shown = {**json_ready(topic_kind, record), "kafka": where}
     if message.headers():
@@ -116,7 +133,8 @@ def tail(
 
     Stops after ``max_records``, or once nothing new arrived for ``idle_timeout_s`` seconds.
     """
-    counts = require_topics(cluster, [topic])
+    role = Topics(probabilities=topic) if topic_kind == "probabilities" else Topics(dead_letter=topic)
+    counts = require_topics(cluster, [topic], roles=role)
     decoder = OutputDecoder(topic_kind, registry.client() if registry is not None else None)
     consumer = reader_consumer(cluster)
     start = OFFSET_BEGINNING if from_beginning else OFFSET_END

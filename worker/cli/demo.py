@@ -50,7 +50,7 @@ def run_demo(model_dir: str | None = None, port: int | None = None, records_show
             model = model_dir or _tiny_model(console, scratch / "tiny-model")
 
             schema_file = Path(str(EXAMPLES.joinpath("support_schema.json")))
-            record = commands.put_schema(broker.bootstrap, topics, "support", schema_file)
+            record, _published = commands.put_schema(broker.bootstrap, topics, "support", schema_file)
             console.print(f"[green]✓[/] schema [bold]support[/] v{record['version']} published: "
                           + ", ".join(q["id"] for q in record["questions"]))
             states = read_state_lines(Path(str(EXAMPLES.joinpath("support_states.jsonl"))), "support")

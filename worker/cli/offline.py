@@ -12,6 +12,7 @@ from typing import IO, Iterator
 
 from worker.exceptions import ConfigError
 from worker.formats.records import engine_questions, question_schema_record
+from worker.cli.options import check_model_dir
 from worker.cli.user_files import load_schema_file, read_state_lines
 
 
@@ -26,9 +27,12 @@ def score_file(model_dir: str, schema_path: str | Path, states_path: str | Path,
     schema_id = schema_id or Path(schema_path).stem
     schema = question_schema_record(load_schema_file(schema_path), schema_id, version=1)
     states = read_state_lines(states_path, schema_id)
-    from engine import Engine, InputError, ModelLoadError, SchemaEngine  # torch: only once the files are good
+    check_model_dir(model_dir)  # before importing torch, which alone takes seconds
+    from engine import DeviceUnavailableError, Engine, InputError, ModelLoadError, SchemaEngine  # torch: once the files are good
     try:
         eng = Engine.load(model_dir, device=device, dtype=dtype, deterministic=deterministic)
+    except DeviceUnavailableError as exc:
+        raise ConfigError.device_unavailable(device, exc.reason) from None
     except ModelLoadError as exc:
         raise ConfigError(f"--model: {exc}") from None
     se = SchemaEngine(eng)

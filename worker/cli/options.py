@@ -10,6 +10,12 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
 
 import typer
+from typer.core import TyperCommand
+
+try:
+    from typer._click.core import Command  # typer >= 0.24 carries its own copy of click
+except ImportError:
+    from click.core import Command
 
 from worker.config import Cluster, Topics, WorkerConfig
 from worker.exceptions import ConfigError
@@ -104,6 +110,62 @@ LOOP_OPTIONS = [
 ]
 
 
+# `decider worker --help` and `decider replay --help` group their ~40 options in these panels (typer's
+# rich_help_panel), in this order; an option not named here (the command's own) stays under "Options", first.
+PANELS = {
+    "Kafka": ("--bootstrap", "--worker-id", "--group", "--name", "--states-topic", "--schemas-topic",
+              "--probabilities-topic", "--dead-letter-topic", "--output-topic", "--session-timeout-ms",
+              "--transaction-timeout-ms", "--broker-outage-s"),
+    "Model": ("--model", "--device", "--dtype", "--deterministic", "--tokenizer-threads", "--warmup-state-tokens",
+              "--schema-memory-mb"),
+    "Batching": ("--max-batch", "--max-wait-ms", "--latency-budget-ms", "--schema-wait-ms", "--max-state-chars"),
+    "Your own topic (input mapping)": ("--input-format", "--id-field", "--text-field", "--text-template", "--schema-id",
+                                       "--schema-id-field", "--event-time-field", "--metadata-fields",
+                                       "--propagate-headers"),
+    "Output format": ("--output-format", "--schema-registry-url", "--auto-register"),
+    "Operations": ("--metrics-port", "--metrics-host", "--log-level", "--log-format"),
+}
+_PANEL_OF = {flag: panel for panel, flags in PANELS.items() for flag in flags}
+
+
+def in_panels(command: Callable) -> Callable:
+    """Put each of ``command``'s options in its panel of ``PANELS`` (for ``--help``; see ``PanelledCommand``)."""
+    for parameter in inspect.signature(command).parameters.values():
+        flags = [flag.split("/")[0] for flag in (getattr(parameter.default, "param_decls", None) or ())]
+        panel = next((_PANEL_OF[flag] for flag in flags if flag in _PANEL_OF), None)
+        if panel is not None:
+            parameter.default.rich_help_panel = panel
+    return command
+
+
+class PanelledCommand(TyperCommand):
+    """A command whose ``--help`` is click's plain text with a section per panel.
+
+    typer's rich help draws every panel as a table of seven columns (required, flag, short flag, negative flag, ...):
+    at 80 columns ``decider worker --help`` left its descriptions ~15 characters and cut environment variable names
+    (``DECIDER_BOOTSTR…``). Plain text gives the description 46 columns, wraps the flag onto its own line when it is
+    long, never cuts a word, and stays 80 columns wide on any terminal."""
+
+    def format_help(self, ctx: Any, formatter: Any) -> None:
+        Command.format_help(self, ctx, formatter)  # click's own: usage, text, options (below), epilog; never rich's
+
+    def format_options(self, ctx: Any, formatter: Any) -> None:
+        panels: dict[str, list[tuple[int, tuple[str, str]]]] = {"Options": []}
+        panels.update((name, []) for name in PANELS)
+        for param in self.get_params(ctx):
+            record = param.get_help_record(ctx)
+            if record is None:
+                continue
+            panel = getattr(param, "rich_help_panel", None) or "Options"
+            flag = next((opt for opt in param.opts if opt.startswith("--")), "")
+            order = PANELS[panel].index(flag) if flag in PANELS.get(panel, ()) else len(panels[panel])
+            panels.setdefault(panel, []).append((order, record))
+        for name, records in panels.items():
+            if records:
+                with formatter.section(name):
+                    formatter.write_dl([record for _order, record in sorted(records, key=lambda item: item[0])])
+
+
 def loop_options(command: Callable) -> Callable:
     """Add ``LOOP_OPTIONS`` to ``command``'s options; their values reach it as one dict, ``loop_flags``."""
     names = [p.name for p in LOOP_OPTIONS]
@@ -149,9 +211,20 @@ def loop_config(ctx: typer.Context, flags: dict[str, Any], probabilities_topic: 
         input=input_mapping(ctx, flags), output_format=flags["output_format"],
         registry=registry_config(ctx, flags["schema_registry_url"], flags["auto_register"]),
     )
-    if not Path(config.model_dir).is_dir():
-        raise ConfigError(f"--model {config.model_dir}: no such directory")
+    check_model_dir(config.model_dir)
     return config
+
+
+def check_model_dir(model_dir: str) -> None:
+    """``ConfigError`` when ``model_dir`` cannot be a model directory: checked before anything loads, since importing
+    torch alone takes seconds."""
+    path = Path(model_dir)
+    if not path.is_dir():
+        what = "a file, not a directory" if path.exists() else "no such directory"
+        raise ConfigError(f"--model {model_dir}: {what}; give a local Hugging Face model directory (Qwen3.5 family)")
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"--model {model_dir}: cannot load the model from {model_dir}: it has no config.json, so it is "
+                          "not a Hugging Face model directory")
 
 
 def registry_settings(ctx: typer.Context | None) -> Mapping[str, Any]:

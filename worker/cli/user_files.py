@@ -25,6 +25,9 @@ from worker.formats.records import schema_problem
 SCHEMA_KEYS = ("mode", "questions")
 QUESTION_KEYS = ("id", "question", "options", "temperature")
 STATE_KEYS = ("id", "state", "metadata", "event_time")
+# Names other tools give a state's keys, which difflib would not find close to decider's.
+STATE_KEY_ALIASES = {"text": "state", "body": "state", "content": "state", "message": "state", "state_id": "id",
+                     "key": "id", "meta": "metadata", "time": "event_time", "timestamp": "event_time", "ts": "event_time"}
 
 # engine.prompt's limits, repeated so that the CLI checks a schema file without importing torch (a test keeps
 # them equal). The engine also bounds the prefix in tokens; the CLI has no tokenizer, so it bounds the whole
@@ -104,11 +107,13 @@ def _unknown_schema_keys(document: Any) -> str | None:
     return None
 
 
-def unknown_key(mapping: dict, known: tuple[str, ...], where: str) -> str | None:
-    """'unknown key K in WHERE (did you mean ...?)' for the first key of ``mapping`` not in ``known``, or None."""
+def unknown_key(mapping: dict, known: tuple[str, ...], where: str, aliases: dict[str, str] | None = None) -> str | None:
+    """'unknown key K in WHERE (did you mean ...?)' for the first key of ``mapping`` not in ``known``, or None
+    (``aliases``: other tools' names for the known keys, suggested before any key spelt close)."""
     for key in mapping:
         if key not in known:
-            close = difflib.get_close_matches(str(key), known, n=1)
+            alias = (aliases or {}).get(str(key).lower())
+            close = [alias] if alias else difflib.get_close_matches(str(key), known, n=1)
             hint = f"did you mean {close[0]!r}?" if close else "known: " + ", ".join(known)
             return f"unknown key {key!r} in {where} ({hint})"
     return None
@@ -170,11 +175,12 @@ def _state_object(line: str, where: str) -> dict[str, Any]:
         item = _parse_json(line)
     except ValueError as exc:
         raise ConfigError(f"{where} is not JSON: {exc}") from None
+    # Unknown keys first: {"id": ..., "text": ...} is a misnamed "state", not a missing one.
+    problem = unknown_key(item, STATE_KEYS, "the state", STATE_KEY_ALIASES) if isinstance(item, dict) else None
+    if problem:
+        raise ConfigError(f"{where}: {problem}; put your own fields in \"metadata\"")
     if not isinstance(item, dict) or not isinstance(item.get("id"), str) or not isinstance(item.get("state"), str):
         raise ConfigError(f'{where} must be an object with string "id" and "state"')
-    problem = unknown_key(item, STATE_KEYS, "the state")
-    if problem:
-        raise ConfigError(f"{where}: {problem}")
     return item
 
 

@@ -95,7 +95,8 @@ class OutputEncoder:
             raise ConfigError(self.registry.redact(_refusal(subject_name, exc, self.registry.auto_register))) from None
         except transport_errors() as exc:
             raise FatalError(self.registry.redact(f"Schema Registry at {self.registry.url} cannot be reached ({exc}); "
-                                                  "start it or fix --schema-registry-url"), EXIT_REGISTRY_UNREACHABLE) from None
+                                                  "start it or fix --schema-registry-url, or to try decider without a registry "
+                                                  "use --output-format json (or avro)"), EXIT_REGISTRY_UNREACHABLE) from None
 
     def encode(self, kind: str, record: dict[str, Any]) -> bytes:
         """The value bytes of one output record of ``kind`` (``"probabilities"`` or ``"dead-letter"``)."""

@@ -95,11 +95,17 @@ def checked_state(state: dict[str, Any], max_state_chars: int) -> dict[str, Any]
     return state
 
 
+def state_key(state_id: str) -> bytes:
+    """The Kafka key of every output record of a state: its state id, UTF-8 (so a consumer joins or compacts by it,
+    whatever the input's key was: a mapped topic's key may be null or another id)."""
+    return state_id.encode("utf-8", errors="surrogatepass")
+
+
 def dead_letter(source: SourceRecord, reason: Reason, message: str, topic: str, worker_id: str,
                 state: dict[str, Any] | None = None, encode: Callable[[dict[str, Any]], bytes] = schemas.encode_dead_letter,
                 headers: Headers | None = None) -> OutgoingRecord:
-    """The dead-letter record for ``source`` (with the ids of its decoded ``state``, if any), keyed by the original key,
-    its value made by ``encode`` (``--output-format``)."""
+    """The dead-letter record for ``source`` (with the ids of its decoded ``state``, if any), keyed by the state id when
+    the record was read that far, else by the original key; its value made by ``encode`` (``--output-format``)."""
     state = state or {}
     record = {
         "reason": reason.value,
@@ -114,7 +120,8 @@ def dead_letter(source: SourceRecord, reason: Reason, message: str, topic: str, 
         "failed_at": int(time.time() * 1000),
         "worker_id": worker_id,
     }
-    return OutgoingRecord(topic=topic, key=source.key, value=encode(record), headers=headers)
+    key = state_key(record["state_id"]) if record["state_id"] else source.key
+    return OutgoingRecord(topic=topic, key=key, value=encode(record), headers=headers)
 
 
 def schema_problem(document: Any) -> str | None:
@@ -140,14 +147,15 @@ def schema_problem(document: Any) -> str | None:
         if not isinstance(question.get("question"), str) or not question["question"].strip():
             return f"question {qid!r} needs a non-empty 'question' text"
         options = question.get("options")
-        if not isinstance(options, list) or not all(isinstance(o, str) and o for o in options):
-            return f"question {qid!r} needs 'options', a list of non-empty strings"
+        if not isinstance(options, list) or not all(isinstance(o, str) and o.strip() for o in options):
+            return f"question {qid!r} needs 'options', a list of non-blank strings"
         if not 2 <= len(options) <= MAX_OPTIONS:
             return f"question {qid!r} has {len(options)} options; 2 to {MAX_OPTIONS} are allowed"
         if len(set(options)) != len(options):
             return f"question {qid!r} repeats an option"
         temperature = question.get("temperature")
-        if temperature is not None and not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
+        if temperature is not None and (isinstance(temperature, bool) or not (
+                isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0)):
             return f"question {qid!r} has temperature {temperature!r}; it must be a positive number"
     return None
 

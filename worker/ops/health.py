@@ -10,7 +10,9 @@ overran its own timeout: the transaction watchdog then ends the process (exit 5)
 from __future__ import annotations
 
 import errno
+import logging
 import socket
+import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -21,6 +23,7 @@ from worker.ops import liveness
 from worker.exceptions import ConfigError
 from worker.ops.ports import in_use_message
 
+_LOG = logging.getLogger("decider.health")
 
 class Health:
     """Readiness state, updated from the worker's events (``on_event``) and read by the HTTP handler."""
@@ -54,7 +57,18 @@ class Health:
         return (False, problem) if problem else (True, "ok")
 
 
-class _IPv6Server(ThreadingHTTPServer):
+class _Server(ThreadingHTTPServer):
+    def handle_error(self, request, client_address) -> None:
+        """A client that hung up before its answer (a probe past its own timeout) is not an error: a debug line,
+        not socketserver's traceback on stderr."""
+        error = sys.exc_info()[1]
+        if isinstance(error, ConnectionError):  # BrokenPipeError, ConnectionResetError, ConnectionAbortedError
+            _LOG.debug("health client %s went away before its answer: %s", client_address, error)
+        else:
+            super().handle_error(request, client_address)
+
+
+class _IPv6Server(_Server):
     address_family = socket.AF_INET6
 
 
@@ -88,7 +102,7 @@ def serve(port: int, health: Health, host: str = "127.0.0.1") -> ThreadingHTTPSe
         def log_message(self, *args) -> None:  # scrapes every few seconds would flood the worker's log
             pass
 
-    server_class = _IPv6Server if ":" in host else ThreadingHTTPServer
+    server_class = _IPv6Server if ":" in host else _Server
     try:
         server = server_class((host, port), Handler)
     except OverflowError:

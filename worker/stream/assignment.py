@@ -106,19 +106,25 @@ class GroupAssignment:
         consumer.poll(0.2)
 
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
-        self._emit("assigned", {"partitions": [p.partition for p in partitions]})
+        self._emit("assigned", self._where(partitions))
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         # Eager rebalancing revokes everything; uncommitted work is dropped, never committed, because
         # the next owner starts from the committed offsets and would score those states again.
         self._drop_uncommitted("partitions revoked")
-        self._emit("revoked", {"partitions": [p.partition for p in partitions]})
+        self._emit("revoked", self._where(partitions))
 
     def _on_lost(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         # Lost (session expired): another worker may already own them; committing would be wrong, and a
         # transaction with stale group metadata would be rejected anyway.
         self._drop_uncommitted("partitions lost")
-        self._emit("lost", {"partitions": [p.partition for p in partitions]})
+        self._emit("lost", self._where(partitions))
+
+    def _where(self, partitions: list[TopicPartition]) -> dict[str, Any]:
+        """A rebalance event's fields: the topic and group it happened in (a worker started without --group joins
+        the default group, and whoever is in it rebalances with it), this worker, and the partitions."""
+        return {"topic": self._config.topics.states, "group": self._config.group, "worker_id": self._config.worker_id,
+                "partitions": [p.partition for p in partitions]}
 
 
 def check_consumer_error(error: KafkaError, config: WorkerConfig) -> None:

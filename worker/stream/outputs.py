@@ -15,7 +15,8 @@ import schemas
 from worker.stream.batcher import Cycle, Pending
 from worker.config import Topics, WorkerConfig
 from worker.formats.output_formats import DEAD_LETTER, PROBABILITIES, OutputEncoder
-from worker.formats.records import Headers, OutgoingRecord, Reason, SchemaKey, SourceRecord, dead_letter, probability_record
+from worker.formats.records import (Headers, OutgoingRecord, Reason, SchemaKey, SourceRecord, dead_letter,
+                                    probability_record, state_key)
 from worker.stream.scorer import ScoredState
 
 SAMPLES = 3
@@ -86,5 +87,5 @@ class Outputs:
         out.scored[record["schema_id"]] += 1
         if len(out.samples) < SAMPLES:
             out.samples.append(record)
-        return OutgoingRecord(self._topics.probabilities, pending.source.key, self._encode_probability(record),
+        return OutgoingRecord(self._topics.probabilities, state_key(record["state_id"]), self._encode_probability(record),
                               self._headers_of(pending.source) or None)

@@ -18,8 +18,8 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaExcepti
 
 import schemas
 from worker.exceptions import BrokerUnavailableError
-from worker.config import Cluster
-from worker.kafka_clients import as_cluster, reader_consumer
+from worker.config import Cluster, Topics
+from worker.kafka_clients import as_cluster, create_topics_command, reader_consumer
 from worker.ops import liveness
 
 log = logging.getLogger(__name__)
@@ -50,8 +50,9 @@ class SchemaTable:
         self._consumer = consumer or reader_consumer(cluster)
         metadata = self._consumer.list_topics(topic, timeout=10).topics.get(topic)
         if metadata is None or metadata.error is not None or not metadata.partitions:
-            raise BrokerUnavailableError(f"schema topic {topic} does not exist; create it with: "
-                                         f"decider topics create -b {as_cluster(cluster).bootstrap}")
+            bootstrap = as_cluster(cluster).bootstrap
+            raise BrokerUnavailableError(f"schema topic {topic} does not exist on {bootstrap} (a typo?); if the name is "
+                                         f"right, create it with: {create_topics_command(bootstrap, Topics(schemas=topic))}")
         self._partitions = [TopicPartition(topic, p, OFFSET_BEGINNING) for p in sorted(metadata.partitions)]
         self._consumer.assign(self._partitions)
         # catch_up() asks the broker for the partitions' ends through a second client that never fetches. Kafka

@@ -38,12 +38,14 @@ def load_scorer(config: WorkerConfig) -> tuple[Any, Scorer]:
         # clients and tokenizer threads that starved CPU scoring (~15 vs ~150 states/s on 2 cores). It only
         # takes effect if set before torch starts OpenMP, i.e. before the import below in a fresh process.
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    from engine import Engine, SchemaEngine  # torch is imported only by processes that score
+    from engine import DeviceUnavailableError, Engine, SchemaEngine  # torch is imported only by processes that score
 
     gpu = device_thread()
     try:
         engine = gpu.submit(Engine.load, config.model_dir, device=config.device, dtype=config.resolved_dtype,
                             deterministic=config.deterministic).result()
+    except DeviceUnavailableError as exc:
+        raise ConfigError.device_unavailable(config.device, exc.reason) from exc
     except (ValueError, OSError) as exc:
         raise ConfigError(f"cannot load the model from {config.model_dir}: {exc}") from exc
     except RuntimeError as exc:  # e.g. CUDA requested on a machine without it

@@ -26,6 +26,31 @@ def test_every_command_has_help(command):
     assert result.returncode == 0 and "Usage" in result.stdout
 
 
+@pytest.mark.parametrize("command", ["worker", "replay"])
+def test_loop_help_reads_at_80_columns(command):
+    """~40 options in panels; at 80 columns nothing is cut (an environment variable name in full, no "…"), and the
+    descriptions get a column of their own wide enough to read (typer's tables had left them ~15 characters)."""
+    from worker.cli.app import app
+    from worker.cli.options import PANELS
+    import typer
+
+    result = decider(command, "--help", env={"COLUMNS": "80"})
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert "…" not in result.stdout and max(map(len, lines)) <= 80
+    assert len(lines) < 220, len(lines)  # 408 before
+    for panel in PANELS:
+        assert f"{panel}:" in lines, panel
+    flat = " ".join(line.strip() for line in lines)
+    params = typer.main.get_command(app).commands[command].params
+    for param in params:
+        if param.envvar:
+            assert f"env var: {param.envvar}" in flat or f"var: {param.envvar}" in flat, param.envvar
+    # the description column: where the help text of "--bootstrap" starts, and how wide its lines run
+    start = next(line for line in lines if line.lstrip().startswith("-b, --bootstrap")).index("Kafka bootstrap servers")
+    assert start <= 36 and 80 - start >= 44, start
+
+
 def test_unreachable_broker_is_one_clear_line():
     result = decider("topics", "create", "-b", f"127.0.0.1:{free_port()}")
     assert result.returncode == 4
@@ -41,6 +66,17 @@ def test_missing_topic_names_the_fix(kafka_bootstrap):
     assert "Traceback" not in result.stderr
 
 
+def test_tail_of_a_missing_topic_says_typo_and_gives_the_flags(kafka_bootstrap):
+    """`topics create -b B` alone would create the default topics and leave the same error: the fix names the topic."""
+    result = decider("tail", "-b", kafka_bootstrap, "--probabilities-topic", "nosuch.topic", "--timeout", "1")
+    assert result.returncode == 4 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.count("\n") == 1, result.stderr
+    assert "nosuch.topic do not exist" in result.stderr and "a typo?" in result.stderr, result.stderr
+    assert result.stderr.rstrip().endswith(f"decider topics create -b {kafka_bootstrap} --probabilities-topic nosuch.topic")
+    dead = decider("tail", "-b", kafka_bootstrap, "--topic", "dead-letter", "--dead-letter-topic", "decider.dead-leter")
+    assert dead.stderr.rstrip().endswith("--dead-letter-topic decider.dead-leter"), dead.stderr
+
+
 def test_bad_model_path_and_non_model_directory(stream, tmp_path):
     flags = ["-b", stream.bootstrap, "--worker-id", "w", "--states-topic", stream.topics.states,
              "--schemas-topic", stream.topics.schemas, "--probabilities-topic", stream.topics.probabilities,
@@ -52,6 +88,19 @@ def test_bad_model_path_and_non_model_directory(stream, tmp_path):
     not_a_model = decider("worker", "--model", str(empty), *flags, timeout=120)
     assert not_a_model.returncode == 2, not_a_model.stderr
     assert "cannot load the model from" in not_a_model.stderr and "Traceback" not in not_a_model.stderr
+
+
+def test_worker_on_cuda_without_cuda_suggests_cpu(stream, model_dir):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    result = decider("worker", "-b", stream.bootstrap, "--model", str(model_dir), "--device", "cuda:0", "--worker-id", "w",
+                     "--states-topic", stream.topics.states, "--schemas-topic", stream.topics.schemas,
+                     "--probabilities-topic", stream.topics.probabilities, "--dead-letter-topic", stream.topics.dead_letter,
+                     timeout=120)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert "error: --device cuda:0: CUDA is not available" in result.stderr and "use --device cpu" in result.stderr
 
 
 def test_bad_schema_file_is_rejected_before_publishing(kafka_bootstrap, tmp_path):
@@ -71,7 +120,8 @@ def test_topics_schema_produce_tail_through_env_vars(kafka_bootstrap, tmp_path):
     again = decider("topics", "create", env=env)
     assert again.returncode == 0 and again.stdout.count("exists") == 4
     assert "version 1 published" in decider("schema", "put", "--id", "support", str(SCHEMA_FILE), env=env).stdout
-    assert "version 2 published" in decider("schema", "put", "--id", "support", str(SCHEMA_FILE), env=env).stdout
+    same = decider("schema", "put", "--id", "support", str(SCHEMA_FILE), env=env)
+    assert same.returncode == 0 and same.stdout.startswith("schema support unchanged, version 1"), same.stdout + same.stderr
     produced = decider("produce", "--schema-id", "support", str(REPO / "worker" / "examples" / "support_states.jsonl"), env=env)
     assert produced.returncode == 0 and "20 states published" in produced.stdout
     assert decider("schema", "delete", "--id", "support", env=env).returncode == 0

@@ -78,6 +78,9 @@ def _state_line(**fields) -> str:
     ('{"id": "\\udfff", "state": "text"}', ['"id"', "unpaired surrogate"]),
     ('{"id": "s", "state": "t", "metadata": {"k": "\\ud800"}}', ['"metadata"', "unpaired surrogate"]),
     (_state_line(evnet_time=0), ["unknown key 'evnet_time'", "did you mean 'event_time'"]),
+    ('{"id": "s", "text": "the state"}', ["unknown key 'text'", "did you mean 'state'?", '"metadata"']),
+    ('{"state_id": "s", "state": "t"}', ["unknown key 'state_id'", "did you mean 'id'?"]),
+    ('{"id": "s", "state": "t", "timestamp": 0}', ["unknown key 'timestamp'", "did you mean 'event_time'?"]),
     ("not json", ["is not JSON"]),
     ("[" * 100_000, ["is not JSON", "nested too deeply"]),
     ('{"id": 1, "state": "x"}', ['string "id" and "state"']),
@@ -168,7 +171,11 @@ def test_score_refuses_bad_files_before_loading_a_model(decider, tmp_path, schem
 
 # ---- options of worker, replay, tail, topics create -----------------------------------------------------------------
 def _worker_args(tmp_path: Path, *extra: str) -> list[str]:
-    return ["worker", "-b", NOWHERE, "--model", str(tmp_path), "--worker-id", "w", *extra]
+    """A worker command line whose model directory passes the check made before anything loads (it has a config.json),
+    so that the mistake in ``extra`` is the one met."""
+    (tmp_path / "model").mkdir(exist_ok=True)
+    (tmp_path / "model" / "config.json").write_text("{}")
+    return ["worker", "-b", NOWHERE, "--model", str(tmp_path / "model"), "--worker-id", "w", *extra]
 
 
 @pytest.mark.parametrize("extra, says", [

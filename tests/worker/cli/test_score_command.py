@@ -3,6 +3,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from tests.worker.conftest import expected_probabilities, state_texts
 
 SCHEMA = {"mode": "packed", "questions": [
@@ -43,5 +45,37 @@ def test_clear_errors(model_dir, tmp_path):
     (tmp_path / "states.jsonl").write_text('{"id": "a", "state": "fine"}\n')
     bad_model = run_score("--model", str(tmp_path / "missing"), "--schema", str(tmp_path / "schema.json"),
                           "--states", str(tmp_path / "states.jsonl"))
-    assert bad_model.returncode != 0 and "model directory does not exist" in bad_model.stderr
+    assert bad_model.returncode == 2 and "--model" in bad_model.stderr and "no such directory" in bad_model.stderr
     assert "Traceback" not in bad_model.stderr
+
+
+def test_a_bad_model_path_fails_before_anything_loads(tmp_path):
+    """Checked before torch is imported (seconds), as the worker checks it."""
+    (tmp_path / "schema.json").write_text(json.dumps(SCHEMA))
+    (tmp_path / "states.jsonl").write_text('{"id": "a", "state": "fine"}\n')
+    (tmp_path / "not-a-model").mkdir()
+    for model, says in ((tmp_path / "missing", "no such directory"), (tmp_path / "schema.json", "a file, not a directory"),
+                        (tmp_path / "not-a-model", "no config.json")):
+        probe = ("import atexit, sys; atexit.register(lambda: print('torch imported:', 'torch' in sys.modules, file=sys.stderr)); "
+                 "from worker.cli.app import main; main(sys.argv[1:])")
+        result = subprocess.run([sys.executable, "-c", probe, "score", "--model", str(model), "--schema",
+                                 str(tmp_path / "schema.json"), "--states", str(tmp_path / "states.jsonl")],
+                                capture_output=True, text=True, timeout=120)
+        first, second = result.stderr.splitlines()
+        assert result.returncode == 2 and first.startswith(f"error: --model {model}: ") and says in first, result.stderr
+        assert second == "torch imported: False"
+
+
+def test_cuda_on_a_machine_without_it_suggests_cpu(model_dir, tmp_path):
+    """The README's stream line says --device cuda:0; without CUDA the one line says what to use instead."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    (tmp_path / "schema.json").write_text(json.dumps(SCHEMA))
+    (tmp_path / "states.jsonl").write_text('{"id": "a", "state": "fine"}\n')
+    result = run_score("--model", str(model_dir), "--schema", str(tmp_path / "schema.json"),
+                       "--states", str(tmp_path / "states.jsonl"), "--device", "cuda:0")
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.startswith("error: --device cuda:0: CUDA is not available on this machine"), result.stderr
+    assert result.stderr.rstrip().endswith("use --device cpu") and result.stderr.count("\n") == 1, result.stderr

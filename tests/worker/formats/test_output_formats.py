@@ -124,6 +124,7 @@ def test_registry_down_fails_at_start_with_exit_4():
     with pytest.raises(FatalError) as caught:
         OutputEncoder("avro-registry", TOPICS, config).start()
     assert caught.value.exit_code == 4 and "cannot be reached" in str(caught.value)
+    assert "--schema-registry-url" in str(caught.value) and "--output-format json" in str(caught.value)  # try without one
 
 
 def test_credentials_are_refused_at_start_and_never_shown():

@@ -44,6 +44,16 @@ def test_dead_letter_carries_the_source_bytes_reason_and_ids():
     assert (decoded["state_id"], decoded["schema_id"], decoded["worker_id"]) == ("s-9", "x", "w0")
 
 
+def test_dead_letters_are_keyed_by_state_id_when_there_is_one_else_by_the_original_key():
+    """A mapped topic's key may be null or another id: the output key is the state id, as for probability records."""
+    mapped = dead_letter(_source(b"{}", key=None), Reason.INVALID_FIELDS, "m", "dlq", "w0", state={"state_id": "T-7"})
+    assert mapped.key == b"T-7" and schemas.decode_dead_letter(mapped.value)["original_key"] is None
+    other = dead_letter(_source(b"{}", key=b"customer-3"), Reason.INVALID_FIELDS, "m", "dlq", "w0", state={"state_id": "T-8"})
+    assert other.key == b"T-8"
+    unread = dead_letter(_source(b"\xff", key=b"raw-key"), Reason.UNDECODABLE, "m", "dlq", "w0")
+    assert unread.key == b"raw-key"
+
+
 def test_probability_record_follows_the_schema_and_the_source():
     schema = {"schema_id": "support", "version": 2, "questions": [{"id": "angry", "options": ["yes", "no"]}]}
     state = {"state_id": "s-1", "event_time": 5, "metadata": {"a": "b"}}

@@ -140,7 +140,9 @@ def test_worker_exits_5_when_the_broker_stays_away(tmp_path, model_dir):
         stream.put_schema("tickets", QUESTIONS)
         worker = stream.start_worker(model_dir, "gives-up", "--broker-outage-s", "4", "--transaction-timeout-ms", "6000")
         _produce(broker.bootstrap, stream.topics.states, [("g-0", encode_state("g-0", "tickets", "the box was damaged"))])
-        stream.collect(1, timeout_s=90, settle_s=0)
+        scored, dead = stream.collect(1, timeout_s=90, settle_s=0)
+        # the broker goes away only once the worker has scored and committed: an outage mid-run, not at its start
+        assert [r["state_id"] for r in scored] == ["g-0"] and dead == [], (scored, dead, worker.log())
         broker.process.kill()
         broker.process.wait()
         killed = time.monotonic()

@@ -7,7 +7,27 @@ import threading
 import time
 from collections import Counter
 
+from confluent_kafka import TopicPartition
+
 from tests.worker.conftest import QUESTIONS, encode_state, feed_states, state_texts
+from worker.config import Topics, WorkerConfig
+from worker.ops.logs import HumanFormatter, log_event
+from worker.stream.assignment import GroupAssignment
+
+
+def test_rebalance_lines_name_the_topic_and_the_group(caplog):
+    """A second worker started without --group joins the first one's group: the lines say which group and topic."""
+    config = WorkerConfig(bootstrap="k:9092", model_dir="m", worker_id="gpu1", topics=Topics(states="tickets"))
+    assignment = GroupAssignment(config, on_event=log_event)
+    partitions = [TopicPartition("tickets", 0), TopicPartition("tickets", 2)]
+    with caplog.at_level("INFO", logger="decider.events"):
+        assignment._on_assign(None, partitions)
+        assignment._on_revoke(None, partitions)
+        assignment._on_lost(None, partitions)
+    lines = [HumanFormatter().format(record) for record in caplog.records]
+    assert len(lines) == 3, lines
+    for line, kind in zip(lines, ("assigned", "revoked", "lost")):
+        assert f": {kind} topic=tickets group=decider worker_id=gpu1 partitions=[0, 2]" in line, line
 
 
 def test_one_worker_stops_mid_stream_and_the_other_takes_its_partitions(stream_factory, model_dir):
@@ -40,6 +60,8 @@ def test_one_worker_stops_mid_stream_and_the_other_takes_its_partitions(stream_f
     by_worker = Counter(r["worker_id"] for r in probabilities)
     assert by_worker["member-a"] > 0 and by_worker["member-b"] > 0, by_worker
     assert "revoked" in second.log() and second.log().count("assigned") >= 2, second.log()
+    revoked = next(line for line in second.log().splitlines() if " revoked " in line)
+    assert f"topic={stream.topics.states}" in revoked and f"group={stream.group}" in revoked, revoked
     assert stream.committed_offsets() == stream.end_offsets()
     assert second.stop() == 0, second.log()
 

@@ -76,11 +76,16 @@ def read_with_confluent_deserializer(stream: Stream, registry_url: str, expected
 
 
 def assert_scored_as_rendered(schema_engine, document: dict, records: list[dict], texts_by_id: dict[str, str]) -> None:
+    """Each of ``texts_by_id``'s states has one record, holding every question of ``document`` in order, with its
+    options, and the probabilities ``SchemaEngine.score`` gives for the text the mapping rendered."""
     ids = sorted(texts_by_id)
-    expected = dict(zip(ids, expected_probabilities(schema_engine, document, [texts_by_id[i] for i in ids])))
+    assert sorted(record["state_id"] for record in records) == ids
+    expected = dict(zip(ids, expected_probabilities(schema_engine, document, [texts_by_id[i] for i in ids]), strict=True))
+    questions = [(q["id"], q["options"]) for q in document["questions"]]
     for record in records:
+        assert [(q["id"], q["options"]) for q in record["questions"]] == questions, record["state_id"]
         got = [q["probabilities"] for q in record["questions"]]
-        for row, want in zip(got, expected[record["state_id"]]):
+        for row, want in zip(got, expected[record["state_id"]], strict=True):
             assert row == pytest.approx(want, abs=1e-4), record["state_id"]
 
 
@@ -166,7 +171,9 @@ def test_avro_events_from_confluents_serializer_scored_into_json_output(stream, 
     for schema, document in (("support", QUESTIONS), ("triage", QUESTIONS_V2)):
         assert_scored_as_rendered(schema_engine, document, [r for r in probabilities if r["schema_id"] == schema], by_schema[schema])
     assert all(r["metadata"] == {"customer.tier": "gold"} for r in probabilities)
-    assert [(d["reason"], d["original_key"]) for d in dead] == [("undecodable", "unknown")]
+    # keyed by state id (from --id-field), not by the input's key k0..k7; a record never read that far by its own key
+    assert all(r["kafka"]["key"] == r["state_id"] for r in probabilities), [r["kafka"] for r in probabilities]
+    assert [(d["reason"], d["original_key"], d["kafka"]["key"]) for d in dead] == [("undecodable", "unknown", "unknown")]
     assert "987654" in dead[0]["message"]
     assert stream.committed_offsets() == stream.end_offsets()
 

@@ -3,8 +3,13 @@ delete, it keeps consuming, catch_up() reaches the end, unusable records are mar
 
 from __future__ import annotations
 
+import json
+
+from confluent_kafka import OFFSET_BEGINNING, TopicPartition
+
 import schemas
 from tests.worker.conftest import QUESTIONS, QUESTIONS_V2
+from worker.cli import commands
 from worker.stream.schema_table import BrokenSchema, SchemaTable
 
 
@@ -49,5 +54,38 @@ def test_unusable_records_are_kept_as_broken(stream):
 
 def test_put_schema_versions_increase_per_id(stream):
     assert stream.put_schema("v", QUESTIONS)["version"] == 1
-    assert stream.put_schema("v", QUESTIONS)["version"] == 2
+    assert stream.put_schema("v", QUESTIONS_V2)["version"] == 2
     assert stream.put_schema("w", QUESTIONS)["version"] == 1
+
+
+def test_put_schema_of_the_same_content_publishes_nothing(stream):
+    """Idempotent: the same file again is "unchanged, version 1"; a changed one, or one after a delete, is new."""
+    first = stream.put_schema("same", QUESTIONS)
+    assert first["version"] == 1
+    path = stream.workdir / "same.json"
+    path.write_text(json.dumps(QUESTIONS))
+    again, published = commands.put_schema(stream.bootstrap, stream.topics, "same", path)
+    assert not published and again == first
+    assert _schema_records(stream, "same") == 1  # nothing new on the topic
+    with_temperature = json.loads(json.dumps(QUESTIONS))
+    with_temperature["questions"][0]["temperature"] = 0.5
+    assert stream.put_schema("same", with_temperature)["version"] == 2
+    assert stream.put_schema("same", QUESTIONS)["version"] == 3  # back to v1's content: a new version all the same
+    stream.delete_schema("same")
+    assert stream.put_schema("same", QUESTIONS)["version"] == 4  # after a delete the schema is published again
+    assert _schema_records(stream, "same") == 5  # 4 versions and a tombstone
+
+
+def _schema_records(stream, schema_id: str) -> int:
+    """How many records (values and tombstones) the schemas topic holds under ``schema_id``."""
+    from worker.kafka_clients import reader_consumer
+
+    consumer = reader_consumer(stream.bootstrap)
+    consumer.assign([TopicPartition(stream.topics.schemas, 0, OFFSET_BEGINNING)])
+    count = 0
+    try:
+        while (message := consumer.poll(1.0)) is not None and message.error() is None:
+            count += message.key() == schema_id.encode()
+    finally:
+        consumer.close()
+    return count
