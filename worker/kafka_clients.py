@@ -143,17 +143,18 @@ def reader_consumer(cluster: Cluster | str, group: str | None = None) -> Consume
 def reader_consumer_config(cluster: Cluster | str, group: str | None = None) -> dict[str, Any]:
     """Settings of ``reader_consumer``."""
     config = {
+        # On Kafka a wait, not a poll interval: an empty Fetch is held at the broker until a record arrives (then
+        # answered at once, whatever this value) or this many ms pass, so an idle reader sends ~20 fetches/s. A request
+        # sent behind that parked Fetch on the same connection waits for it (Kafka answers one at a time per
+        # connection): the schema table asks for end offsets through a client that never fetches (worker.stream.schema_table).
+        # A default the [kafka] table may set.
+        "fetch.wait.max.ms": 50,
         **base_config(cluster),
         # Only records of committed transactions: aborted attempts of a worker are never shown.
         "isolation.level": "read_committed",
         "enable.auto.commit": False,
         "auto.offset.reset": "earliest",
         "enable.partition.eof": True,  # tells a reader when it has caught up with a partition
-        # On Kafka a wait, not a poll interval: an empty Fetch is held at the broker until a record arrives (then
-        # answered at once, whatever this value) or this many ms pass, so an idle reader sends ~20 fetches/s. A request
-        # sent behind that parked Fetch on the same connection waits for it (Kafka answers one at a time per
-        # connection): the schema table asks for end offsets through a client that never fetches (worker.stream.schema_table).
-        "fetch.wait.max.ms": 50,
     }
     # librdkafka requires a group.id even for assign()-only consumers; it is never joined or committed.
     config["group.id"] = group or "decider-reader-unused"
@@ -163,6 +164,16 @@ def reader_consumer_config(cluster: Cluster | str, group: str | None = None) -> 
 def worker_consumer_config(config: WorkerConfig) -> dict[str, Any]:
     """Settings of the states consumer of the exactly-once loop (subscribes through the consumer group)."""
     return {
+        # On Kafka a wait, not a poll interval: an empty Fetch is held at the broker until a record arrives (then
+        # answered at once, whatever this value) or this many ms pass. An idle worker thus sends ~50 fetches/s per
+        # broker it fetches from, plus the schema reader's ~20, and uses 0.35-0.5% of a core in all (measured against
+        # librdkafka's mock cluster, which holds empty fetches the same way; bench/idle_cost.py). The value bounds what
+        # waits behind a parked Fetch: librdkafka keeps one in flight per broker, so a partition assigned or sought
+        # meanwhile starts fetching after it. The embedded broker (noida-db) ignores it and answers every Fetch at once:
+        # there every consumer spins (~20k fetches/s each; an idle worker a third of a core and the broker a fifth on
+        # the loaded 2-core development machine), at 500 ms exactly as at 20; no client setting changes that.
+        # A default: the [kafka] table may set it (as every key decider does not own).
+        "fetch.wait.max.ms": 20,
         **base_config(config.cluster),
         "group.id": config.group,
         # Static membership: a worker restarted with the same --worker-id (after a crash or kill -9) takes
@@ -182,15 +193,6 @@ def worker_consumer_config(config: WorkerConfig) -> dict[str, Any]:
         "heartbeat.interval.ms": max(100, config.session_timeout_ms // 5),
         # Scoring a batch holds the loop for at most seconds; this is the bound on a stuck GPU.
         "max.poll.interval.ms": 300_000,
-        # On Kafka a wait, not a poll interval: an empty Fetch is held at the broker until a record arrives (then
-        # answered at once, whatever this value) or this many ms pass. An idle worker thus sends ~50 fetches/s per
-        # broker it fetches from, plus the schema reader's ~20, and uses 0.35-0.5% of a core in all (measured against
-        # librdkafka's mock cluster, which holds empty fetches the same way; bench/idle_cost.py). The value bounds what
-        # waits behind a parked Fetch: librdkafka keeps one in flight per broker, so a partition assigned or sought
-        # meanwhile starts fetching after it. The embedded broker (noida-db) ignores it and answers every Fetch at once:
-        # there every consumer spins (~20k fetches/s each; an idle worker a third of a core and the broker a fifth on
-        # the loaded 2-core development machine), at 500 ms exactly as at 20; no client setting changes that.
-        "fetch.wait.max.ms": 20,
         # Consumer lag per partition for the metrics, computed by librdkafka from the fetch responses, and whether
         # any broker connection is up, for /readyz (``worker.ops.liveness``).
         "statistics.interval.ms": 2000,
@@ -201,6 +203,7 @@ def worker_consumer_config(config: WorkerConfig) -> dict[str, Any]:
 def replay_consumer_config(config: WorkerConfig) -> dict[str, Any]:
     """Settings of a replay's states consumer: assigned partitions, offsets committed only in transactions."""
     return {
+        "fetch.wait.max.ms": 100,  # a default the [kafka] table may set
         **base_config(config.cluster),
         "group.id": config.group,  # only holds the committed offsets; never joined (assign(), no subscribe)
         "enable.auto.commit": False,
@@ -208,7 +211,6 @@ def replay_consumer_config(config: WorkerConfig) -> dict[str, Any]:
         # A partition whose range ends at the topic's end is finished when the reader reaches it.
         "enable.partition.eof": True,
         "auto.offset.reset": "earliest",
-        "fetch.wait.max.ms": 100,
         "statistics.interval.ms": 2000,
         "stats_cb": _on_states_consumer_stats,
     }

@@ -91,3 +91,19 @@ def test_worker_logs_its_settings_without_the_password(secured_file, model_dir):
     assert "kafka client settings from the config file" in output and "SCRAM-SHA-512" in output
     assert REDACTED in output
     assert PASSWORD not in output
+
+
+def test_a_fetch_wait_from_the_kafka_table_reaches_every_consumer(tmp_path):
+    """decider's fetch waits are defaults: a key it does not own, set in [kafka], wins (it was silently overridden)."""
+    from typer.main import get_command
+
+    from worker.cli.app import app
+
+    path = tmp_path / "waits.toml"
+    path.write_text('bootstrap = "b:9092"\n[kafka]\n"fetch.wait.max.ms" = 250\n')
+    settings = load_config_file(path, get_command(app)).kafka
+    config = WorkerConfig(bootstrap="b:9092", model_dir="m", worker_id="w", kafka=settings)
+    for role, client_config in {"consumer": worker_consumer_config(config), "replay_consumer": replay_consumer_config(config),
+                                "reader": reader_consumer_config(config.cluster)}.items():
+        assert client_config["fetch.wait.max.ms"] == 250, role
+    assert worker_consumer_config(WorkerConfig(bootstrap="b:9092", model_dir="m", worker_id="w"))["fetch.wait.max.ms"] == 20
