@@ -14,7 +14,7 @@ import contextlib
 import json
 import threading
 import time
-from typing import Iterator
+from typing import Any, Iterator
 
 from worker.exceptions import BrokerOutageError
 
@@ -142,12 +142,10 @@ class PartitionEnds:
 
     def on_stats(self, stats_json: str) -> None:
         found = {}
-        for topic, info in json.loads(stats_json).get("topics", {}).items():
-            for partition, p in info.get("partitions", {}).items():
-                if partition != "-1" and p.get("fetch_state") not in (None, "none", "stopped"):
-                    # no committed offset yet (a new group): reading starts at the log's start (auto.offset.reset)
-                    committed = p.get("committed_offset", -1)
-                    found[(topic, int(partition))] = (p.get("ls_offset", -1), committed if committed >= 0 else p.get("lo_offset", -1))
+        for topic, partition, p in assigned_partitions(json.loads(stats_json)):
+            # no committed offset yet (a new group): reading starts at the log's start (auto.offset.reset)
+            committed = p.get("committed_offset", -1)
+            found[(topic, partition)] = (p.get("ls_offset", -1), committed if committed >= 0 else p.get("lo_offset", -1))
         with self._lock:
             self._ends = found
 
@@ -159,3 +157,12 @@ class PartitionEnds:
 
 PARTITION_ENDS = PartitionEnds()
 """The states consumer's view of its partitions' ends."""
+
+
+def assigned_partitions(stats: dict[str, Any]) -> Iterator[tuple[str, int, dict[str, Any]]]:
+    """(topic, partition, its statistics) of each partition a consumer's librdkafka statistics show it fetching: not
+    the internal UA partition (-1), nor one not assigned to it."""
+    for topic, info in stats.get("topics", {}).items():
+        for partition, p in info.get("partitions", {}).items():
+            if partition != "-1" and p.get("fetch_state") not in (None, "none", "stopped"):
+                yield topic, int(partition), p

@@ -7,6 +7,8 @@ from typing import Any, Callable, Mapping
 
 from prometheus_client import Counter, Gauge, Histogram
 
+from worker.ops.liveness import assigned_partitions
+
 STATES_SCORED = Counter("decider_states_scored_total", "States scored and committed", ["schema_id"])
 DEAD_LETTERS = Counter("decider_dead_letters_total", "States sent to the dead-letter topic", ["reason"])
 TRANSACTIONS = Counter("decider_transactions_total", "Transactions by outcome", ["outcome"])
@@ -111,14 +113,10 @@ def on_consumer_stats(stats_json: str) -> None:
 
     librdkafka's own ``consumer_lag`` counts from offsets committed through the consumer, and the worker commits
     only through its transactions, so it stays -1; ``ls_offset - app_offset`` is the lag that matters here."""
-    stats = json.loads(stats_json)
-    for topic, topic_stats in stats.get("topics", {}).items():
-        for partition, p in topic_stats.get("partitions", {}).items():
-            if partition == "-1" or p.get("fetch_state") in (None, "none", "stopped"):
-                continue  # the internal UA partition, or one not assigned to us
-            end, position = p.get("ls_offset", -1), p.get("app_offset", -1)
-            if end >= 0 and position >= 0:
-                CONSUMER_LAG.labels(topic, partition).set(max(0, end - position))
+    for topic, partition, p in assigned_partitions(json.loads(stats_json)):
+        end, position = p.get("ls_offset", -1), p.get("app_offset", -1)
+        if end >= 0 and position >= 0:
+            CONSUMER_LAG.labels(topic, str(partition)).set(max(0, end - position))
 
 
 def watch_scorer(engine_stats: Callable[[], dict[str, int]], prepared: Callable[[], tuple[int, int]],

@@ -199,9 +199,9 @@ class ProgressWatch:
     """Watches the loop's partitions from its own thread; ``on_event`` takes the loop's events (assigned, revoked,
     lost, committed). ``describe(partition)`` says what a stalled states partition waits for, as the loop sees it."""
 
-    def __init__(self, states_topic: str, stall_after_s: float, describe: Callable[[int], str] = lambda partition: "",
-                 reader: Consumer | None = None) -> None:
-        self._reader, self._states_topic, self._stall_after_s = reader, states_topic, stall_after_s
+    def __init__(self, states_topic: str, stall_after_s: float, describe: Callable[[int], str] = lambda partition: "") -> None:
+        self._reader: Consumer | None = None  # set by ``start``
+        self._states_topic, self._stall_after_s = states_topic, stall_after_s
         self._cluster = None  # where ``start`` connects its reader, when ``of`` made the watch
         self._describe = describe
         self.inputs, self.outputs = InputProgress(), OutputVisibility()
