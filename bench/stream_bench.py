@@ -53,7 +53,7 @@ from urllib.request import urlopen
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import schemas  # noqa: E402
-from bench import gil_profile  # noqa: E402
+from bench import capacity, gil_profile  # noqa: E402
 from bench.engine_bench import QWEN35_08B, questions, states  # noqa: E402
 from bench.stream_windows import (all_workers_window, budget_plan_errors, cycle_timelines, gpu_pipeline,  # noqa: E402
                                   held_partitions, log_events, read_log_events, replay_timing)
@@ -110,6 +110,9 @@ class Stream:
                  latency_budget_ms: int | None = None):
         self.args, self.bootstrap, self.model_dir, self.max_wait_ms, self.logs = args, bootstrap, model_dir, max_wait_ms, logs
         self.latency_budget_ms = latency_budget_ms
+        # the workers' way to the broker: through the latency proxy with --broker-delay-ms; the bench's own clients
+        # (topics, load, reader) always go straight to it, so that only the worker's round trips pay the delay
+        self.worker_bootstrap = getattr(args, "worker_bootstrap", None) or bootstrap
         self.topics = Topics(states=f"{name}.states", schemas=f"{name}.schemas", probabilities=f"{name}.probabilities",
                              dead_letter=f"{name}.dead-letter")
         self.name = name
@@ -128,7 +131,7 @@ class Stream:
             gpu_flags = ["--warmup-state-tokens", self.args.warmup_state_tokens]
         budget_flags = [] if self.latency_budget_ms is None else ["--latency-budget-ms", str(self.latency_budget_ms)]
         t = self.topics
-        cmd = [sys.executable, "-m", "worker", "worker", "-b", self.bootstrap, "--model", str(self.model_dir),
+        cmd = [sys.executable, "-m", "worker", "worker", "-b", self.worker_bootstrap, "--model", str(self.model_dir),
                "--device", device, "--worker-id", f"{self.name}-w{i}", "--group", f"{self.name}-group",
                "--max-batch", str(self.args.max_batch), "--max-wait-ms", str(self.max_wait_ms),
                "--states-topic", t.states, "--schemas-topic", t.schemas, "--probabilities-topic", t.probabilities,
@@ -372,37 +375,51 @@ def latency_phase(args, bootstrap, model_dir, schema_file, texts, logs, max_wait
     name = f"lat{max_wait_ms}" if latency_budget_ms is None else f"budget{latency_budget_ms}"
     with running_stream(args, bootstrap, model_dir, schema_file, texts, logs, name, max_wait_ms, latency_budget_ms) as (
             stream, reader, warm_ids):
-        # The first --latency-warmup-seconds at the offered rate are not measured: small batches of new sizes are
-        # first seen there, and each new (batch, length) bucket captures a CUDA graph once (~0.1-0.5 s).
-        steady = [f"lw-{i}" for i in range(int(rate * args.latency_warmup_seconds))]
-        n = max(20, int(rate * args.latency_seconds))
-        ids = [f"l-{i}" for i in range(n)]
-        start_seen = len(reader.visible)
-        before = stream.worker_stage_totals(0)
-        measured_from = time.time() + args.latency_warmup_seconds
-        gil = GilSampler(stream, args) if args.gil_profile and latency_budget_ms is not None else None
-        produce(bootstrap, stream.topics.states, steady + ids, [texts[i % len(texts)] for i in range(len(steady) + n)],
-                rate=rate)
-        reader.wait_for(start_seen + len(steady) + n, 120)
-        stages = stage_means(before, stream.worker_stage_totals(0))
-        measured = [(1000 * t, sid, ev) for t, sid, ev in reader.visible[start_seen:] if ev is not None and sid.startswith("l-")]
-        lat = sorted(t - ev for t, _, ev in measured)
-        # where the time goes: event -> record built (consume, batch fill, scoring), built -> visible (commit, reader)
-        to_scored = [reader.scored_at[sid] - ev for _, sid, ev in measured]
-        to_visible = [t - reader.scored_at[sid] for t, sid, _ in measured]
-        budget = {} if latency_budget_ms is None else dict(
-            latency_budget_ms=latency_budget_ms, over_budget=sum(t > latency_budget_ms for t in lat),
-            worker0_cycles_over_budget=stages.get("budget_misses"), worker0_cycles=stages.get("transactions"),
-            worker0_plans=budget_plan_errors(stream.worker_events()[0], latency_budget_ms, since=measured_from),
-            worker0_timelines=cycle_timelines(stream.worker_events()[0], latency_budget_ms, since=measured_from),
-            worker0_pipeline=gpu_pipeline(stream.worker_events()[0], since=measured_from),
-            **({"worker0_gil": gil.result()} if gil is not None else {}))
-        return dict(phase="latency", workers=args.workers, max_wait_ms=max_wait_ms, offered_states_per_s=rate, states=n,
-                    unmeasured_warmup_states=len(steady), p50_ms=statistics.median(lat),
-                    p99_ms=lat[int(0.99 * (len(lat) - 1))], max_ms=lat[-1], **budget,
-                    over_target=sum(t > max_wait_ms + 30 for t in lat), p50_to_scored_ms=statistics.median(to_scored),
-                    p50_scored_to_visible_ms=statistics.median(to_visible), worker0_stage_means=stages,
-                    **exactly_once(reader, warm_ids + steady + ids))
+        window = latency_window(args, stream, reader, texts, rate, "l", latency_budget_ms,
+                                gil_profile=args.gil_profile and latency_budget_ms is not None)
+        ids = window.pop("ids")
+        return dict(phase="latency", workers=args.workers, max_wait_ms=max_wait_ms, **window,
+                    **exactly_once(reader, warm_ids + ids))
+
+
+def latency_window(args, stream: Stream, reader: Reader, texts: list[str], rate: float, tag: str,
+                   latency_budget_ms: int | None = None, gil_profile: bool = False) -> dict:
+    """One measured window on a running stream: --latency-warmup-seconds of states at `rate` (not measured), then
+    --latency-seconds more (ids `tag-i`, measured); returns when all of them are visible (or after 120 s).
+
+    The result's "ids" are every id it produced, for the caller's exactly-once check."""
+    # The first --latency-warmup-seconds at the offered rate are not measured: small batches of new sizes are
+    # first seen there, and each new (batch, length) bucket captures a CUDA graph once (~0.1-0.5 s).
+    steady = [f"{tag}w-{i}" for i in range(int(rate * args.latency_warmup_seconds))]
+    n = max(20, int(rate * args.latency_seconds))
+    ids = [f"{tag}-{i}" for i in range(n)]
+    start_seen = len(reader.visible)
+    before = stream.worker_stage_totals(0)
+    measured_from = time.time() + args.latency_warmup_seconds
+    gil = GilSampler(stream, args) if gil_profile else None
+    produce(stream.bootstrap, stream.topics.states, steady + ids, [texts[i % len(texts)] for i in range(len(steady) + n)],
+            rate=rate)
+    reader.wait_for(start_seen + len(steady) + n, 120)
+    stages = stage_means(before, stream.worker_stage_totals(0))
+    measured = [(1000 * t, sid, ev) for t, sid, ev in reader.visible[start_seen:] if ev is not None
+                and sid.startswith(f"{tag}-")]
+    lat = sorted(t - ev for t, _, ev in measured)
+    # where the time goes: event -> record built (consume, batch fill, scoring), built -> visible (commit, reader)
+    to_scored = [reader.scored_at[sid] - ev for _, sid, ev in measured]
+    to_visible = [t - reader.scored_at[sid] for t, sid, _ in measured]
+    budget = {} if latency_budget_ms is None else dict(
+        latency_budget_ms=latency_budget_ms, over_budget=sum(t > latency_budget_ms for t in lat),
+        worker0_cycles_over_budget=stages.get("budget_misses"), worker0_cycles=stages.get("transactions"),
+        worker0_plans=budget_plan_errors(stream.worker_events()[0], latency_budget_ms, since=measured_from),
+        worker0_timelines=cycle_timelines(stream.worker_events()[0], latency_budget_ms, since=measured_from),
+        worker0_pipeline=gpu_pipeline(stream.worker_events()[0], since=measured_from),
+        **({"worker0_gil": gil.result()} if gil is not None else {}))
+    if not lat:
+        raise SystemExit(f"window {tag}: none of its {n} measured states became visible within 120 s; see {stream.logs}")
+    return dict(offered_states_per_s=rate, states=n, measured_visible=len(lat), unmeasured_warmup_states=len(steady),
+                p50_ms=statistics.median(lat), p99_ms=lat[int(0.99 * (len(lat) - 1))], max_ms=lat[-1], **budget,
+                over_target=sum(t > stream.max_wait_ms + 30 for t in lat), p50_to_scored_ms=statistics.median(to_scored),
+                p50_scored_to_visible_ms=statistics.median(to_visible), worker0_stage_means=stages, ids=steady + ids)
 
 
 def read_records(bootstrap: str, topic: str, partitions: int, expected: int, timeout_s: float = 60) -> dict:
@@ -493,6 +510,13 @@ def main(argv=None) -> dict:
     ap.add_argument("--replay", action="store_true",
                     help="after the latency phases, replay the first one's states at full batches and compare records")
     ap.add_argument("--engine-seconds", type=float, default=None)
+    ap.add_argument("--capacity", action="store_true",
+                    help="measure each --latency-budget-ms's capacity instead of the phases above (bench/capacity.py)")
+    ap.add_argument("--capacity-loads", default=None,
+                    help="comma-separated offered loads, fractions of the full-load rate (default 0.3,0.4,...,0.9,0.95)")
+    ap.add_argument("--capacity-samples", type=int, default=2, help="measured windows per load")
+    ap.add_argument("--broker-delay-ms", type=float, default=0.0,
+                    help="with --capacity: the workers reach the broker through bench/latency_proxy.py, this much each way")
     ap.add_argument("--start-timeout", type=float, default=300)
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = ap.parse_args(argv)
@@ -503,16 +527,21 @@ def main(argv=None) -> dict:
     args.states = args.states or (120 if args.quick else 20000)
     args.max_batch = args.max_batch or (16 if args.quick else 128)
     args.max_wait_ms = [int(x) for x in (args.max_wait_ms or ("20" if args.quick else "5,20,50")).split(",")]
-    budgets = args.latency_budget_ms if args.latency_budget_ms is not None else ("" if args.quick else "25,50,100")
+    budgets = args.latency_budget_ms if args.latency_budget_ms is not None else (
+        "50" if args.quick and args.capacity else "" if args.quick else "25,50,100")
     args.latency_budget_ms = [int(x) for x in budgets.split(",") if x.strip()]
     for flag, values in (("--max-wait-ms", args.max_wait_ms), ("--latency-budget-ms", args.latency_budget_ms)):
         if len(set(values)) != len(values):
             # a phase's topics and consumer group are named by its value: a repeat would read the earlier phase's
             # topics and count its records as duplicates
             ap.error(f"{flag}: each value at most once ({values}); run the bench again for another sample")
-    args.latency_seconds = args.latency_seconds or (3 if args.quick else 15)
+    args.capacity_loads = ([float(x) for x in args.capacity_loads.split(",")] if args.capacity_loads
+                           else [0.3, 0.6] if args.quick else list(capacity.DEFAULT_LOADS))
+    if args.broker_delay_ms and not args.capacity:
+        ap.error("--broker-delay-ms is measured by --capacity runs only")
+    args.latency_seconds = args.latency_seconds or (3 if args.quick else 6 if args.capacity else 15)
     args.latency_warmup_seconds = (args.latency_warmup_seconds if args.latency_warmup_seconds is not None
-                                   else (1 if args.quick else 5))
+                                   else (1 if args.quick else 2 if args.capacity else 5))
     args.partitions = args.partitions or max(4, 2 * args.workers)
     if args.partitions < args.workers:
         print(f"stream_bench: --partitions {args.partitions} is fewer than --workers {args.workers}: a worker without "
@@ -551,6 +580,8 @@ def main(argv=None) -> dict:
     # objects in this process (~0.2 s) would stamp late and count as latency. Same remedy as the worker's.
     gc.collect()
     gc.freeze()
+    if args.capacity:
+        return capacity_result(args, capacity.capacity_run(args, env, engine_rate, model_dir, schema_file, texts, logs))
     runs = []
     with EmbeddedBroker(port=free_port(), log=open(logs / "broker.log", "ab")) as broker:
         tput = throughput_phase(args, broker.bootstrap, model_dir, schema_file, texts, logs)
@@ -589,6 +620,24 @@ def main(argv=None) -> dict:
         path.write_text(json.dumps(result, indent=1))
         shutil.copytree(logs, path.with_suffix(".logs"), dirs_exist_ok=True)   # the workers' and broker's own account
         print(f"wrote {path} and its logs")
+    return result
+
+
+def capacity_result(args, result: dict) -> dict:
+    """Print a capacity run's table; on a GPU keep its JSON, its PNG (where matplotlib is installed) and its logs."""
+    print(capacity.markdown(result))
+    if args.quick:
+        return result
+    env, out = result["env"], Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{env['date']}-{env['gpu'].replace(' ', '-').lower()}-capacity-delay{args.broker_delay_ms:g}ms.json"
+    path.write_text(json.dumps(result, indent=1))
+    shutil.copytree(result["logs"], path.with_suffix(".logs"), dirs_exist_ok=True)
+    try:
+        capacity.plot(result, path.with_suffix(".png"))
+    except ImportError:
+        print("matplotlib is not installed here: render the PNG with python bench/capacity.py --plot", path)
+    print(f"wrote {path}")
     return result
 
 

@@ -1,0 +1,214 @@
+"""Real-time capacity: the highest offered load at which each latency budget still holds (`stream_bench.py --capacity`).
+
+    python bench/stream_bench.py --capacity                          # GPU: budgets 25, 50, 100 ms, broker delay 0
+    python bench/stream_bench.py --capacity --broker-delay-ms 2      # through bench/latency_proxy.py, 2 ms each way
+    python bench/stream_bench.py --capacity --quick                  # CPU, tiny model (the tests run it)
+    python bench/capacity.py --plot bench/results/X-capacity.json    # the PNG again, from a result (needs matplotlib)
+
+The run measures the full-load throughput first (`stream_bench.throughput_phase`, the workers reaching the broker
+through the proxy when there is a delay), then for each budget B starts workers with `--latency-budget-ms B
+--max-wait-ms B` and offers states at fractions of that throughput, ascending (--capacity-loads, default 30% to 95%),
+--capacity-samples windows per load (default 2), each --latency-warmup-seconds unmeasured then --latency-seconds
+measured (`stream_bench.latency_window`). A load holds when every sample has p99 event -> visible <= B and at most 1%
+of its states over B; B's capacity is the highest load held with every lower measured load held too, as a fraction of
+the full-load throughput, and a budget stops climbing at its first load that does not hold.
+
+Two simplifications keep a run inside one GPU call, and both are in the JSON: the samples of a budget are consecutive
+windows on one set of warm workers and topics (a window starts after the one before is visible in full; starting
+fresh workers per sample would cost a model load and the graph captures each time), and a budget starts one load step
+below the capacity of the tighter budget before it (`first_load`): the loads below that held for the tighter budget.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from worker.devbroker.embedded_broker import free_port  # noqa: E402
+
+DEFAULT_LOADS = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95)
+OVER_BUDGET_SHARE = 0.01   # a load holds with at most this share of a sample's states over the budget
+
+
+@contextlib.contextmanager
+def slower_broker(broker_port: int, delay_ms: float, logs: Path):
+    """The workers' bootstrap: the broker itself without a delay, else a latency proxy in front of it (its own process,
+    so its threads do not share the bench's interpreter) -> (bootstrap, the proxy's stats once it stopped)."""
+    stats: dict = {"delay_ms": 0.0}
+    if not delay_ms:
+        yield f"127.0.0.1:{broker_port}", stats
+        return
+    listen, stats_file = f"127.0.0.3:{free_port()}", logs / "proxy-stats.json"
+    proxy = subprocess.Popen([sys.executable, "-m", "bench.latency_proxy", "--upstream", f"127.0.0.1:{broker_port}",
+                              "--listen", listen, "--delay-ms", str(delay_ms), "--stats", str(stats_file)],
+                             cwd=Path(__file__).resolve().parents[1], stdout=open(logs / "proxy.log", "ab"),
+                             stderr=subprocess.STDOUT)
+    try:
+        _wait_listening(listen, proxy)
+        yield listen, stats
+    finally:
+        proxy.terminate()
+        proxy.wait(10)
+        if stats_file.exists():
+            stats.update(json.loads(stats_file.read_text()))
+
+
+def _wait_listening(address: str, proxy: subprocess.Popen, timeout_s: float = 10) -> None:
+    import socket
+    host, port = address.rsplit(":", 1)
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        if proxy.poll() is not None:
+            raise SystemExit(f"the latency proxy exited ({proxy.returncode}); see its log")
+        with contextlib.suppress(OSError), socket.create_connection((host, int(port)), timeout=0.5):
+            return
+        time.sleep(0.05)
+    raise SystemExit(f"the latency proxy did not listen on {address} within {timeout_s} s")
+
+
+def holds(sample: dict, budget_ms: int) -> bool:
+    """Whether one window met the budget: p99 within it and at most OVER_BUDGET_SHARE of its states over it."""
+    return sample["p99_ms"] <= budget_ms and sample["over_budget"] <= OVER_BUDGET_SHARE * sample["measured_visible"]
+
+
+def capacity_of(points: list[dict]) -> float:
+    """The highest load of ``points`` (ascending) held with every load before it held too (0 if the first fails)."""
+    capacity = 0.0
+    for point in points:
+        if not point["held"]:
+            break
+        capacity = point["load"]
+    return capacity
+
+
+def _sample_summary(window: dict) -> dict:
+    """A window's figures for the capacity JSON: its latencies, the worker's view of it, without the per-cycle lists."""
+    keep = ("offered_states_per_s", "states", "measured_visible", "p50_ms", "p99_ms", "max_ms", "over_budget",
+            "worker0_cycles_over_budget", "worker0_cycles", "worker0_plans", "worker0_timelines", "worker0_pipeline",
+            "worker0_stage_means", "p50_to_scored_ms", "p50_scored_to_visible_ms")
+    return {k: window[k] for k in keep if k in window}
+
+
+def budget_curve(args, bootstrap: str, model_dir, schema_file, texts, logs, budget_ms: int, full_rate: float,
+                 loads: list[float]) -> dict:
+    """Offer each of ``loads`` (fractions of ``full_rate``) to workers run with ``budget_ms``, until one does not hold."""
+    from bench.stream_bench import exactly_once, latency_window, running_stream
+    points, ids = [], []
+    with running_stream(args, bootstrap, model_dir, schema_file, texts, logs, f"cap{budget_ms}", budget_ms,
+                        budget_ms) as (stream, reader, warm_ids):
+        ids += warm_ids
+        for load in loads:
+            samples = []
+            for k in range(args.capacity_samples):
+                window = latency_window(args, stream, reader, texts, load * full_rate, f"c{round(load * 100)}s{k}",
+                                        budget_ms)
+                ids += window.pop("ids")
+                samples.append(_sample_summary(window))
+            point = dict(load=load, offered_states_per_s=load * full_rate, held=all(holds(s, budget_ms) for s in samples),
+                         p99_ms=[s["p99_ms"] for s in samples], over_budget_share=[
+                             s["over_budget"] / s["measured_visible"] for s in samples], samples=samples)
+            points.append(point)
+            print(f"budget {budget_ms} ms, load {load:.0%} ({load * full_rate:,.0f}/s): p99 "
+                  f"{', '.join(f'{p:.1f}' for p in point['p99_ms'])} ms -> {'holds' if point['held'] else 'does not hold'}",
+                  flush=True)
+            if not point["held"]:
+                break
+        time.sleep(1.0)   # a duplicate would be visible by now
+        once = exactly_once(reader, ids)
+    capacity = capacity_of(points)
+    return dict(budget_ms=budget_ms, first_load=loads[0], capacity=capacity, capacity_states_per_s=capacity * full_rate,
+                points=points, **{f"exactly_once_{k}": v for k, v in once.items()})
+
+
+def loads_from(grid: list[float], tighter_capacity: float | None) -> list[float]:
+    """The loads to offer a budget: the grid from one step below the tighter budget's capacity (all of it for the
+    first budget, or when the tighter one held nothing)."""
+    if not tighter_capacity:
+        return grid
+    below = [load for load in grid if load < tighter_capacity]
+    start = below[-1] if below else grid[0]
+    return [load for load in grid if load >= start]
+
+
+def capacity_run(args, env: dict, engine_rate: float, model_dir, schema_file, texts, logs: Path) -> dict:
+    """The whole capacity measurement on one embedded broker (see the module's docstring)."""
+    from bench.stream_bench import throughput_phase
+    from worker.devbroker.embedded_broker import EmbeddedBroker
+    grid = sorted(args.capacity_loads)
+    with EmbeddedBroker(port=free_port(), log=open(logs / "broker.log", "ab")) as broker, \
+            slower_broker(broker.port, args.broker_delay_ms, logs) as (worker_bootstrap, proxy_stats):
+        args.worker_bootstrap = worker_bootstrap
+        full = throughput_phase(args, broker.bootstrap, model_dir, schema_file, texts, logs)
+        full_rate = full["all_workers_states_per_s"] or full["states_per_s"]
+        full["fraction_of_engine"] = full_rate / engine_rate
+        print(f"full load: {full_rate:,.1f} states/s ({full['fraction_of_engine']:.1%} of engine-only)", flush=True)
+        curves, tighter = [], None
+        for budget_ms in sorted(args.latency_budget_ms):
+            curve = budget_curve(args, broker.bootstrap, model_dir, schema_file, texts, logs, budget_ms, full_rate,
+                                 loads_from(grid, tighter))
+            curves.append(curve)
+            tighter = curve["capacity"]
+    return dict(env=env, broker_delay_ms=args.broker_delay_ms, proxy=proxy_stats, engine_only_states_per_s=engine_rate,
+                full_load=full, full_load_states_per_s=full_rate, loads=grid, samples_per_load=args.capacity_samples,
+                window_seconds=args.latency_seconds, warmup_seconds=args.latency_warmup_seconds,
+                capacity={str(c["budget_ms"]): c["capacity"] for c in curves}, budgets=curves, logs=str(logs))
+
+
+def markdown(result: dict) -> str:
+    """The capacity table: per budget, its capacity and each load's p99s."""
+    env = result["env"]
+    lines = [f"{env['gpu']}, broker delay {result['broker_delay_ms']} ms each way, full load "
+             f"{result['full_load_states_per_s']:,.1f} states/s ({result['full_load']['fraction_of_engine']:.1%} of "
+             f"engine-only), {result['samples_per_load']} x {result['window_seconds']} s windows per load", "",
+             "| budget ms | capacity | states/s | loads: p99 ms of each sample (held?) | exactly once |", "|---|---|---|---|---|"]
+    for curve in result["budgets"]:
+        loads = "; ".join(f"{p['load']:.0%}: {'/'.join(f'{x:.1f}' for x in p['p99_ms'])}{'' if p['held'] else ' ✗'}"
+                          for p in curve["points"])
+        lines.append(f"| {curve['budget_ms']} | {curve['capacity']:.0%} | {curve['capacity_states_per_s']:,.0f} | {loads} "
+                     f"| {curve['exactly_once_ok']} |")
+    return "\n".join(lines)
+
+
+def plot(result: dict, path: Path) -> Path:
+    """p99 against offered load per budget, with each budget's line, as a PNG at ``path`` (matplotlib)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7.5, 4.8), dpi=120)
+    for k, curve in enumerate(result["budgets"]):
+        color = f"C{k}"
+        loads = [p["load"] * 100 for p in curve["points"]]
+        ax.plot(loads, [max(p["p99_ms"]) for p in curve["points"]], "-o", color=color,
+                label=f"budget {curve['budget_ms']} ms: capacity {curve['capacity']:.0%}")
+        for p in curve["points"]:
+            ax.scatter([p["load"] * 100] * len(p["p99_ms"]), p["p99_ms"], color=color, s=10, alpha=0.5)
+        ax.axhline(curve["budget_ms"], color=color, linestyle="--", linewidth=1)
+    env = result["env"]
+    ax.set(xlabel=f"offered load, % of full-load throughput ({result['full_load_states_per_s']:,.0f} states/s)",
+           ylabel="p99 event -> visible (ms)", yscale="log",
+           title=f"{env['gpu']}: capacity per latency budget, broker delay {result['broker_delay_ms']:g} ms each way")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(loc="upper left", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description="Render a capacity result's PNG (the run itself: stream_bench.py --capacity)")
+    ap.add_argument("--plot", required=True, help="a capacity JSON from stream_bench.py --capacity")
+    ap.add_argument("--png", help="where to write it (default: beside the JSON)")
+    args = ap.parse_args(argv)
+    source = Path(args.plot)
+    print(plot(json.loads(source.read_text()), Path(args.png) if args.png else source.with_suffix(".png")))
+
+
+if __name__ == "__main__":
+    main()

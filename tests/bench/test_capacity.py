@@ -1,0 +1,53 @@
+"""`stream_bench.py --capacity`: the rule that turns measured windows into a budget's capacity, and a quick CPU run
+through the latency proxy, exactly once."""
+import json
+
+from bench.capacity import capacity_of, holds, loads_from, plot
+
+GRID = [0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95]
+
+
+def _sample(p99_ms: float, over: int, visible: int = 1000) -> dict:
+    return {"p99_ms": p99_ms, "over_budget": over, "measured_visible": visible}
+
+
+def test_a_window_holds_with_p99_within_the_budget_and_at_most_one_percent_over_it():
+    assert holds(_sample(25.0, 10), 25)
+    assert not holds(_sample(25.1, 0), 25)
+    assert not holds(_sample(20.0, 11), 25)   # p99 within, but 1.1% of its states over
+
+
+def test_capacity_is_the_highest_load_held_with_every_lower_load_held():
+    points = [{"load": 0.3, "held": True}, {"load": 0.4, "held": True}, {"load": 0.5, "held": False},
+              {"load": 0.6, "held": True}]
+    assert capacity_of(points) == 0.4
+    assert capacity_of([{"load": 0.3, "held": False}]) == 0.0
+    assert capacity_of([]) == 0.0
+
+
+def test_a_looser_budget_starts_one_step_below_the_tighter_ones_capacity():
+    assert loads_from(GRID, None) == GRID
+    assert loads_from(GRID, 0.0) == GRID
+    assert loads_from(GRID, 0.6) == [0.5, 0.6, 0.7, 0.8, 0.9, 0.95]
+    assert loads_from(GRID, 0.3) == GRID
+
+
+def test_quick_capacity_run_through_a_slower_broker_is_exactly_once(tmp_path):
+    from bench.stream_bench import main as stream_main
+
+    result = stream_main(["--capacity", "--quick", "--states", "60", "--latency-seconds", "2", "--broker-delay-ms", "2",
+                          "--latency-budget-ms", "5000", "--capacity-loads", "0.2,0.4"])
+    assert result["broker_delay_ms"] == 2.0 and result["full_load_states_per_s"] > 0
+    # the proxy was in the workers' way, and says what it added
+    assert result["proxy"]["frames"] > 0 and result["proxy"]["added_p50_ms"] >= 2.0, result["proxy"]
+    (curve,) = result["budgets"]
+    assert curve["exactly_once_ok"], curve
+    assert [p["load"] for p in curve["points"]] == [0.2, 0.4][:len(curve["points"])]
+    assert all(len(p["samples"]) == 2 for p in curve["points"])
+    assert result["capacity"] == {"5000": curve["capacity"]} and curve["capacity"] == capacity_of(curve["points"])
+    for point in curve["points"]:
+        assert point["held"] == all(holds(s, 5000) for s in point["samples"])
+        for sample in point["samples"]:
+            assert 0 < sample["p50_ms"] <= sample["p99_ms"] and sample["measured_visible"] > 0
+    json.dumps(result)  # what --capacity writes on a GPU
+    assert plot(result, tmp_path / "capacity.png").stat().st_size > 1000
