@@ -65,6 +65,13 @@ ESTIMATED_COMMIT_SECONDS = Gauge(
 LATENCY_BUDGET_MISSES = Counter(
     "decider_latency_budget_misses_total", "Committed cycles whose first state's record became visible later than "
     "--latency-budget-ms after the state was consumed (transaction end - first state consumed)")
+LATENCY_BUDGET_OVERLOADED = Gauge(
+    "decider_latency_budget_overloaded", "1 while the latency budget does not hold at the load arriving: over the last "
+    "10 s more than 5% of the committed cycles were visible later than --latency-budget-ms (a warning names the rate); "
+    "add workers or raise the budget")
+ARRIVAL_STATES_PER_SECOND = Gauge(
+    "decider_latency_budget_arrival_states_per_second", "States scored per second over the last 10 s of committed "
+    "cycles, the load the latency budget is judged at")
 
 
 PARTITION_STALL_SECONDS = Gauge(

@@ -41,6 +41,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -207,6 +208,52 @@ class LatencyBudget:
         self._gpu_free_at = None
 
 
+@dataclass
+class Overload:
+    """Whether the budget holds at the load arriving, judged over the last ``window_s`` of committed cycles: it does
+    not when more than ``share`` of them were visible later than the budget (at least ``min_cycles`` of them, so that
+    one slow cycle after a quiet spell is not a verdict). The planner then cannot serve the load within the budget:
+    the GPU scores what arrives only in batches that take longer than the budget leaves them. ``add`` returns a
+    message when the verdict changes, for the log; it leaves the overloaded state only below half of ``share``, so
+    a load on the edge does not flap."""
+
+    budget_ms: float
+    window_s: float = 10.0
+    share: float = 0.05
+    min_cycles: int = 20
+    overloaded: bool = False
+    _cycles: deque = field(default_factory=deque)   # (committed_at, scored states, missed)
+
+    def add(self, committed_at: float, n_states: int, missed: bool) -> str | None:
+        """One committed cycle; -> a message if the budget stopped or started holding with it."""
+        self._cycles.append((committed_at, n_states, missed))
+        while self._cycles and self._cycles[0][0] < committed_at - self.window_s:
+            self._cycles.popleft()
+        if len(self._cycles) < self.min_cycles:
+            return None
+        missed_share = sum(m for _, _, m in self._cycles) / len(self._cycles)
+        if self.overloaded == (missed_share > (self.share / 2 if self.overloaded else self.share)):
+            return None
+        self.overloaded = not self.overloaded
+        rate, batch = self.rate(), sum(n for _, n, _ in self._cycles) / len(self._cycles)
+        if self.overloaded:
+            return (f"latency budget {self.budget_ms:g} ms does not hold at this load: {missed_share:.0%} of the "
+                    f"{len(self._cycles)} cycles committed in the last {self.window_s:g} s were visible later than it, "
+                    f"at {rate:,.0f} states/s (batches of {batch:.1f} on average); this worker cannot score that rate "
+                    "within the budget: add workers (GPUs) to the group, or raise --latency-budget-ms")
+        return (f"latency budget {self.budget_ms:g} ms holds again: {missed_share:.0%} of the last {self.window_s:g} "
+                f"s's cycles over it, at {rate:,.0f} states/s")
+
+    def rate(self) -> float:
+        """States scored per second over the window (0 before two cycles)."""
+        span = self._cycles[-1][0] - self._cycles[0][0] if len(self._cycles) > 1 else 0.0
+        return sum(n for _, n, _ in list(self._cycles)[1:]) / span if span > 0 else 0.0
+
+    def forget(self) -> None:
+        """Uncommitted work was dropped: the window starts again (the cycles after a rewind are a backlog)."""
+        self._cycles.clear()
+
+
 def scored_states(cycle: Cycle) -> int:
     """States of ``cycle`` in its batches (to be scored), as opposed to its dead letters and waiting states."""
     return sum(len(batch.members) for batch in cycle.batches.values())
@@ -221,6 +268,7 @@ class CycleBudget:
     def __init__(self, budget_ms: int | None, max_wait_s: float, gpu_busy: Callable[[], bool]) -> None:
         self.budget_ms = budget_ms
         self.state = LatencyBudget(budget_ms / 1000, max_wait_s) if budget_ms is not None else None
+        self.overload = Overload(budget_ms) if budget_ms is not None else None
         self._gpu_busy = gpu_busy
 
     def announce(self, max_wait_ms: int | None) -> None:
@@ -268,12 +316,19 @@ class CycleBudget:
         """``cycle`` committed at ``now``: learn its times, update the estimates' metrics, count a miss."""
         if self.state is None or cycle.arrived_at is None:
             return
+        n_states = scored_states(cycle)
         missed = self.state.committed(CycleTimes(
-            n_states=scored_states(cycle), first_arrival=cycle.arrived_at, closed_at=closed_at,
+            n_states=n_states, first_arrival=cycle.arrived_at, closed_at=closed_at,
             scored_at=scored_at or now, committed_at=now, launched_at=launched_at))
         metrics.observe_budget(self.state.engine.values(), self.state.commit.values(), missed)
+        verdict = self.overload.add(now, n_states, missed)
+        metrics.ARRIVAL_STATES_PER_SECOND.set(self.overload.rate())
+        if verdict is not None:
+            metrics.LATENCY_BUDGET_OVERLOADED.set(int(self.overload.overloaded))
+            (log.warning if self.overload.overloaded else log.info)("%s", verdict)
 
     def forget_order(self) -> None:
         """Uncommitted cycles were dropped: the next cycle follows none in flight."""
         if self.state is not None:
             self.state.forget_order()
+            self.overload.forget()

@@ -11,7 +11,7 @@ import pytest
 from prometheus_client import REGISTRY
 
 from worker.stream.batcher import Cycle, Pending
-from worker.stream.latency_budget import (BucketedEstimates, CycleBudget, CycleTimes, LatencyBudget, RunningEstimate, bucket,
+from worker.stream.latency_budget import (BucketedEstimates, CycleBudget, CycleTimes, LatencyBudget, Overload, RunningEstimate, bucket,
                                    close_by, visible_at)
 from worker.formats.records import SourceRecord
 
@@ -226,3 +226,37 @@ def test_a_committed_cycles_event_says_where_its_first_states_time_went():
     # a cycle of dead letters only is never launched
     never_launched = InFlight(cycle, [], Future(), closed_at=10.004)
     assert never_launched.latency_fields(committed_at=10.005)["launched_ms"] is None
+
+
+# ---- whether the budget holds at the load arriving -------------------------------------------------------------
+def _commit_cycles(overload: Overload, start: float, count: int, every_s: float, states: int, missed: bool) -> list[str]:
+    messages = [overload.add(start + k * every_s, states, missed) for k in range(count)]
+    return [m for m in messages if m is not None]
+
+
+def test_overload_is_said_once_with_the_budget_and_the_rate_when_cycles_miss():
+    overload = Overload(25)
+    assert _commit_cycles(overload, 0.0, 40, 0.01, 10, missed=False) == []     # 1,000 states/s, on time
+    messages = _commit_cycles(overload, 0.4, 40, 0.01, 10, missed=True)        # then every cycle late
+    assert len(messages) == 1 and overload.overloaded
+    assert "latency budget 25 ms does not hold at this load" in messages[0]
+    assert "1,000 states/s" in messages[0] and "add workers" in messages[0]
+
+
+def test_overload_needs_enough_cycles_and_clears_only_well_below_its_share():
+    overload = Overload(25, min_cycles=20)
+    assert _commit_cycles(overload, 0.0, 19, 0.01, 10, missed=True) == []      # too few cycles for a verdict
+    assert len(_commit_cycles(overload, 0.19, 1, 0.01, 10, missed=True)) == 1
+    # the window moves on: 4% of its cycles late is under the 5% that raised it but not under half of it
+    assert _commit_cycles(overload, 20.0, 1, 0.01, 10, True) + _commit_cycles(overload, 20.01, 24, 0.01, 10, False) == []
+    assert overload.overloaded
+    assert "holds again" in _commit_cycles(overload, 20.25, 30, 0.01, 10, missed=False)[0]
+    assert not overload.overloaded
+
+
+def test_a_dropped_backlog_starts_the_overload_window_again():
+    overload = Overload(25)
+    _commit_cycles(overload, 0.0, 30, 0.01, 10, missed=True)
+    assert overload.overloaded
+    overload.forget()
+    assert overload.rate() == 0.0

@@ -113,3 +113,21 @@ def test_records_are_visible_within_the_budget_at_a_modest_rate(stream, model_di
     assert misses <= 0.1 * cycles + 1, (misses, cycles)   # the measured cycles, planned from estimates
     assert worker.stop() == 0, worker.log()
     assert worker.log().count("latency budget 2000 ms") == 1
+
+
+def test_a_budget_the_load_cannot_meet_is_said_with_its_rate_and_exported(stream, model_dir):
+    """1 ms cannot hold on any device (a transaction alone takes longer): the worker says so in one warning that names
+    the budget and the rate, and /metrics shows the overload, rather than blowing the budget silently."""
+    port = free_port()
+    stream.put_schema("tickets", QUESTIONS)
+    worker = stream.start_worker(model_dir, "overloaded", "--max-batch", "4", "--latency-budget-ms", "1",
+                                 "--metrics-port", str(port))
+    worker.wait_for_log("latency budget 1 ms", timeout_s=90)
+    stream.produce_states([(f"o-{i}", t) for i, t in enumerate(state_texts(200, seed=3))], "tickets")
+    worker.wait_for_log("latency budget 1 ms does not hold at this load", timeout_s=90)
+    warning = next(line for line in worker.log().splitlines() if "does not hold at this load" in line)
+    assert "states/s" in warning and "add workers" in warning, warning
+    samples = _samples(port)
+    assert _sample(samples, "decider_latency_budget_overloaded") == 1
+    assert _sample(samples, "decider_latency_budget_arrival_states_per_second") > 0
+    assert worker.stop() == 0, worker.log()
