@@ -13,7 +13,8 @@ measured (`stream_bench.latency_window`). A load holds when every sample has p99
 of its states over B; B's capacity is the highest load held with every lower measured load held too, as a fraction of
 the full-load throughput, and a budget stops climbing at its first load that does not hold.
 
-Two simplifications keep a run inside one GPU call, and both are in the JSON: the samples of a budget are consecutive
+Each phase runs on an embedded broker of its own (``fresh_broker`` says why). Two simplifications keep a run inside
+one GPU call, and both are in the JSON: the samples of a budget are consecutive
 windows on one set of warm workers and topics (a window starts after the one before is visible in full; starting
 fresh workers per sample would cost a model load and the graph captures each time), and a budget starts one load step
 below the capacity of the tighter budget before it (`first_load`): the loads below that held for the tighter budget.
@@ -136,25 +137,40 @@ def loads_from(grid: list[float], tighter_capacity: float | None) -> list[float]
     return [load for load in grid if load >= start]
 
 
-def capacity_run(args, env: dict, engine_rate: float, model_dir, schema_file, texts, logs: Path) -> dict:
-    """The whole capacity measurement on one embedded broker (see the module's docstring)."""
-    from bench.stream_bench import throughput_phase
+@contextlib.contextmanager
+def fresh_broker(args, logs: Path, name: str):
+    """A new embedded broker for one phase, and the workers' way to it -> (broker, proxy stats once it stopped).
+
+    One per phase because noida-db stalls every request for a while every few seconds, longer as it holds more
+    data (measured on the H200, run BW in bench/README.md: 27 ms early in a run, 73 ms after 80,000 records),
+    which real Kafka does not: a phase on a broker that already holds the phases before it would measure the
+    broker's growth, not the worker."""
     from worker.devbroker.embedded_broker import EmbeddedBroker
-    grid = sorted(args.capacity_loads)
-    with EmbeddedBroker(port=free_port(), log=open(logs / "broker.log", "ab")) as broker, \
+    with EmbeddedBroker(port=free_port(), log=open(logs / f"broker-{name}.log", "ab")) as broker, \
             slower_broker(broker.port, args.broker_delay_ms, logs) as (worker_bootstrap, proxy_stats):
         args.worker_bootstrap = worker_bootstrap
+        yield broker, proxy_stats
+
+
+def capacity_run(args, env: dict, engine_rate: float, model_dir, schema_file, texts, logs: Path) -> dict:
+    """The whole capacity measurement (see the module's docstring), each phase on a broker of its own."""
+    from bench.stream_bench import throughput_phase
+    grid = sorted(args.capacity_loads)
+    with fresh_broker(args, logs, "tput") as (broker, proxy_stats):
         full = throughput_phase(args, broker.bootstrap, model_dir, schema_file, texts, logs)
-        full_rate = full["all_workers_states_per_s"] or full["states_per_s"]
-        full["fraction_of_engine"] = full_rate / engine_rate
-        print(f"full load: {full_rate:,.1f} states/s ({full['fraction_of_engine']:.1%} of engine-only)", flush=True)
-        curves, tighter = [], None
-        for budget_ms in sorted(args.latency_budget_ms):
+    full["proxy"] = proxy_stats
+    full_rate = full["all_workers_states_per_s"] or full["states_per_s"]
+    full["fraction_of_engine"] = full_rate / engine_rate
+    print(f"full load: {full_rate:,.1f} states/s ({full['fraction_of_engine']:.1%} of engine-only)", flush=True)
+    curves, tighter = [], None
+    for budget_ms in sorted(args.latency_budget_ms):
+        with fresh_broker(args, logs, f"cap{budget_ms}") as (broker, proxy_stats):
             curve = budget_curve(args, broker.bootstrap, model_dir, schema_file, texts, logs, budget_ms, full_rate,
                                  loads_from(grid, tighter))
-            curves.append(curve)
-            tighter = curve["capacity"]
-    return dict(env=env, broker_delay_ms=args.broker_delay_ms, proxy=proxy_stats, engine_only_states_per_s=engine_rate,
+        curve["proxy"] = proxy_stats
+        curves.append(curve)
+        tighter = curve["capacity"]
+    return dict(env=env, broker_delay_ms=args.broker_delay_ms, engine_only_states_per_s=engine_rate,
                 full_load=full, full_load_states_per_s=full_rate, loads=grid, samples_per_load=args.capacity_samples,
                 window_seconds=args.latency_seconds, warmup_seconds=args.latency_warmup_seconds,
                 capacity={str(c["budget_ms"]): c["capacity"] for c in curves}, budgets=curves, logs=str(logs))

@@ -6,7 +6,8 @@
 # bash bench/gpu_session.sh [steps...]
 #   steps: tests profile engine lengths (64/256-token states) schemas (many live schemas) variants (bench/variant_ab.py:
 #   VARIANTS="name:module.ATTR=value|...", DETERMINISTIC=1 for the workers' kernel table) stream scaleout (2 workers,
-#   one killed) ab (the engine step again in another checkout, AB_TREE, default ab/: e.g. a branch to time against
+#   one killed) capacity (stream_bench.py --capacity once per DELAYS, default "0": broker delays in ms, through
+#   bench/latency_proxy.py; CAPACITY_ARGS e.g. "--latency-budget-ms 25,50"), ab (the engine step again in another checkout, AB_TREE, default ab/: e.g. a branch to time against
 #   this tree in the same call, extracted with `mkdir ab && git archive BRANCH | tar -x -C ab`, removed after; several
 #   trees: AB_TREE=ab2 bash bench/gpu_session.sh ab, in the same command line)
 #   (default: tests engine stream)
@@ -44,6 +45,10 @@ for step in $steps; do
                | tee "$OUT/variant_ab.txt" | tail -8 ;;
     stream)  timeout "${T_STREAM:-300}" python3 bench/stream_bench.py --states "${STATES:-10000}" --out "$OUT" ${STREAM_ARGS:-} 2>&1 \
                | tee "$OUT/stream_bench.txt" | tail -20 ;;
+    capacity) for delay in ${DELAYS:-0}; do
+               timeout "${T_CAPACITY:-560}" python3 bench/stream_bench.py --capacity --broker-delay-ms "$delay" \
+                 --states "${STATES:-8000}" --out "$OUT" ${CAPACITY_ARGS:-} 2>&1 | tee "$OUT/capacity_delay$delay.txt" | tail -12
+             done ;;
     scaleout) timeout "${T_SCALEOUT:-270}" python3 bench/stream_bench.py --workers 2 ${SCALEOUT_ARGS---kill-one} \
                --max-wait-ms 20 --states "${STATES:-20000}" --out "$OUT" 2>&1 | tee "$OUT/scaleout_2.txt" | tail -16 ;;
     *) echo "unknown step $step"; exit 2 ;;

@@ -539,7 +539,7 @@ def main(argv=None) -> dict:
                            else [0.3, 0.6] if args.quick else list(capacity.DEFAULT_LOADS))
     if args.broker_delay_ms and not args.capacity:
         ap.error("--broker-delay-ms is measured by --capacity runs only")
-    args.latency_seconds = args.latency_seconds or (3 if args.quick else 6 if args.capacity else 15)
+    args.latency_seconds = args.latency_seconds or (3 if args.quick else 8 if args.capacity else 15)
     args.latency_warmup_seconds = (args.latency_warmup_seconds if args.latency_warmup_seconds is not None
                                    else (1 if args.quick else 2 if args.capacity else 5))
     args.partitions = args.partitions or max(4, 2 * args.workers)

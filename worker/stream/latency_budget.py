@@ -211,8 +211,9 @@ class LatencyBudget:
 @dataclass
 class Overload:
     """Whether the budget holds at the load arriving, judged over the last ``window_s`` of committed cycles: it does
-    not when more than ``share`` of them were visible later than the budget (at least ``min_cycles`` of them, so that
-    one slow cycle after a quiet spell is not a verdict). The planner then cannot serve the load within the budget:
+    not when more than ``share`` of them were visible later than the budget (at least ``min_cycles`` of them over at
+    least half the window, so that neither one slow cycle after a quiet spell nor a backlog taken at start, both
+    late by nature, is a verdict on the load). The planner then cannot serve the load within the budget:
     the GPU scores what arrives only in batches that take longer than the budget leaves them. ``add`` returns a
     message when the verdict changes, for the log; it leaves the overloaded state only below half of ``share``, so
     a load on the edge does not flap."""
@@ -229,7 +230,7 @@ class Overload:
         self._cycles.append((committed_at, n_states, missed))
         while self._cycles and self._cycles[0][0] < committed_at - self.window_s:
             self._cycles.popleft()
-        if len(self._cycles) < self.min_cycles:
+        if len(self._cycles) < self.min_cycles or committed_at - self._cycles[0][0] < self.window_s / 2:
             return None
         missed_share = sum(m for _, _, m in self._cycles) / len(self._cycles)
         if self.overloaded == (missed_share > (self.share / 2 if self.overloaded else self.share)):

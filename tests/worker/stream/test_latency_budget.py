@@ -236,8 +236,8 @@ def _commit_cycles(overload: Overload, start: float, count: int, every_s: float,
 
 def test_overload_is_said_once_with_the_budget_and_the_rate_when_cycles_miss():
     overload = Overload(25)
-    assert _commit_cycles(overload, 0.0, 40, 0.01, 10, missed=False) == []     # 1,000 states/s, on time
-    messages = _commit_cycles(overload, 0.4, 40, 0.01, 10, missed=True)        # then every cycle late
+    assert _commit_cycles(overload, 0.0, 600, 0.01, 10, missed=False) == []    # 1,000 states/s, on time
+    messages = _commit_cycles(overload, 6.0, 100, 0.01, 10, missed=True)       # then every cycle late
     assert len(messages) == 1 and overload.overloaded
     assert "latency budget 25 ms does not hold at this load" in messages[0]
     assert "1,000 states/s" in messages[0] and "add workers" in messages[0]
@@ -245,18 +245,19 @@ def test_overload_is_said_once_with_the_budget_and_the_rate_when_cycles_miss():
 
 def test_overload_needs_enough_cycles_and_clears_only_well_below_its_share():
     overload = Overload(25, min_cycles=20)
-    assert _commit_cycles(overload, 0.0, 19, 0.01, 10, missed=True) == []      # too few cycles for a verdict
-    assert len(_commit_cycles(overload, 0.19, 1, 0.01, 10, missed=True)) == 1
+    assert _commit_cycles(overload, 0.0, 19, 0.5, 10, missed=True) == []       # too few cycles for a verdict
+    assert len(_commit_cycles(overload, 9.5, 1, 0.5, 10, missed=True)) == 1
     # the window moves on: 4% of its cycles late is under the 5% that raised it but not under half of it
-    assert _commit_cycles(overload, 20.0, 1, 0.01, 10, True) + _commit_cycles(overload, 20.01, 24, 0.01, 10, False) == []
+    assert _commit_cycles(overload, 30.0, 1, 0.2, 10, True) + _commit_cycles(overload, 30.2, 24, 0.2, 10, False) == []
     assert overload.overloaded
-    assert "holds again" in _commit_cycles(overload, 20.25, 30, 0.01, 10, missed=False)[0]
+    assert "holds again" in _commit_cycles(overload, 35.0, 30, 0.2, 10, missed=False)[0]
     assert not overload.overloaded
 
 
-def test_a_dropped_backlog_starts_the_overload_window_again():
+def test_a_backlog_taken_at_start_is_no_verdict_and_a_dropped_one_starts_the_window_again():
     overload = Overload(25)
-    _commit_cycles(overload, 0.0, 30, 0.01, 10, missed=True)
+    assert _commit_cycles(overload, 0.0, 200, 0.01, 128, missed=True) == []   # 2 s of late cycles: too short
+    _commit_cycles(overload, 2.0, 400, 0.01, 10, missed=True)
     assert overload.overloaded
     overload.forget()
     assert overload.rate() == 0.0

@@ -123,8 +123,11 @@ def test_a_budget_the_load_cannot_meet_is_said_with_its_rate_and_exported(stream
     worker = stream.start_worker(model_dir, "overloaded", "--max-batch", "4", "--latency-budget-ms", "1",
                                  "--metrics-port", str(port))
     worker.wait_for_log("latency budget 1 ms", timeout_s=90)
-    stream.produce_states([(f"o-{i}", t) for i, t in enumerate(state_texts(200, seed=3))], "tickets")
+    # a steady load over more than half the overload window (a backlog taken at once is no verdict on a load)
+    producing = threading.Thread(target=_produce_at_rate, args=(stream, state_texts(RATE * 8, seed=3)))
+    producing.start()
     worker.wait_for_log("latency budget 1 ms does not hold at this load", timeout_s=90)
+    producing.join()
     warning = next(line for line in worker.log().splitlines() if "does not hold at this load" in line)
     assert "states/s" in warning and "add workers" in warning, warning
     samples = _samples(port)
