@@ -5,6 +5,14 @@ A worker holds torch, transformers and a model: some 350k objects that live as l
 the open cycle's states wait; the timing below tells whether a stall of the stream was a collection. ``gc.freeze()`` moves the objects alive at
 that moment to a generation the collector never walks, so later collections see only what the loop itself keeps;
 the collector still runs, and reference cycles made later are still freed.
+
+Freezing has a side effect the young-generation threshold corrects. Python collects generation 2 when the objects
+promoted into it since the last full collection exceed a quarter of those already there, and after a freeze "those
+already there" are few: at Python's default threshold (a young collection every 700 net allocations, a middle one
+every tenth) a state's objects, alive for the tens of milliseconds of its cycle, outlived two young collections and
+were promoted, and on the H200 at half load a full collection ran every 2 s, 7-67 ms each, inside whatever broker call
+the loop was in (run BX in bench/README.md: the p99 of budgets 50 and 100 went from 33-41 ms at 40% load to 86-99 ms
+at 50%). A young collection every YOUNG_THRESHOLD allocations lets a cycle's objects die young.
 """
 
 from __future__ import annotations
@@ -20,6 +28,10 @@ log = logging.getLogger(__name__)
 SLOW_COLLECTION_S = 0.05
 """A collection at least this long is logged as a warning: it delays every state in the open cycle."""
 
+YOUNG_THRESHOLD = 20_000
+"""Net allocations between two young-generation collections once the loaded objects are frozen (Python's default:
+700). A young collection then walks at most this many objects, a few milliseconds."""
+
 _started: list[float] = []
 
 
@@ -29,6 +41,8 @@ def freeze_loaded_objects() -> int:
     schema and its graphs, should be frozen). Returns how many objects are frozen in all."""
     gc.collect()                 # what is garbage already should be freed, not frozen
     gc.freeze()
+    _, middle, old = gc.get_threshold()
+    gc.set_threshold(YOUNG_THRESHOLD, middle, old)
     return gc.get_freeze_count()
 
 

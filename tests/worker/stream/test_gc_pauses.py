@@ -39,3 +39,33 @@ def test_every_collection_is_timed_and_a_slow_one_logged(monkeypatch, caplog):
     finally:
         if not installed:
             gc.callbacks.remove(gc_pauses._on_collection)
+
+
+def _promoted_to_old(threshold: tuple[int, int, int]) -> bool:
+    """Whether a cycle's objects, alive while 15,000 more are allocated, end up in the oldest generation."""
+    saved = gc.get_threshold()
+    gc.collect()
+    gc.set_threshold(*threshold)
+    try:
+        cycle = [[i] for i in range(100)]          # a cycle's states: alive for the whole cycle
+        others = [[i] for i in range(15_000)]      # what the loop allocates meanwhile (net: they are still held)
+        old = {id(o) for o in gc.get_objects(generation=2)}
+        del others
+        return any(id(o) in old for o in cycle)
+    finally:
+        gc.set_threshold(*saved)
+
+
+def test_after_the_freeze_a_cycles_objects_die_young():
+    """Python's default young threshold promotes a cycle's objects to the oldest generation within 15,000
+    allocations (and full collections then come every few seconds under load); the worker's does not."""
+    assert _promoted_to_old((700, 10, 10))
+    saved = gc.get_threshold()
+    try:
+        gc_pauses.freeze_loaded_objects()
+        young, middle, old = gc.get_threshold()
+        assert young == gc_pauses.YOUNG_THRESHOLD
+        assert not _promoted_to_old((young, middle, old))
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*saved)
