@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
-import gc
 import json
 import os
 import signal
@@ -577,9 +576,10 @@ def main(argv=None) -> dict:
     engine_rate = one_engine * (args.workers if args.device.startswith("cuda") else 1)
     print(f"engine only: {engine_rate:,.1f} states/s (x{args.workers} workers on GPUs)", flush=True)
     # The reader thread stamps when each record becomes visible; a full collection walking torch's and transformers'
-    # objects in this process (~0.2 s) would stamp late and count as latency. Same remedy as the worker's.
-    gc.collect()
-    gc.freeze()
+    # objects in this process (~0.2 s) would stamp late and count as latency. Same remedy as the worker's, its young
+    # threshold included (the reader's records would otherwise be promoted and trigger full collections).
+    from worker.stream.gc_pauses import freeze_loaded_objects
+    freeze_loaded_objects()
     if args.capacity:
         return capacity_result(args, capacity.capacity_run(args, env, engine_rate, model_dir, schema_file, texts, logs))
     runs = []
