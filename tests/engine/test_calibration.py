@@ -1,6 +1,7 @@
 """Calibration in the engine (`engine.calibration`): option biases from the schema and from its content-free states
 (contextual), applied on the device against the oracle, raw probabilities beside the calibrated ones, and PriDe's
 position prior from permuted options."""
+import hashlib
 import math
 
 import numpy as np
@@ -105,10 +106,16 @@ def test_the_position_prior_is_the_mean_log_probability_of_a_position_over_shift
 
 class PositionBiased:
     """The SchemaEngine with a known log-bias added per option position to every score (then renormalised over the
-    question's options): a model whose position prior is its own times exp(bias)."""
+    question's options): a model whose position prior is its own times exp(bias).
 
-    def __init__(self, se, bias: list[float]):
-        self.se, self.bias = se, torch.tensor(bias + [0.0] * (8 - len(bias)))
+    content_scale > 0 also adds a known preference for options by their text, per state (a log-utility drawn from
+    the state's and the option's text, uniform in +-content_scale): the tiny random model's answers follow the prompt,
+    not the state or the option's meaning, so with its options reordered its top option is often locked to a position
+    whatever the state; a content preference that survives reordering lets the test see the position prior's removal
+    bring the orders' answers together."""
+
+    def __init__(self, se, bias: list[float], content_scale: float = 0.0):
+        self.se, self.bias, self.content_scale = se, torch.tensor(bias + [0.0] * (8 - len(bias))), content_scale
 
     def prepare(self, *args, **kwargs):
         return self.se.prepare(*args, **kwargs)
@@ -118,20 +125,31 @@ class PositionBiased:
 
     def score(self, h, states, temperature=None):
         out = []
-        for p in self.se.score(h, states, temperature=temperature):
-            biased = p * self.bias.exp()
+        for state, p in zip(states, self.se.score(h, states, temperature=temperature)):
+            log_bias = self.bias[None, :] + torch.tensor([[self._utility(state, option) for option in q.options]
+                                                          + [0.0] * (8 - len(q.options)) for q in h.questions])
+            biased = p * log_bias.exp()
             out.append(biased / biased.sum(-1, keepdim=True))
         return out
+
+    def _utility(self, state: str, option: str) -> float:
+        if not self.content_scale:
+            return 0.0
+        digest = hashlib.sha256(f"{state}\x00{option}".encode()).digest()
+        return (int.from_bytes(digest[:8], "big") / 2**64 * 2 - 1) * self.content_scale
 
 
 def test_fit_order_recovers_a_known_position_bias(se):
     qs = make_questions([4, 3])
     states = make_states(24, seed=47)
-    known = [0.8, 0.1, -0.3, -0.6]
+    known = [3.0, 1.0, -1.0, -3.0]
     own = fit_order(se, qs, states)
     fits = fit_order(PositionBiased(se, known), qs, states)
+    liked = fit_order(PositionBiased(se, known, content_scale=6.0), qs, states)
     for q, n in enumerate([4, 3]):
         want = np.array(known[:n]) - np.mean(known[:n])
         np.testing.assert_allclose(np.array(fits[q].log_prior) - own[q].log_prior, want, atol=0.05)
-        assert fits[q].disagreement_after < fits[q].disagreement_before
+        # a preference for options by content cancels over the shifts: the same prior, and the orders now agree more
+        np.testing.assert_allclose(liked[q].log_prior, fits[q].log_prior, atol=1e-5)
+        assert liked[q].disagreement_after < liked[q].disagreement_before - 0.1, liked[q]
     assert math.isclose(sum(fits[0].log_prior), 0, abs_tol=1e-9)

@@ -28,20 +28,28 @@ def score_file(model_dir: str, schema_path: str | Path, states_path: str | Path,
     schema_id = schema_id or Path(schema_path).stem
     schema = question_schema_record(load_schema_file(schema_path), schema_id, version=1)
     states = read_state_lines(states_path, schema_id)
+    se = load_schema_engine(model_dir, device, dtype, deterministic)
+    from engine import InputError
+    try:
+        h = se.prepare(engine_questions(schema), **engine_options(schema))
+    except InputError as exc:  # what only the model's tokenizer can tell, such as the prefix's length in tokens
+        raise ConfigError(f"schema file {schema_path}: {exc}") from None
+    return _scores(se, h, se.e.model_id, schema, states, batch_size)
+
+
+def load_schema_engine(model_dir: str, device: str = "cpu", dtype: str | None = None,
+                       deterministic: bool | None = None):
+    """A ``SchemaEngine`` on the model in ``model_dir`` (loaded in this thread); ``ConfigError`` with the engine's
+    reason when the directory or the device cannot serve."""
     check_model_dir(model_dir)  # before importing torch, which alone takes seconds
-    from engine import DeviceUnavailableError, Engine, InputError, ModelLoadError, SchemaEngine  # torch: once the files are good
+    from engine import DeviceUnavailableError, Engine, ModelLoadError, SchemaEngine  # torch: once the flags are good
     try:
         eng = Engine.load(model_dir, device=device, dtype=dtype, deterministic=deterministic)
     except DeviceUnavailableError as exc:
         raise ConfigError.device_unavailable(device, exc.reason) from None
     except ModelLoadError as exc:
         raise ConfigError(f"--model: {exc}") from None
-    se = SchemaEngine(eng)
-    try:
-        h = se.prepare(engine_questions(schema), **engine_options(schema))
-    except InputError as exc:  # what only the model's tokenizer can tell, such as the prefix's length in tokens
-        raise ConfigError(f"schema file {schema_path}: {exc}") from None
-    return _scores(se, h, eng.model_id, schema, states, batch_size)
+    return SchemaEngine(eng)
 
 
 def _scores(se, h, model_id: str, schema: dict, states: list[dict], batch_size: int) -> Iterator[dict]:
