@@ -10,7 +10,10 @@ import dataclasses
 import pytest
 
 from tests.worker.conftest import state_texts
+from tests.worker.ops.test_metrics import _samples
+from tests.worker.stream.test_latency_budget_stream import _sample
 from tests.worker.stream.test_replay import _replay
+from worker.devbroker.embedded_broker import free_port
 from worker.formats.records import engine_options, engine_questions, question_schema_record
 
 CALIBRATED = {
@@ -42,9 +45,15 @@ def test_records_of_a_calibrated_schema_carry_calibrated_and_raw_probabilities_a
     stream.put_schema("plain", UNCALIBRATED)
     stream.produce_states([(f"c-{i}", t) for i, t in enumerate(texts)], "calibrated")
     stream.produce_states([(f"p-{i}", t) for i, t in enumerate(texts[:4])], "plain")
-    worker = stream.start_worker(model_dir, "calibrated-0")
+    port = free_port()
+    worker = stream.start_worker(model_dir, "calibrated-0", "--metrics-port", str(port))
     probabilities, dead = stream.collect(16, timeout_s=120)
     assert dead == [] and len(probabilities) == 16, worker.log()
+    samples = _samples(port)          # one observation per record of a schema with the mass: its lowest question's
+    assert _sample(samples, "decider_label_mass_count", schema_id="calibrated") == 12
+    lowest = sum(min(q["label_mass"] for q in r["questions"]) for r in probabilities if r["schema_id"] == "calibrated")
+    assert _sample(samples, "decider_label_mass_sum", schema_id="calibrated") == pytest.approx(lowest, rel=1e-9)
+    assert ("decider_label_mass_count", (("schema_id", "plain"),)) not in samples
     expected = _engine_scores(schema_engine, CALIBRATED, texts)
     for record in (r for r in probabilities if r["schema_id"] == "calibrated"):
         want = expected[int(record["state_id"].split("-")[1])]
