@@ -223,8 +223,10 @@ def calibrate_temperature(run: Run, feedback_topic: str, min_labels: int) -> dic
     fitted = [_fit_question(q, labelled[q["id"]]) for q in run.schema["questions"]]
     rows = [row for row, _ in fitted]
     for row in rows:
+        bound = {"upper": "; the search's upper bound: under these labels the probabilities are worth no more than "
+                          "uniform ones", "lower": "; the search's lower bound"}.get(row["at_bound"], "")
         run.echo(f"  {row['id']}: temperature {row['temperature_before']:.3g} -> {row['temperature_after']:.3g} "
-                 f"(fitted on {row['train']}); held out {row['held_out']}: ECE {row['ece_before']:.3f} -> "
+                 f"(fitted on {row['train']}{bound}); held out {row['held_out']}: ECE {row['ece_before']:.3f} -> "
                  f"{row['ece_after']:.3f}, Brier {row['brier_before']:.3f} -> {row['brier_after']:.3f}")
     by_id = {row["id"]: row["temperature_after"] for row in rows}
     changed = {"questions": [{**q, "temperature": by_id[q["id"]]} for q in schema_document(run.schema)["questions"]]}
@@ -251,8 +253,10 @@ def _fit_question(question: dict[str, Any], items: list[tuple[str, fit.Labelled]
     factor = fit.fit_factor(train)
     before = question.get("temperature") or 1.0
     bins_before, bins_after = fit.reliability(test), fit.reliability(test, factor)
+    low, high = fit.TEMPERATURE_RANGE
     row = {"id": question["id"], "labels": len(items), "train": len(train), "held_out": len(test),
            "temperature_before": before, "temperature_after": round(before * factor, 6), "factor": factor,
+           "at_bound": "upper" if factor > high * 0.99 else "lower" if factor < low * 1.01 else None,
            "log_loss_before": fit.log_loss(test), "log_loss_after": fit.log_loss(test, factor),
            "ece_before": fit.ece(test), "ece_after": fit.ece(test, factor),
            "brier_before": fit.brier(test), "brier_after": fit.brier(test, factor),
