@@ -2,7 +2,6 @@
 label mass (`engine.label_mass`), as tensors (`Scores`) or plain Python (`StateScores`, from `PendingScores`)."""
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import NamedTuple, Sequence
 
@@ -64,6 +63,4 @@ def _state_scores(h, rows: list[list[float]]) -> StateScores:
     if any(h.calibrated):
         raw = [row[RAW][:n] if changed else None for row, n, changed in zip(rows, h.n_options, h.calibrated)]
     mass = [row[MASS] for row in rows] if h.label_mass else None
-    if mass is not None and any(math.isnan(m) for m in mass):
-        raise RuntimeError("label mass missing from a step that was asked for it")
     return StateScores(probabilities, raw, mass)

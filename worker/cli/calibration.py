@@ -37,7 +37,7 @@ from worker.config import Cluster, Topics
 from worker.exceptions import BrokerUnavailableError, ConfigError
 from worker.formats.output_formats import OutputDecoder
 from worker.formats.records import engine_questions, question_schema_record, schema_document
-from worker.kafka_clients import reader_consumer_config, require_topics
+from worker.kafka_clients import as_cluster, check_broker, reader_consumer_config, require_topics
 from worker.stream.schema_table import BrokenSchema
 
 METHODS = ("order", "temperature")
@@ -212,7 +212,7 @@ def calibrate_temperature(run: Run, feedback_topic: str, min_labels: int) -> dic
     """Fit each question's temperature on labelled feedback joined with the schema's committed records."""
     records, other_versions = committed_records(run)
     counts = FeedbackCounts()
-    labelled = join_feedback(read_topic(run.cluster, feedback_topic, Topics()), records, run.schema, counts)
+    labelled = join_feedback(read_topic(run.cluster, feedback_topic), records, run.schema, counts)
     run.echo(counts.line(feedback_topic, run.name) + (f" ({other_versions} records of other versions not used)"
                                                       if other_versions else ""))
     short = [f"{q['id']!r} has {len(labelled[q['id']])}" for q in run.schema["questions"]
@@ -324,10 +324,17 @@ def _feedback_answer(value: bytes | None, records: dict[str, dict[str, Any]], op
 
 
 # ---- reading -------------------------------------------------------------------------------------------------------
-def read_topic(cluster: Cluster | str, topic: str, roles: Topics, timeout_s: float = 60.0) -> Iterator[Any]:
+def read_topic(cluster: Cluster | str, topic: str, roles: Topics | None = None, timeout_s: float = 60.0
+               ) -> Iterator[Any]:
     """Every record of ``topic`` a read_committed reader sees, from the start of each partition to its end as of now.
     Each partition is fetched whole in one response where it fits (64 MiB): the embedded broker's list of aborted
-    transactions would otherwise hide a restarted worker's later records (README, Stream)."""
+    transactions would otherwise hide a restarted worker's later records (README, Stream). ``roles``: the decider
+    topic set it belongs to (None: a topic of the user's own, such as the feedback topic)."""
+    if roles is None:
+        existing = check_broker(cluster)
+        if topic not in existing:
+            raise BrokerUnavailableError(f"topic {topic} does not exist on {as_cluster(cluster).bootstrap}; it is "
+                                         "the user's own (labelled answers come from your labelling tool)")
     counts = require_topics(cluster, [topic], roles=roles)
     consumer = Consumer({**reader_consumer_config(cluster), "max.partition.fetch.bytes": 64 << 20,
                          "fetch.max.bytes": 64 << 20})

@@ -288,8 +288,12 @@ def probability_record(
     }
 
 
-def probabilities_problem(probabilities: list[list[float]], n_options: list[int]) -> str | None:
-    """Why engine output is unfit to publish (wrong shape, non-finite, not a distribution), or None."""
+def probabilities_problem(probabilities: list[list[float]], n_options: list[int],
+                          label_mass: list[float] | None = None) -> str | None:
+    """Why engine output is unfit to publish (wrong shape, non-finite, not a distribution, a label mass that is not a
+    share), or None."""
+    if label_mass is not None and not all(math.isfinite(m) and 0 <= m <= 1 for m in label_mass):
+        return f"label mass {label_mass} is not a share of the distribution"
     if len(probabilities) != len(n_options):
         return f"engine returned {len(probabilities)} questions, expected {len(n_options)}"
     for index, (row, count) in enumerate(zip(probabilities, n_options)):

@@ -338,7 +338,7 @@ class Scorer:
         """The engine's ``StateScores`` as outcomes, a state whose probabilities are unusable as a scoring error."""
         outcomes = []
         for (handle, _), scores in zip(requests, results):
-            problem = probabilities_problem(scores.probabilities, list(handle.n_options))
+            problem = probabilities_problem(scores.probabilities, list(handle.n_options), scores.label_mass)
             if problem:
                 outcomes.append(ScoredState(reason=Reason.SCORING_ERROR, error=f"unusable engine output: {problem}"))
             else:

@@ -192,6 +192,10 @@ def test_calibrate_refuses_bad_flags_and_unknown_schemas_in_one_line(stream, mod
         _decider(*base, "--schema-id", "nope", "--method", "order", "--model", str(model_dir)))
     assert f"no states of schema 'support' in topic {stream.topics.states}" in _one_line_error(
         _decider(*base, "--schema-id", "support", "--method", "order", "--model", str(model_dir)))
+    missing = _decider(*base, "--schema-id", "support", "--method", "temperature", "--feedback-topic", "no.such.topic")
+    lines = [line for line in missing.stderr.splitlines() if line.startswith("error:")]
+    assert missing.returncode == 4 and len(lines) == 1 and "Traceback" not in missing.stderr, missing.stderr
+    assert "topic no.such.topic does not exist" in lines[0] and "labelling tool" in lines[0]
 
 
 def test_schema_put_refuses_an_option_bias_that_does_not_match_the_options(stream, tmp_path):
