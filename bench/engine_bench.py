@@ -14,6 +14,9 @@ Methods (one row per method x batch x state length):
                  of a batch overlaps the device's work on the one ahead; p50 is the wall time per batch over windows
                  of 8 launches, not one batch's latency (GPU only)
   cached_eager_deterministic    cached_eager with deterministic=True (not in the default list; the CPU's cost)
+  METHOD_no_label_mass          a cached METHOD with SchemaEngine(label_mass=False): the read-out without the
+                 full-vocabulary log-sum-exp behind the label mass (engine.label_mass), whose cost is the difference
+                 (the markdown prints it); e.g. --methods cached_graphs_deterministic,cached_graphs_deterministic_no_label_mass
 
 With --schemas N[,N...] (many schemas live): N schemas of the same shape (prefixes of --prefix-tokens +-32 tokens,
 distinct questions), each batch's states spread evenly over them, on the deterministic engine (the CUDA default):
@@ -262,6 +265,9 @@ def main(argv=None) -> dict:
     parity = _parity(eng, full, qs, dev, {"cached_eager": (se_eager, h_eager), "cached_graphs": (se_graph, h_graph),
                                           "cached_eager_deterministic": (se_det_eager, h_det_eager),
                                           "cached_graphs_deterministic": (se_det_graph, h_det_graph)})
+    without_mass = _without_label_mass(methods, qs, {"cached_eager": (eng, False), "cached_graphs": (eng, True),
+                                                     "cached_eager_deterministic": (det_eng, False),
+                                                     "cached_graphs_deterministic": (det_eng, True)})
     print(f"max |p - reference| on 16 states: {json.dumps(parity)}", flush=True)
     runs = []
     _save(args, env, runs, parity=parity)
@@ -281,6 +287,7 @@ def main(argv=None) -> dict:
                 "cached_eager_deterministic": (lambda: se_det_eager.score_rows(h_det_eager, rows), suffix_tokens),
                 "cached_graphs_deterministic": (lambda: se_det_graph.score_rows(h_det_graph, rows), suffix_tokens),
                 "cached_graphs_pipelined": (lambda: se_graph.launch_mixed(requests), suffix_tokens),
+                **{m: (lambda se=se, h=h: se.score_rows(h, rows), suffix_tokens) for m, (se, h) in without_mass.items()},
             }
             for m in methods:
                 if only[m] is not None and B not in only[m]:
@@ -356,6 +363,22 @@ def many_schemas(args, eng, model_desc: str, counts: list[int], batches: list[in
     return dict(env=env, runs=runs)
 
 
+NO_LABEL_MASS = "_no_label_mass"
+
+
+def _without_label_mass(methods: list[str], qs: list[dict], bases: dict) -> dict:
+    """The SchemaEngines (label_mass=False) and handles of the requested METHOD_no_label_mass methods; bases: METHOD ->
+    (engine, graphs)."""
+    out = {}
+    for m in methods:
+        base = m[:-len(NO_LABEL_MASS)] if m.endswith(NO_LABEL_MASS) else None
+        if base in bases:
+            engine_, graphs = bases[base]
+            se = SchemaEngine(engine_, use_graphs=graphs, label_mass=False)
+            out[m] = (se, se.prepare(qs))
+    return out
+
+
 def _save(args, env, runs, suffix: str = "", **extra) -> Path | None:
     if args.quick:
         return None
@@ -409,6 +432,11 @@ def markdown(result) -> str:
     by = {(r["method"], r["batch"], r["state_tokens"]): r for r in result["runs"]}
     lines.append("")
     for (m, B, L), r in sorted(by.items()):
+        if m.endswith(NO_LABEL_MASS) and (m[:-len(NO_LABEL_MASS)], B, L) in by:
+            with_mass = by[(m[:-len(NO_LABEL_MASS)], B, L)]
+            lines.append(f"- batch {B}, {L}-token states: the label mass costs "
+                         f"{1 - with_mass['states_per_s'] / r['states_per_s']:.1%} of {with_mass['method']}'s states/s "
+                         f"({with_mass['p50_ms']:.2f} against {r['p50_ms']:.2f} ms)")
         if m.endswith("_deterministic") and (m[:-len("_deterministic")], B, L) in by:
             base = by[(m[:-len("_deterministic")], B, L)]
             lines.append(f"- batch {B}, {L}-token states: {m} / {base['method']} = "

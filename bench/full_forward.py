@@ -1,6 +1,7 @@
 """The benchmark's `full_fast` method: the engine's fastest forward over whole prompts, with no prefix cache, i.e. what
 a good server that recomputes the prompt for every state costs (vLLM and SGLang cannot reuse a short prefix on hybrid
-Gated DeltaNet models). Its results equal the oracle's up to kernel rounding."""
+Gated DeltaNet models). Its results equal the oracle's up to kernel rounding. It reads the options' probabilities
+alone (no label mass: compare it with `cached_*_no_label_mass` for the same work)."""
 from __future__ import annotations
 
 from typing import Sequence
@@ -10,7 +11,7 @@ import torch
 from engine.graphs import GraphManager, StepShape
 from engine.model import CausalContext
 from engine.prompt import DEFAULT_MAX_CTX_TOKENS, MAX_OPTIONS, ChatTemplate, parse_questions, resolve_temperatures
-from engine.readout import fill_ids, option_mask, read_rows
+from engine.readout import PROBABILITIES, fill_ids, option_mask, read_rows
 from engine.reference import build_full_prompts
 
 FULL_PROMPT_STEP = 8
@@ -56,4 +57,5 @@ class FullPromptScorer:
     def _step(self, ids, flat, inv_t, mask):
         pos = torch.arange(ids.shape[1], device=ids.device)[None].expand(ids.shape[0], -1)      # [B, T]
         hidden = self.fwd.layers(ids, pos, CausalContext(), rows=flat)                      # [S, H]
-        return read_rows(hidden, self.fwd.final_norm, self.e.W, inv_t, mask)
+        bias = torch.zeros(mask.shape, device=mask.device)                                  # no calibration
+        return read_rows(hidden, self.fwd.final_norm, self.e.W, inv_t, bias, mask)[:, PROBABILITIES]

@@ -5,7 +5,8 @@ Knows nothing of Kafka.  See `SchemaEngine` for the request path and `engine.ref
 from engine.errors import DeviceUnavailableError, InputError, ModelLoadError
 from engine.loader import Engine
 from engine.prompt import MAX_OPTIONS, QWEN_CHAT, ChatTemplate
-from engine.schema_engine import PendingScores, PreparedSchema, SchemaEngine, TokenizedState
+from engine.schema_engine import PreparedSchema, SchemaEngine, TokenizedState
+from engine.scores import PendingScores, Scores, StateScores
 
-__all__ = ["Engine", "SchemaEngine", "PendingScores", "PreparedSchema", "TokenizedState", "MAX_OPTIONS", "ChatTemplate",
-           "QWEN_CHAT", "InputError", "ModelLoadError", "DeviceUnavailableError"]
+__all__ = ["Engine", "SchemaEngine", "PendingScores", "PreparedSchema", "TokenizedState", "Scores", "StateScores",
+           "MAX_OPTIONS", "ChatTemplate", "QWEN_CHAT", "InputError", "ModelLoadError", "DeviceUnavailableError"]

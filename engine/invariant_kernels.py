@@ -13,6 +13,9 @@ tests/engine/test_batch_invariance.py holds a test per family):
 - The CPU flash attention splits queries and keys into blocks whose sizes follow the padded length, so the
   reduction over keys changes with the batch's longest row: the engine runs attention one request at a time on its
   own length (`attend_by_request`, read by `engine.model.SuffixContext`).
+- A reduction over one row (the log-sum-exp over the vocabulary behind the label mass): with one row alone PyTorch
+  splits the row's sum across threads (two passes), with more it sums each row whole in one thread; `row_logsumexp`
+  always gives it at least two rows, and takes the log as `log1p`.
 Norms, the causal conv and transformers' chunked delta rule (given its gate and beta) were found invariant as they are.
 """
 from __future__ import annotations
@@ -92,3 +95,14 @@ def gate_attention(a: AttentionOut, gate: torch.Tensor) -> torch.Tensor:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return torch_rms_norm(x, weight, eps)
+
+
+def row_logsumexp(x: torch.Tensor, n_cols: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [S, N] -> [S] float32: log(sum(exp(x[:, :n_cols]))) per row, each row summed whole in one thread (never the
+    two-pass split PyTorch takes for a lone row), into `out` when given."""
+    S = x.shape[0]
+    rows = F.pad(x[:, :n_cols].float(), (0, 0, 0, max(0, 2 - S)))                     # [max(S, 2), n_cols]
+    top = rows.amax(-1, keepdim=True)                                                  # exact in any order
+    total = (rows - top).exp().sum(-1)                                                 # >= 1: the top adds exp(0)
+    lse = (top[:, 0] + torch.log1p(total - 1.0))[:S]
+    return lse if out is None else out.copy_(lse)

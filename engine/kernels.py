@@ -69,6 +69,9 @@ class Kernels:
         counts [B] int64, gate [S, Hq, D], scale) -> [S, Hq * D]: `suffix_attention` for queries at S rows alone (row
         b's at rows[starts[b]:starts[b] + counts[b]]): the last layer's (`engine.model.ANSWER_QUERIES`); None: every
         token's queries, then the rows;
+    row_logsumexp(x [S, N], n_cols, out=None) -> [S] float32: log(sum(exp(x[:, :n_cols]))) per row (into `out`, a
+        [S] float32 view, when given): the full vocabulary's log-sum-exp behind the label mass (`engine.label_mass`);
+        in a batch-invariant table a row's sum takes one order whatever the rows beside it;
     attend_by_request: the suffix pass runs attention one row at a time on its own lengths (eager only: a graph
         cannot capture per-batch lengths), for tables whose attention kernel depends on the batch's padded length;
     batch_invariant: a row's result does not depend on the batch around it (its size, the row's position, its
@@ -89,6 +92,7 @@ class Kernels:
     indexed_attention: Callable | None = None
     suffix_attention: Callable | None = None
     answer_attention: Callable | None = None
+    row_logsumexp: Callable = torch_k.torch_row_logsumexp
     attend_by_request: bool = False
     batch_invariant: bool = False
 
@@ -124,7 +128,7 @@ def invariant_kernels() -> Kernels:
     i = inv_k
     return Kernels("torch-invariant", i.delta_rule, i.conv_qkv, i.rms_norm, i.gated_rms_norm, i.swiglu,
                    torch_k.torch_add_rms_norm, torch_k.torch_qk_norm_rope, i.gate_attention, i.linear,
-                   attend_by_request=True, batch_invariant=True)
+                   row_logsumexp=i.row_logsumexp, attend_by_request=True, batch_invariant=True)
 
 
 def fla_kernels() -> Kernels:
@@ -132,6 +136,7 @@ def fla_kernels() -> Kernels:
     from engine import batch_invariant as bi
     from engine import fla_kernels as f      # imports fla and triton, which CPU machines may lack
     from engine.suffix_attention import answer_attention, suffix_attention
+    from engine.triton_kernels import row_logsumexp
     log.info("fla's autotuned kernels pinned to one launch each (the same in every process): %s",
              f.pin_autotuned_launches())
     # the prefix half, where the attention is split (`engine.model.FUSED_ATTENTION` off), by the Triton
@@ -140,7 +145,7 @@ def fla_kernels() -> Kernels:
     return Kernels("fla", f.delta_rule, f.conv_qkv, f.row_norm, f.gated_rms_norm, f.swiglu, f.add_rms_norm,
                    f.qk_norm_rope, f.gate_attention, f.linear, add_linear=torch_k.torch_add_linear,
                    indexed_attention=bi.indexed_attention, suffix_attention=suffix_attention,
-                   answer_attention=answer_attention)
+                   answer_attention=answer_attention, row_logsumexp=row_logsumexp)
 
 
 def batch_invariant_kernels(table: Kernels, gemm_weights: Sequence[torch.Tensor],

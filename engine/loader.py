@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from engine.errors import DeviceUnavailableError, ModelLoadError
+from engine.label_mass import FullVocabulary
 from engine.prompt import label_token_ids
 
 log = logging.getLogger(__name__)
@@ -25,7 +26,8 @@ class Engine:
     """A loaded model on one device: the transformers module, its tokenizer, and the option-label read-out.
 
     Attributes: `model` (Qwen3_5ForCausalLM), `core` (its decoder), `cfg` (text config), `tok`, `dev`, `dtype`,
-    `W` ([MAX_OPTIONS, hidden]: the unembedding rows of the labels " A".." H"), `label_ids`, `use_graphs`, `model_id`,
+    `W` ([MAX_OPTIONS, hidden]: the unembedding rows of the labels " A".." H"), `vocab` (the whole unembedding in chunks,
+    for the label mass: `engine.label_mass.FullVocabulary`), `label_ids`, `use_graphs`, `model_id`,
     `deterministic` (batch-invariant kernels: a state's probabilities do not depend on its batch).
     CUDA-graph memory pools belong to each SchemaEngine's graph manager (`engine.graphs.GraphManager`).
     """
@@ -40,6 +42,7 @@ class Engine:
         self.dev, self.dtype = p.device, p.dtype
         self.label_ids = label_token_ids(tok)
         self.W = model.lm_head.weight[self.label_ids].detach().clone()          # [MAX_OPTIONS, hidden]
+        self.vocab = FullVocabulary(model.lm_head.weight.detach())
         self.use_graphs = (self.dev.type == "cuda") if use_graphs is None else (use_graphs and self.dev.type == "cuda")
         self.deterministic = bool(deterministic)
         self._forward = None
@@ -49,7 +52,8 @@ class Engine:
         """The engine's own layer loop (`engine.model.HybridForward`), built once and shared by every SchemaEngine."""
         if self._forward is None:
             from engine.model import HybridForward
-            self._forward = HybridForward(self.model, self.deterministic, label_weight=self.W)
+            self._forward = HybridForward(self.model, self.deterministic,
+                                          readout_weights=(self.W, self.vocab.chunk_weight))
         return self._forward
 
     @classmethod

@@ -21,6 +21,7 @@ never reaches that row's slots.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -214,9 +215,10 @@ class HybridForward:
     not doubled and transformers' forward (the oracle) still runs on the same numbers.
     """
 
-    def __init__(self, causal_lm, deterministic: bool = False, label_weight: torch.Tensor | None = None):
-        """deterministic: batch-invariant kernels (`engine.kernels.select_kernels`); label_weight: the read-out's
-        [MAX_OPTIONS, hidden] matrix, whose GEMM the deterministic check covers too."""
+    def __init__(self, causal_lm, deterministic: bool = False, readout_weights: Sequence[torch.Tensor] = ()):
+        """deterministic: batch-invariant kernels (`engine.kernels.select_kernels`); readout_weights: the read-out's
+        matrices (the labels' [MAX_OPTIONS, hidden], a vocabulary chunk of the label mass), whose GEMMs the
+        deterministic check covers too."""
         self.core = causal_lm.model
         self.cfg = causal_lm.config
         self.eps = self.cfg.rms_norm_eps
@@ -224,7 +226,7 @@ class HybridForward:
         self.w = [self._layer_weights(layer) for layer in self.core.layers]
         heads = (self.cfg.num_attention_heads, self.cfg.num_key_value_heads,
                  getattr(self.cfg, "head_dim", None) or self.cfg.hidden_size // self.cfg.num_attention_heads)
-        self.kernels = select_kernels(dev.type, deterministic, self._gemm_weights(label_weight), heads)
+        self.kernels = select_kernels(dev.type, deterministic, self._gemm_weights(readout_weights), heads)
         self.final_norm_w = 1.0 + self.core.norm.weight.float()
 
     @staticmethod
@@ -245,11 +247,11 @@ class HybridForward:
             w["k_norm"] = 1.0 + attn.k_norm.weight.float()
         return w
 
-    def _gemm_weights(self, label_weight: torch.Tensor | None) -> list[torch.Tensor]:
+    def _gemm_weights(self, readout_weights: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         # the attention's q|gate and k|v parts too: the answer rows' queries project alone (`ANSWER_QUERIES`)
         fused = [w[name] for w in self.w for name in ("mlp_in", "in_proj", "qkv", "q_proj", "kv_proj") if name in w]
         projections = [m.weight for layer in self.core.layers for m in (layer.mlp.down_proj, self._out_proj(layer))]
-        return fused + projections + ([label_weight] if label_weight is not None else [])
+        return fused + projections + list(readout_weights)
 
     @staticmethod
     def _out_proj(layer):

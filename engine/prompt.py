@@ -17,6 +17,7 @@ histories whose most recent part is what a decision is about; a marker token seq
 """
 from __future__ import annotations
 
+import math
 import os
 import weakref
 from dataclasses import dataclass
@@ -55,6 +56,7 @@ class Question:
     options: tuple[str, ...]
     temperature: float = 1.0
     id: str | None = None
+    option_bias: tuple[float, ...] | None = None   # a log-probability per option position, subtracted (calibration)
 
 
 @dataclass(frozen=True)
@@ -69,7 +71,8 @@ QWEN_CHAT = ChatTemplate(head="<|im_start|>user\n",
 
 
 def parse_questions(questions: Any) -> list[Question]:
-    """Validate user question dicts ({"question", "options", optional "temperature" and "id"}) into Questions.
+    """Validate user question dicts ({"question", "options", optional "temperature", "id" and "option_bias"}) into
+    Questions.
 
     Raises ValueError naming the question and the problem.
     """
@@ -103,7 +106,21 @@ def _parse_question(i: int, q: Any) -> Question:
     if dupes:
         raise InputError(f"{where} ({text!r}): duplicate options {dupes}")
     return Question(text=text.strip(), options=tuple(options), temperature=check_temperature(q.get("temperature", 1.0), where),
-                    id=q.get("id"))
+                    id=q.get("id"), option_bias=check_option_bias(q.get("option_bias"), len(options), where))
+
+
+def check_option_bias(bias: Any, n_options: int, where: str = "option_bias") -> tuple[float, ...] | None:
+    """None, or one finite number per option (a log-probability per position, subtracted before renormalising);
+    InputError otherwise."""
+    if bias is None:
+        return None
+    if isinstance(bias, (str, bytes)) or not isinstance(bias, Sequence):
+        raise InputError(f"{where}: option_bias must be a list of numbers, one per option")
+    if len(bias) != n_options:
+        raise InputError(f"{where}: option_bias has {len(bias)} values for {n_options} options")
+    if not all(isinstance(b, (int, float)) and not isinstance(b, bool) and math.isfinite(b) for b in bias):
+        raise InputError(f"{where}: option_bias must hold finite numbers, got {list(bias)!r}")
+    return tuple(float(b) for b in bias)
 
 
 def check_temperature(t: Any, where: str = "temperature") -> float:

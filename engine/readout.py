@@ -1,7 +1,8 @@
-"""From hidden states at the answer slots to option probabilities, without ever forming full-vocabulary logits."""
+"""From hidden states at the answer slots to option probabilities, without ever forming full-vocabulary logits (the
+label mass reads the vocabulary in chunks: `engine.label_mass`)."""
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -25,13 +26,29 @@ def option_mask(n_options: Sequence[int]) -> torch.Tensor:
     return torch.arange(MAX_OPTIONS)[None, :] < torch.as_tensor(list(n_options))[:, None]
 
 
-def read_rows(hs: torch.Tensor, norm, W: torch.Tensor, inv_temp: torch.Tensor, mask: torch.Tensor,
-              linear=F.linear) -> torch.Tensor:
-    """hs: [S, H] hidden states at the answer slots before the final norm (`HybridForward.layers(..., rows=slots)`);
-    inv_temp: [S, 1]; mask: [S, MAX_OPTIONS].
+SCORE_COLUMNS = 2 * MAX_OPTIONS + 1
+"""Columns of a read-out row: the calibrated probabilities (`PROBABILITIES`), the raw ones before the option bias
+(`RAW`), the label mass (`MASS`)."""
+PROBABILITIES, RAW, MASS = slice(0, MAX_OPTIONS), slice(MAX_OPTIONS, 2 * MAX_OPTIONS), 2 * MAX_OPTIONS
 
-    -> [S, MAX_OPTIONS] float32 probabilities; options a question lacks are exactly 0.
-    The final norm and the label projection (`linear`, the forward's own) run on the S slot rows only.
+MassFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+"""(normed hidden states [S, H], label logits [S, MAX_OPTIONS] at temperature 1, mask) -> label mass [S]."""
+
+
+def read_rows(hs: torch.Tensor, norm, W: torch.Tensor, inv_temp: torch.Tensor, bias: torch.Tensor, mask: torch.Tensor,
+              linear=F.linear, mass: MassFn | None = None) -> torch.Tensor:
+    """hs: [S, H] hidden states at the answer slots before the final norm (`HybridForward.layers(..., rows=slots)`);
+    inv_temp: [S, 1]; bias: [S, MAX_OPTIONS] float32, a log-probability per option position (calibration);
+    mask: [S, MAX_OPTIONS].
+
+    -> [S, SCORE_COLUMNS] float32: per answer softmax((z - bias) * inv_temp) over its options, softmax(z * inv_temp)
+    (the raw distribution), and the label mass (`mass`; NaN without it), z being the labels' logits. Options a
+    question lacks are exactly 0. A bias of 0 gives the raw distribution's bits. The final norm and the label
+    projection (`linear`, the forward's own) run on the S slot rows only.
     """
-    logits = linear(norm(hs), W).float() * inv_temp                                  # [S, MAX_OPTIONS]
-    return torch.softmax(logits.masked_fill(~mask, float("-inf")), -1)
+    normed = norm(hs)
+    z = linear(normed, W).float()                                                       # [S, MAX_OPTIONS]
+    raw = torch.softmax((z * inv_temp).masked_fill(~mask, float("-inf")), -1)
+    calibrated = torch.softmax(((z - bias) * inv_temp).masked_fill(~mask, float("-inf")), -1)
+    label_mass = mass(normed, z, mask) if mass is not None else z.new_full(z.shape[:1], float("nan"))
+    return torch.cat([calibrated, raw, label_mass[:, None]], -1)

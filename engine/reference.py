@@ -11,27 +11,57 @@ from typing import Sequence
 
 import torch
 
+from engine.calibration import CONTENT_FREE_STATES, contextual_bias, option_biases
 from engine.errors import InputError
 from engine.prompt import (DEFAULT_MAX_CTX_TOKENS, MAX_OPTIONS, ChatTemplate, Question, parse_questions,
                            resolve_temperatures, schema_prefix_ids, schema_suffix_ids)
 from engine.readout import option_mask
+from engine.scores import Scores
 
 
 @torch.no_grad()
 def score_full(eng, questions: Sequence[dict], states: Sequence[str], independent: bool = False, temperature=None,
                chat: ChatTemplate | None = None, max_ctx_tokens: int = DEFAULT_MAX_CTX_TOKENS,
-               batch_size: int = 16) -> list[torch.Tensor]:
-    """-> one [n_questions, MAX_OPTIONS] float32 CPU tensor per state, like `SchemaEngine.score`."""
+               batch_size: int = 16, calibration: str = "none") -> list[torch.Tensor]:
+    """-> one [n_questions, MAX_OPTIONS] float32 CPU tensor per state, like `SchemaEngine.score` (with the questions'
+    `option_bias` and the schema's `calibration`)."""
+    return [s.probabilities for s in score_full_details(eng, questions, states, independent, temperature, chat,
+                                                          max_ctx_tokens, batch_size, calibration)]
+
+
+@torch.no_grad()
+def score_full_details(eng, questions: Sequence[dict], states: Sequence[str], independent: bool = False,
+                       temperature=None, chat: ChatTemplate | None = None,
+                       max_ctx_tokens: int = DEFAULT_MAX_CTX_TOKENS, batch_size: int = 16,
+                       calibration: str = "none") -> list[Scores]:
+    """-> one `engine.scores.Scores` per state, like `SchemaEngine.score_details`: the calibrated and the raw
+    probabilities, and the label mass from the full softmax over the vocabulary (every label mass is given)."""
     qs = parse_questions(questions)
     temps = resolve_temperatures(qs, temperature)
     prompts, slots = build_full_prompts(eng.tok, qs, states, independent, chat, max_ctx_tokens)
     hidden = _last_hidden_at(eng, prompts, slots, batch_size)                       # [S, H]
-    logits = eng.model.lm_head(hidden).float()[:, eng.label_ids]                    # [S, MAX_OPTIONS]
-    nq = len(qs)
-    mask = option_mask([len(q.options) for q in qs]).repeat(len(states), 1)
+    full = eng.model.lm_head(hidden).float().cpu()                                  # [S, vocabulary]
+    logits = full[:, eng.label_ids]                                                 # [S, MAX_OPTIONS]
+    n_options = [len(q.options) for q in qs]
+    mask = option_mask(n_options).repeat(len(states), 1)
+    mass = torch.softmax(full, -1)[:, eng.label_ids].masked_fill(~mask, 0.0).sum(-1)            # [S]
     t = torch.tensor(temps, dtype=torch.float32).repeat(len(states))[:, None]
-    probs = torch.softmax((logits.cpu() / t).masked_fill(~mask, float("-inf")), -1)
-    return list(probs.view(len(states), nq, MAX_OPTIONS).unbind(0))
+    bias = option_biases(qs)
+    if calibration == "contextual":
+        free = score_full_details(eng, [{**_as_dict(q), "option_bias": None} for q in qs], list(CONTENT_FREE_STATES),
+                                  independent, 1.0, chat, max_ctx_tokens, batch_size)
+        context = contextual_bias([s.probabilities.tolist() for s in free], n_options)
+        bias = context if bias is None else bias + context
+    b = torch.zeros(len(qs), MAX_OPTIONS) if bias is None else torch.tensor(bias, dtype=torch.float32)
+    raw = torch.softmax((logits / t).masked_fill(~mask, float("-inf")), -1)
+    probs = torch.softmax(((logits - b.repeat(len(states), 1)) / t).masked_fill(~mask, float("-inf")), -1)
+    nq = len(qs)
+    return [Scores(p, r, m) for p, r, m in zip(probs.view(-1, nq, MAX_OPTIONS), raw.view(-1, nq, MAX_OPTIONS),
+                                               mass.view(-1, nq))]
+
+
+def _as_dict(q: Question) -> dict:
+    return {"question": q.text, "options": list(q.options), "temperature": q.temperature, "id": q.id}
 
 
 def build_full_prompts(tok, qs: list[Question], states: Sequence[str], independent: bool, chat: ChatTemplate | None,

@@ -12,6 +12,12 @@ are live changes neither the graphs nor their count.  Prefix states are read-onl
     probs = se.score(h, ["state 1", "state 2", ...])          # list of [n_questions, MAX_OPTIONS] tensors
     se.score_mixed([(h, se.tokenize(h, "state 1")), (h2, se.tokenize(h2, "state 2"))])   # plain lists
     pending = se.launch_mixed(requests); ...; pending.result()     # the same, read later (from any thread)
+    se.score_details(h, ["state 1"])       # with the raw probabilities and the label mass (`engine.scores`)
+
+A schema may carry calibration (`engine.calibration`): option biases, from its questions' `option_bias` and, with
+`calibration="contextual"`, from its content-free states scored at prepare. Each answer's bias goes to the device with
+its row and is subtracted there; the raw distribution and the label mass (`engine.label_mass`) come back beside the
+calibrated one, all in the same step.
 """
 from __future__ import annotations
 
@@ -23,13 +29,23 @@ from typing import NamedTuple, Sequence
 import numpy as np
 import torch
 
+from engine.calibration import CONTENT_FREE_STATES, check_calibration, contextual_bias, option_biases
 from engine.errors import InputError
 from engine.graphs import GraphManager, StepShape, batch_buckets
+from engine.label_mass import label_mass
 from engine.model import SuffixContext
 from engine.prefix_bank import PrefixBank
 from engine.prompt import (DEFAULT_MAX_CTX_TOKENS, MAX_OPTIONS, ChatTemplate, Question, parse_questions,
                            resolve_temperatures, schema_prefix_ids, schema_suffix_ids)
-from engine.readout import read_rows
+from engine.readout import MASS, PROBABILITIES, RAW, SCORE_COLUMNS, read_rows
+from engine.scores import PendingScores, Scores
+from engine.step_layout import Row, StepLayout
+
+LABEL_MASS_BY_DEFAULT = True
+"""Whether a schema's records carry the label mass when neither it (`prepare(..., label_mass=)`) nor the
+SchemaEngine says: a step computes it when any of its rows' schemas wants it (the vocabulary's log-sum-exp at every
+answer slot of the step). On by default while it costs at most 3% at batch 128 on the H200 (issue 34; bench/README.md
+has the timing). Read when a SchemaEngine is made, so `bench/variant_ab.py` can set it per variant."""
 
 
 class TokenizedState(NamedTuple):
@@ -48,6 +64,10 @@ class PreparedSchema:
     prefix_slots: tuple[int, ...]      # one per prefix: 1 packed, n_questions independent
     prefix_lengths: tuple[int, ...]
     nbytes: int                        # device memory its bank slots take (graphs excluded: shared by all schemas)
+    calibration: str = "none"          # "none" | "contextual" (`engine.calibration`)
+    biases: np.ndarray | None = None   # [n_questions, MAX_OPTIONS] float32 option biases applied; None: none
+    calibrated: tuple[bool, ...] = ()  # per question, whether a bias changes it (its raw probabilities are reported)
+    label_mass: bool = False           # whether its scores carry the label mass
 
     @property
     def P(self) -> int:
@@ -71,76 +91,6 @@ class PreparedSchema:
         return sum(self.prefix_lengths)
 
 
-class _Row(NamedTuple):
-    """One row of a step: a suffix continuing one prefix, and the answers read from it."""
-    prefix_slot: int
-    ids: list[int]
-    answers: list[int]                 # positions in `ids` whose next-token distribution answers a question
-    inv_temps: list[float]             # per answer
-    n_options: list[int]               # per answer
-
-
-@dataclass(frozen=True)
-class StepLayout:
-    """Where a step's inputs sit in its one int64 staging buffer: the ids [R, T]; per row its prefix slot; per answer
-    its position in the flattened ids and its option count; per row its first answer's index and its answer count;
-    then the answers' inverse temperatures, float32 two to an element.
-
-    One buffer because a step then costs the GPU thread one pinned allocation and one copy, straight into the graph's
-    static buffer: every torch call releases the GIL, and taking it back behind the worker loop's threads can cost a
-    switch interval each."""
-    R: int      # rows
-    T: int      # tokens a row
-    A: int      # answer slots: R x the answers a row may hold
-
-    @property
-    def _ints(self) -> int:
-        return self.R * self.T
-
-    @property
-    def _temps(self) -> int:
-        return self._ints + 3 * self.R + 2 * self.A
-
-    @property
-    def size(self) -> int:
-        """Elements of the buffer."""
-        return self._temps + (self.A + 1) // 2
-
-    def stage(self, rows: Sequence[_Row], pad: int, pin: bool) -> torch.Tensor:
-        """The buffer of these rows (at most R; rows past them are padding that continues row 0's prefix, since a free
-        slot's prefix has no keys at all), in pinned memory when `pin`."""
-        staged = torch.empty(self.size, dtype=torch.int64, pin_memory=pin)
-        buf = staged.numpy()
-        R, A, n = self.R, self.A, len(rows)
-        ids = buf[:self._ints].reshape(R, self.T)
-        ids.fill(pad)
-        for i, r in enumerate(rows):
-            ids[i, :len(r.ids)] = r.ids
-        ints = buf[self._ints:self._temps]
-        ints.fill(0)
-        ints[:n] = [r.prefix_slot for r in rows]
-        ints[n:R] = rows[0].prefix_slot
-        flat = [i * self.T + p for i, r in enumerate(rows) for p in r.answers]
-        ints[R:R + len(flat)] = flat
-        ints[R + A:R + A + len(flat)] = [k for r in rows for k in r.n_options]
-        ints[R + A + len(flat):R + 2 * A] = MAX_OPTIONS
-        counts = [len(r.answers) for r in rows]
-        ints[R + 2 * A:R + 2 * A + n] = np.cumsum(counts) - counts
-        ints[2 * R + 2 * A:2 * R + 2 * A + n] = counts
-        temps = buf[self._temps:].view(np.float32)
-        temps.fill(1.0)
-        temps[:len(flat)] = [t for r in rows for t in r.inv_temps]
-        return staged
-
-    def unstage(self, staged: torch.Tensor):
-        """(ids [R, T], prefix slots [R], answer positions [A], option counts [A], (first answer [R], answers [R]),
-        inverse temperatures [A]): views of the buffer `stage` filled (on the device, inside the step)."""
-        R, A = self.R, self.A
-        ints = staged[self._ints:self._temps]
-        return (staged[:self._ints].view(R, self.T), ints[:R], ints[R:R + A], ints[R + A:R + 2 * A],
-                (ints[R + 2 * A:2 * R + 2 * A], ints[2 * R + 2 * A:]), staged[self._temps:].view(torch.float32)[:A])
-
-
 class SchemaEngine:
     """Prepares question schemas and scores states against them.  Holds any number of prepared schemas, in one prefix
     bank, and scores any mix of them in one batch.
@@ -150,12 +100,14 @@ class SchemaEngine:
     """
 
     def __init__(self, engine, use_graphs: bool = True, chat: ChatTemplate | None = None,
-                 max_ctx_tokens: int = DEFAULT_MAX_CTX_TOKENS, prefix_slots: int = 8):
+                 max_ctx_tokens: int = DEFAULT_MAX_CTX_TOKENS, prefix_slots: int = 8, label_mass: bool | None = None):
         """chat: wrap prompts in a chat template (`engine.prompt.QWEN_CHAT` for Qwen3.5 instruct models);
         prefix_slots: the prefix bank's first size (a packed schema takes one slot, an independent one a slot per
         question); it doubles when full, which drops the graphs captured so far (they are recaptured as batches
-        come), so a deployment that knows its schema count can size it once."""
+        come), so a deployment that knows its schema count can size it once; label_mass: whether schemas that do not
+        say carry the label mass (None: `LABEL_MASS_BY_DEFAULT`)."""
         self.e, self.fwd, self.chat, self.max_ctx_tokens = engine, engine.forward, chat, max_ctx_tokens
+        self.label_mass = LABEL_MASS_BY_DEFAULT if label_mass is None else bool(label_mass)
         # a table that attends row by row needs each batch's lengths, which a captured graph cannot take
         by_request = self.fwd.kernels.attend_by_request
         self.graphs = GraphManager(enabled=use_graphs and engine.use_graphs and not by_request, device=engine.dev)
@@ -165,22 +117,41 @@ class SchemaEngine:
 
     # ---- schemas ---------------------------------------------------------------------------------------------------
     @torch.no_grad()
-    def prepare(self, questions: Sequence[dict], independent: bool = False) -> PreparedSchema:
+    def prepare(self, questions: Sequence[dict], independent: bool = False, calibration: str = "none",
+                label_mass: bool | None = None) -> PreparedSchema:
         """Run the prefix(es) of these questions once into the prefix bank and return a handle for `score`.
 
-        questions: [{"question": str, "options": [str, ...], "temperature"?: float, "id"?: str}] in answer order.
+        questions: [{"question": str, "options": [str, ...], "temperature"?: float, "id"?: str,
+        "option_bias"?: [float, ...]}] in answer order.
         independent=False: one prefix holds every question (a request costs state + n slots).
         independent=True: one prefix per question, one row per question (a request costs n x (state + 1 slot); no
         question can influence another's answer).
+        calibration: "none", or "contextual": the content-free states are scored now and the log of their mean
+        distribution is added to each question's option bias (`engine.calibration`).
+        label_mass: whether its scores carry the label mass (None: the SchemaEngine's `label_mass`).
         Raises InputError (ValueError) on malformed questions.
         """
         qs = tuple(parse_questions(questions))
+        check_calibration(calibration)
         groups = [[q] for q in qs] if independent else [list(qs)]
         parts = [self.fwd.prefix(schema_prefix_ids(self.e.tok, g, chat=self.chat)) for g in groups]
         slots = tuple(self.bank.add(p) for p in parts)
-        return PreparedSchema(id=next(self._ids), questions=qs, independent=bool(independent), prefix_slots=slots,
-                              prefix_lengths=tuple(p.lengths[0] for p in parts),
-                              nbytes=len(slots) * self.bank.slot_nbytes)
+        h = PreparedSchema(id=next(self._ids), questions=qs, independent=bool(independent), prefix_slots=slots,
+                           prefix_lengths=tuple(p.lengths[0] for p in parts), nbytes=len(slots) * self.bank.slot_nbytes,
+                           calibration=calibration, label_mass=self.label_mass if label_mass is None else bool(label_mass))
+        bias = option_biases(qs)
+        if calibration == "contextual":
+            context = contextual_bias(self._content_free_scores(h), h.n_options)
+            bias = context if bias is None else bias + context
+        h.biases = None if bias is None else bias.astype(np.float32)
+        h.calibrated = tuple(h.biases is not None and bool(np.any(h.biases[q, :n] != 0))
+                             for q, n in enumerate(h.n_options))
+        return h
+
+    def _content_free_scores(self, h: PreparedSchema) -> list[list[list[float]]]:
+        """Per content-free state, per question, its probabilities at temperature 1 (`h` has no bias yet: raw)."""
+        rows = [self.tokenize(h, text) for text in CONTENT_FREE_STATES]
+        return self._launch([(h, r, [1.0] * h.n_questions) for r in rows]).result()
 
     def release(self, h: PreparedSchema) -> None:
         """Give the schema's bank slots back (their memory is reused by the next schema prepared; graphs stay)."""
@@ -206,7 +177,7 @@ class SchemaEngine:
         rows = [n * h.P for n in batch_sizes]
         shapes = self.graphs.warmup_order([min(r, self.graphs.max_batch) for r in rows],
                                           [n + len(empty.ids) for n in state_tokens])
-        key = (_answers_per_row(h.slots_per_row),)
+        key = (_answers_per_row(h.slots_per_row), h.label_mass)
         for shape in shapes:
             if self.graphs.holds(key, shape) and self.bank.generation == self._graphs_generation:
                 continue            # captured for an earlier schema: graphs are shared
@@ -264,11 +235,22 @@ class SchemaEngine:
 
     def score_rows(self, h: PreparedSchema, rows: Sequence[TokenizedState], temperature=None) -> list[torch.Tensor]:
         """rows: from `tokenize`.  -> one [n_questions, MAX_OPTIONS] float32 CPU tensor per row."""
+        return list(self._table(h, rows, temperature)[:, :, PROBABILITIES].unbind(0))
+
+    def score_details(self, h: PreparedSchema, contexts: Sequence[str], temperature=None,
+                      max_ctx_tokens: int | None = None) -> list[Scores]:
+        """`score` with the raw probabilities (before the option bias) and the label mass: one `Scores` per context."""
+        if isinstance(contexts, str) or not isinstance(contexts, Sequence):
+            raise InputError("states: expected a list of strings")
+        table = self._table(h, [self.tokenize(h, c, max_ctx_tokens) for c in contexts], temperature)
+        return [Scores(t[:, PROBABILITIES], t[:, RAW], t[:, MASS]) for t in table.unbind(0)]
+
+    def _table(self, h: PreparedSchema, rows: Sequence[TokenizedState], temperature) -> torch.Tensor:
+        """[rows, n_questions, SCORE_COLUMNS] float32 CPU tensor of the rows' read-out."""
         inv_temps = self._inv_temps(h, temperature)
         chunks = self._launch_requests([(h, r, inv_temps) for r in rows])
         self._synchronize()
-        table = torch.cat(chunks)
-        return list(table.view(len(rows), h.n_questions, MAX_OPTIONS).unbind(0))
+        return torch.cat(chunks).view(len(rows), h.n_questions, SCORE_COLUMNS)
 
     @staticmethod
     def _inv_temps(h: PreparedSchema, temperature) -> list[float]:
@@ -292,8 +274,8 @@ class SchemaEngine:
     @torch.no_grad()
     def _launch_requests(self, requests: Sequence[tuple[PreparedSchema, TokenizedState, list[float]]]
                          ) -> list[torch.Tensor]:
-        """Queue the batch -> per step, [its answers, MAX_OPTIONS] float32 host tensors (being filled on CUDA until the
-        stream reaches the steps), request by request, in question order."""
+        """Queue the batch -> per step, [its answers, SCORE_COLUMNS] float32 host tensors (being filled on CUDA until
+        the stream reaches the steps), request by request, in question order."""
         if not requests:
             raise InputError("states: empty batch")
         rows = [row for h, state, inv_temps in requests for row in self._rows_of(h, state, inv_temps)]
@@ -301,16 +283,19 @@ class SchemaEngine:
         return [self._score_step(rows[start:start + chunk]) for start in range(0, len(rows), chunk)]
 
     @staticmethod
-    def _rows_of(h: PreparedSchema, state: TokenizedState, inv_temps: list[float]) -> list[_Row]:
+    def _rows_of(h: PreparedSchema, state: TokenizedState, inv_temps: list[float]) -> list[Row]:
         """A request's rows: its one row (packed) or one per question (independent), in question order."""
+        biases = h.biases
         if not h.independent:
-            return [_Row(h.prefix_slots[0], state.ids, state.slots, inv_temps, h.n_options)]
-        return [_Row(slot, state.ids, state.slots[:1], [t], [n])
-                for slot, t, n in zip(h.prefix_slots, inv_temps, h.n_options)]
+            return [Row(h.prefix_slots[0], state.ids, state.slots, inv_temps, h.n_options, biases, h.label_mass)]
+        return [Row(slot, state.ids, state.slots[:1], [t], [n], None if biases is None else biases[q:q + 1],
+                    h.label_mass)
+                for q, (slot, t, n) in enumerate(zip(h.prefix_slots, inv_temps, h.n_options))]
 
-    def _score_step(self, rows: Sequence[_Row]) -> torch.Tensor:
-        """Queue one step over up to `graphs.max_batch` rows -> [their answers, MAX_OPTIONS] float32 on the host, in
-        pinned memory the step's copy fills when the stream reaches it (on CUDA: read it after an event behind it)."""
+    def _score_step(self, rows: Sequence[Row]) -> torch.Tensor:
+        """Queue one step over up to `graphs.max_batch` rows -> [their answers, SCORE_COLUMNS] float32 on the host, in
+        pinned memory the step's copy fills when the stream reaches it (on CUDA: read it after an event behind it).
+        The step computes the label mass when any of its rows wants it (a graph per choice)."""
         if self.bank.generation != self._graphs_generation:      # graphs read the bank's old buffers
             self._synchronize()     # a launched batch may still be replaying one of the graphs dropped here
             self.graphs.clear()
@@ -326,8 +311,9 @@ class SchemaEngine:
         lengths = [len(r.ids) for r in rows] if by_row else None
         host_slots = slots if by_row else None
         key_span = self.bank.capacity_tokens if shape.graphed else max(self.bank.host_lengths[s] for s in slots)
-        probs = self.graphs.run((per_row,), shape, (staged,),
-                                lambda s: self._step_fn(s, layout, key_span, lengths, host_slots),
+        with_mass = any(r.label_mass for r in rows)
+        probs = self.graphs.run((per_row, with_mass), shape, (staged,),
+                                lambda s: self._step_fn(s, layout, key_span, lengths, host_slots, with_mass),
                                 out_rows=sum(len(r.answers) for r in rows))
         if not pin:
             return probs.float()
@@ -336,41 +322,22 @@ class SchemaEngine:
         return host_probs.copy_(probs, non_blocking=True)
 
     def _step_fn(self, shape: StepShape, layout: StepLayout, key_span: int, lengths: list[int] | None,
-                 host_slots: list[int] | None):
-        """-> (fn(staged) -> probabilities of the step's answers, nothing to keep) at `shape` (`layout`'s)."""
+                 host_slots: list[int] | None, with_mass: bool):
+        """-> (fn(staged) -> the read-out of the step's answers, nothing to keep) at `shape` (`layout`'s)."""
+        kernels = self.fwd.kernels
+        mass = None
+        if with_mass:
+            def mass(normed, logits, mask):
+                return label_mass(logits, self.e.vocab.logsumexp(normed, kernels.linear, kernels.row_logsumexp), mask)
 
         def step(staged):
-            ids, slots, flat, n_options, answers, inv_temp = layout.unstage(staged)
+            ids, slots, flat, n_options, answers, inv_temp, bias = layout.unstage(staged)
             mask = torch.arange(MAX_OPTIONS, device=ids.device)[None, :] < n_options[:, None]      # [A, MAX_OPTIONS]
             ctx = SuffixContext(self.bank, slots, shape.T, key_span, lengths, host_slots, answers)
             hidden = self.fwd.layers(ids, ctx.positions, ctx, rows=flat)                      # [A, H]
-            return read_rows(hidden, self.fwd.final_norm, self.e.W, inv_temp[:, None], mask, self.fwd.kernels.linear)
+            return read_rows(hidden, self.fwd.final_norm, self.e.W, inv_temp[:, None], bias, mask, kernels.linear,
+                             mass)
         return step, None
-
-
-class PendingScores:
-    """A batch launched by `SchemaEngine.launch_mixed`: `result()` waits for the device and returns the batch's scores.
-
-    Reading does no device work but wait for an event, so any thread may do it (the worker's collector thread does,
-    while its GPU thread launches the next batch)."""
-
-    def __init__(self, schemas: Sequence[PreparedSchema], chunks: list[torch.Tensor],
-                 event: torch.cuda.Event | None) -> None:
-        self._schemas, self._chunks, self._event = list(schemas), chunks, event
-        self._device = torch.cuda.current_device() if event is not None else None
-        self._lists: list[list[list[float]]] | None = None
-
-    def result(self) -> list[list[list[float]]]:
-        """Per state, per question of its schema, the probabilities of that question's options (waits for the device)."""
-        if self._lists is None:
-            if self._event is not None:
-                with torch.cuda.device(self._device):
-                    self._event.synchronize()
-            # tolist() per step, no torch.cat: a CPU op here could start a second OpenMP team in this thread
-            answers = (answer for chunk in self._chunks for answer in chunk.tolist())
-            self._lists = [[next(answers)[:n] for n in h.n_options] for h in self._schemas]
-            self._chunks = []
-        return self._lists
 
 
 def _answers_per_row(n: int) -> int:

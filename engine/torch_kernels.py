@@ -102,3 +102,9 @@ def torch_gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tens
     xf = x.float()
     normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
     return ((weight * normed) * F.silu(gate.float())).to(x.dtype)
+
+
+def torch_row_logsumexp(x: torch.Tensor, n_cols: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [S, N] -> [S] float32: log(sum(exp(x[:, :n_cols]))) per row (into `out` when given)."""
+    lse = torch.logsumexp(x[:, :n_cols].float(), -1)
+    return lse if out is None else out.copy_(lse)

@@ -6,6 +6,9 @@
 - `swiglu`: the MLP's silu(gate) * up over the two halves of the fused gate|up projection (fla's kernel addresses
   them flat, so it loads and stores 2 bytes at a time).
 - The Gated DeltaNet's causal conv (`conv_qkv`) is `engine.causal_conv`'s, on the helpers here.
+- `row_logsumexp`: the log-sum-exp of each row (the full vocabulary's logits at the answer slots, for their label
+  mass: `engine.label_mass`), one program a row reading it in blocks of one size from the first, so a row's sum is
+  the same whatever the rows beside it (batch-invariant by construction).
 
 Counts (rows, heads, tokens) are never specialised on; the strides of the bf16 tensors are: Triton then knows
 they are multiples of 16 (they are, for every layer shape here) and loads 16 bytes at a time. Unspecialised, it
@@ -292,4 +295,39 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     block = min(1024, triton.next_power_of_2(D))
     _swiglu_kernel[(n_rows, triton.cdiv(D, block))](g, u, out, n_rows, g.stride(0), u.stride(0), D=D, BLOCK=block,
                                                      num_warps=4, **pdl_launch())
+    return out
+
+
+LOGSUMEXP_BLOCK = 1024
+"""Columns one step of `row_logsumexp` reads (4 warps, 8 a thread): a row's order of summation; never varies."""
+
+
+@triton.jit(do_not_specialize=["n_cols"])
+def _row_logsumexp_kernel(X, Y, n_cols, sx, sy, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    # one row: a running max and sum per lane over the blocks, from the first; then the lanes' in one fixed tree.
+    # Lanes start at a finite floor, not -inf, so that a lane no column reaches adds exp(floor - max) = 0, not NaN
+    await_previous_kernel(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    m = tl.full((BLOCK,), -1.0e30, dtype=tl.float32)
+    s = tl.zeros((BLOCK,), dtype=tl.float32)
+    for start in range(0, n_cols, BLOCK):
+        x = tl.load(X + row * sx + start + cols, mask=start + cols < n_cols, other=float("-inf")).to(tl.float32)
+        m_new = tl.maximum(m, x)
+        s = s * tl.exp(m - m_new) + tl.exp(x - m_new)
+        m = m_new
+    top = tl.max(m, axis=0)
+    tl.store(Y + row * sy, top + tl.log(tl.sum(s * tl.exp(m - top), axis=0)))
+
+
+def row_logsumexp(x: torch.Tensor, n_cols: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [S, N] (rows may be strided, columns contiguous) -> [S] float32: log(sum(exp(x[:, :n_cols]))) per row, into
+    `out` ([S] float32, may be a strided column) when given."""
+    S = x.shape[0]
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    out = torch.empty(S, dtype=torch.float32, device=x.device) if out is None else out
+    if S:
+        _row_logsumexp_kernel[(S,)](x, out, n_cols, x.stride(0), out.stride(0), BLOCK=LOGSUMEXP_BLOCK, num_warps=4,
+                                    **pdl_launch())
     return out

@@ -167,3 +167,15 @@ def test_quick_run_sets_engine_switches_and_records_them(monkeypatch):
     assert result["env"]["settings"] == ["engine.model.ANSWER_QUERIES=True"]
     with pytest.raises(SystemExit):
         main(["--quick", "--set", "engine.model.NO_SUCH_SWITCH=1"])
+
+
+def test_quick_run_times_the_read_out_with_and_without_the_label_mass(capsys):
+    """`METHOD_no_label_mass` times the same method on a SchemaEngine without the label mass (issue 34 sets its default
+    by that difference at batch 128 on the H200); the markdown states the difference."""
+    result = main(["--quick", "--iters", "1", "--batches", "1,4", "--methods",
+                   "cached_eager,cached_eager_no_label_mass,cached_eager_deterministic_no_label_mass"])
+    assert {(r["method"], r["batch"]) for r in result["runs"]} == {
+        (m, b) for m in ("cached_eager", "cached_eager_no_label_mass", "cached_eager_deterministic_no_label_mass")
+        for b in (1, 4)}
+    out = capsys.readouterr().out
+    assert "batch 4, 32-token states: the label mass costs " in out and "of cached_eager's states/s" in out

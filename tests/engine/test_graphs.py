@@ -56,16 +56,19 @@ def test_step_layout_stages_rows_and_unstages_views_of_the_same_values():
     import numpy as np
 
     from engine.prompt import MAX_OPTIONS
-    from engine.schema_engine import StepLayout, _Row
+    from engine.step_layout import Row, StepLayout
 
-    rows = [_Row(3, np.array([5, 6, 7]), [1, 2], [0.5, 2.0], [2, 4]), _Row(1, [8, 9], [0], [1.25], [3])]
+    bias = np.array([[0.5, -1.0, 0, 0, 0, 0, 0, 0], [0.25, 0, 0, 0, 0, 0, 0, 3.0]], dtype=np.float32)
+    rows = [Row(3, np.array([5, 6, 7]), [1, 2], [0.5, 2.0], [2, 4], bias), Row(1, [8, 9], [0], [1.25], [3])]
     layout = StepLayout(R=3, T=4, A=6)                 # one padding row; rows may hold 2 answers
     staged = layout.stage(rows, pad=0, pin=False)
     assert staged.dtype == torch.int64 and staged.numel() == layout.size
-    ids, slots, flat, n_options, (starts, counts), inv_temp = layout.unstage(staged)
+    ids, slots, flat, n_options, (starts, counts), inv_temp, biases = layout.unstage(staged)
     assert ids.tolist() == [[5, 6, 7, 0], [8, 9, 0, 0], [0, 0, 0, 0]]
     assert slots.tolist() == [3, 1, 3]                 # the padding row continues row 0's prefix
     assert flat.tolist() == [1, 2, 4, 0, 0, 0]         # answer positions in the flattened [R, T] ids
     assert n_options.tolist() == [2, 4, 3, MAX_OPTIONS, MAX_OPTIONS, MAX_OPTIONS]
     assert starts.tolist() == [0, 2, 0] and counts.tolist() == [2, 1, 0]
     assert inv_temp.dtype == torch.float32 and inv_temp.tolist() == [0.5, 2.0, 1.25, 1.0, 1.0, 1.0]
+    assert biases.shape == (6, MAX_OPTIONS) and biases.dtype == torch.float32
+    assert biases[:2].tolist() == bias.tolist() and not biases[2:].any()     # rows without a bias, padding: 0

@@ -851,3 +851,24 @@ def test_the_deterministic_forward_with_triton_attention_scores_a_state_the_same
         want = torch.stack(score_full(eng, qs, states, independent=independent))
         # on CUDA the rest of the table is fla's, whose tf32 dots are ~1e-3 off (as in the forward test above)
         assert (torch.stack(alone) - want).abs().max().item() < (1e-4 if DEV == "cpu" else 5e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n_cols", [5, 1024, 2560, 8192])
+def test_row_logsumexp_is_each_rows_own_whatever_the_rows_beside_it(dtype, n_cols):
+    """The label mass's log-sum-exp (`engine.label_mass`): torch's value, columns past n_cols ignored (the last vocabulary
+    chunk's padding, filled here with values that would dominate), the same bits for a row alone and among others, and
+    written into a strided column of a table."""
+    from engine.torch_kernels import torch_row_logsumexp
+    from engine.triton_kernels import row_logsumexp
+
+    g = torch.Generator().manual_seed(n_cols)
+    x = (torch.randn(37, n_cols + 64, generator=g) * 4).to(DEV, dtype)
+    x[:, n_cols:] = 1e4
+    got = row_logsumexp(x, n_cols)
+    torch.testing.assert_close(got, torch_row_logsumexp(x, n_cols), atol=1e-5, rtol=1e-5)
+    alone = torch.cat([row_logsumexp(x[i:i + 1], n_cols) for i in range(0, 37, 6)])
+    assert torch.equal(alone, got[0:37:6])
+    table = torch.full((37, 3), -1.0, device=DEV)
+    row_logsumexp(x, n_cols, out=table[:, 1])
+    assert torch.equal(table[:, 1], got) and (table[:, [0, 2]] == -1).all()

@@ -55,8 +55,11 @@ class _LateScores:
         self._pending, self._seconds = pending, seconds
 
     def result(self):
+        return [state.probabilities for state in self.details()]
+
+    def details(self):
         time.sleep(self._seconds)
-        return self._pending.result()
+        return self._pending.details()
 
 
 def scores_late(seconds: float) -> type[SchemaEngine]:

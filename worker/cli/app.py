@@ -6,24 +6,24 @@ Errors a user can fix (unreachable broker, missing topic, bad model path, bad fi
 
 from __future__ import annotations
 
-import functools
 import sys
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional
+from typing import Optional
 
 import typer
-from confluent_kafka import KafkaException
 
 try:
     from typer._click import exceptions as click_errors  # typer >= 0.24 carries its own copy of click
 except ImportError:
     from click import exceptions as click_errors
 
+from worker.cli.calibration import calibrate
+from worker.cli.errors import friendly_errors
 from worker.cli.options import (DEFAULTS, PanelledCommand, in_panels, BootstrapOpt, DeadLetterTopicOpt, DeterministicOpt, DeviceOpt, DtypeOpt, ModelOpt, ProbabilitiesTopicOpt,
-                                SchemasTopicOpt, StatesTopicOpt, cluster, kafka_settings, loop_config, loop_options,
-                                registry_config, registry_settings)
+                                SchemasTopicOpt, StatesTopicOpt, cluster, loop_config, loop_options,
+                                registry_config)
 from worker.config import MAX_LATENCY_BUDGET_MS, REPLAY_MAX_BATCH, Topics
-from worker.exceptions import ConfigError, DeciderError, FatalError
+from worker.exceptions import ConfigError, FatalError
 
 app = typer.Typer(
     name="decider",
@@ -36,41 +36,6 @@ topics_app = typer.Typer(help="Manage decider's topics.", no_args_is_help=True)
 schema_app = typer.Typer(help="Publish or delete question schemas.", no_args_is_help=True)
 app.add_typer(topics_app, name="topics")
 app.add_typer(schema_app, name="schema")
-
-
-def friendly_errors(command: Callable) -> Callable:
-    """Turn the worker's named errors and Kafka errors into one line on stderr (secrets redacted) and an exit code."""
-
-    @functools.wraps(command)
-    def wrapper(*args, **kwargs):
-        settings = _secrets(kwargs.get("ctx"))
-        try:
-            return command(*args, **kwargs)
-        except FatalError as exc:
-            typer.echo(_redacted(f"error: {exc}", settings), err=True)
-            raise typer.Exit(exc.exit_code) from None
-        except DeciderError as exc:
-            typer.echo(_redacted(f"error: {exc}", settings), err=True)
-            raise typer.Exit(1) from None
-        except KafkaException as exc:
-            typer.echo(_redacted(f"error: Kafka: {exc.args[0].str() if exc.args else exc}", settings), err=True)
-            raise typer.Exit(4) from None
-
-    return wrapper
-
-
-def _secrets(ctx: typer.Context | None) -> dict[str, Any]:
-    """Settings whose secrets must not show in an error: the config file's [kafka] and [schema_registry] tables."""
-    from worker.formats.registry import secret_settings
-
-    return {**kafka_settings(ctx), **secret_settings(None, registry_settings(ctx))}
-
-
-def _redacted(text: str, settings: Mapping[str, Any]) -> str:
-    """``text`` without any secret of the config file's [kafka] table."""
-    from worker.config_file import redact_text
-
-    return redact_text(text, settings)
 
 
 # ---- commands -----------------------------------------------------------------------------------------------
@@ -324,6 +289,9 @@ def score(
     from worker.cli.offline import score_file, write_scores
 
     write_scores(score_file(model, schema, states, device, dtype, schema_id, batch_size, deterministic), sys.stdout)
+
+
+app.command("calibrate")(friendly_errors(calibrate))
 
 
 @app.callback()

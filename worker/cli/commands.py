@@ -41,19 +41,30 @@ def put_schema(cluster: Cluster | str, topics: Topics, schema_id: str, path: str
     document = load_schema_file(path)
     require_topics(cluster, [topics.schemas], roles=topics)
     if version is None:
-        table = SchemaTable(cluster, topics.schemas)
-        try:
-            table.catch_up()
-            latest, version = table.get(schema_id), table.highest_version(schema_id) + 1
-        finally:
-            table.close()
+        latest, version = latest_schema(cluster, topics, schema_id)
         if latest is not None and not isinstance(latest, BrokenSchema) and _same_content(latest, document):
             return latest, False
     record = question_schema_record(document, schema_id, version)
-    producer = plain_producer(cluster)
-    producer.produce(topics.schemas, key=schema_id.encode(), value=schemas.encode_question_schema(record))
-    _deliver(producer, "schema records")
+    publish_schema(cluster, topics, record)
     return record, True
+
+
+def latest_schema(cluster: Cluster | str, topics: Topics, schema_id: str) -> tuple[dict[str, Any] | None, int]:
+    """(the latest record of ``schema_id`` in the schemas topic, None if none or deleted, a ``BrokenSchema`` if
+    unusable; the version the next one gets)."""
+    table = SchemaTable(cluster, topics.schemas)
+    try:
+        table.catch_up()
+        return table.get(schema_id), table.highest_version(schema_id) + 1
+    finally:
+        table.close()
+
+
+def publish_schema(cluster: Cluster | str, topics: Topics, record: dict[str, Any]) -> None:
+    """Publish a QuestionSchema record (keyed by its schema id) and wait until the broker has it."""
+    producer = plain_producer(cluster)
+    producer.produce(topics.schemas, key=record["schema_id"].encode(), value=schemas.encode_question_schema(record))
+    _deliver(producer, "schema records")
 
 
 def _same_content(published: dict[str, Any], document: dict[str, Any]) -> bool:

@@ -22,8 +22,8 @@ from typing import Any
 from worker.exceptions import ConfigError
 from worker.formats.records import schema_problem
 
-SCHEMA_KEYS = ("mode", "questions")
-QUESTION_KEYS = ("id", "question", "options", "temperature")
+SCHEMA_KEYS = ("mode", "questions", "calibration", "label_mass")
+QUESTION_KEYS = ("id", "question", "options", "temperature", "option_bias")
 STATE_KEYS = ("id", "state", "metadata", "event_time")
 # Names other tools give a state's keys, which difflib would not find close to decider's.
 STATE_KEY_ALIASES = {"text": "state", "body": "state", "content": "state", "message": "state", "state_id": "id",

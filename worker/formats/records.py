@@ -18,6 +18,7 @@ from typing import Any, Callable
 import schemas
 
 MAX_OPTIONS = 8  # engine.MAX_OPTIONS; repeated here so the CLI can validate files without importing torch
+CALIBRATIONS = ("none", "contextual")  # engine.calibration.CALIBRATIONS, and the Calibration enum of the schema record
 
 SchemaKey = tuple[str, int]
 """(schema id, version): names one question set for good (versions are never reused)."""
@@ -130,6 +131,10 @@ def schema_problem(document: Any) -> str | None:
         return "must be a JSON object with a 'questions' list"
     if document.get("mode", "packed") not in ("packed", "independent"):
         return f"mode must be 'packed' or 'independent', not {document.get('mode')!r}"
+    if document.get("calibration", "none") not in CALIBRATIONS:
+        return f"calibration must be 'none' or 'contextual', not {document.get('calibration')!r}"
+    if document.get("label_mass") is not None and not isinstance(document.get("label_mass"), bool):
+        return f"label_mass must be true or false, not {document.get('label_mass')!r}"
     questions = document.get("questions")
     if not isinstance(questions, list) or not questions:
         return "'questions' must be a non-empty list"
@@ -157,6 +162,21 @@ def schema_problem(document: Any) -> str | None:
         if temperature is not None and (isinstance(temperature, bool) or not (
                 isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0)):
             return f"question {qid!r} has temperature {temperature!r}; it must be a positive number"
+        problem = _option_bias_problem(question.get("option_bias"), len(options))
+        if problem:
+            return f"question {qid!r} has {problem}"
+    return None
+
+
+def _option_bias_problem(bias: Any, n_options: int) -> str | None:
+    """Why a question's ``option_bias`` is unusable (one finite number per option, or null), or None."""
+    if bias is None:
+        return None
+    if not isinstance(bias, list) or not all(isinstance(b, (int, float)) and not isinstance(b, bool) and math.isfinite(b)
+                                             for b in bias):
+        return f"option_bias {bias!r}; it must be a list of finite numbers, one per option"
+    if len(bias) != n_options:
+        return f"{len(bias)} option_bias values for {n_options} options; give one per option"
     return None
 
 
@@ -171,23 +191,53 @@ def question_schema_record(document: dict[str, Any], schema_id: str, version: in
                 "question": q["question"],
                 "options": list(q["options"]),
                 "temperature": None if q.get("temperature") is None else float(q["temperature"]),
+                "option_bias": None if q.get("option_bias") is None else [float(b) for b in q["option_bias"]],
             }
             for q in document["questions"]
         ],
         "mode": document.get("mode", "packed"),
+        "calibration": document.get("calibration", "none"),
+        "label_mass": document.get("label_mass"),
         "created_at": int(time.time() * 1000),
     }
 
 
+def schema_document(record: dict[str, Any]) -> dict[str, Any]:
+    """The schema file of a QuestionSchema record (``question_schema_record``'s inverse): optional keys only where set."""
+    questions = []
+    for q in record["questions"]:
+        item = {"id": q["id"], "question": q["question"], "options": list(q["options"])}
+        for key in ("temperature", "option_bias"):
+            if q.get(key) is not None:
+                item[key] = q[key]
+        questions.append(item)
+    document = {"mode": record.get("mode", "packed"), "questions": questions}
+    if record.get("calibration", "none") != "none":
+        document["calibration"] = record["calibration"]
+    if record.get("label_mass") is not None:
+        document["label_mass"] = record["label_mass"]
+    return document
+
+
 def engine_questions(schema_record: dict[str, Any]) -> list[dict[str, Any]]:
-    """What ``SchemaEngine.prepare`` takes: ``[{"id", "question", "options", "temperature"?}, ...]`` in schema order."""
+    """What ``SchemaEngine.prepare`` takes: ``[{"id", "question", "options", "temperature"?, "option_bias"?}, ...]`` in
+    schema order."""
     questions = []
     for q in schema_record["questions"]:
         item = {"id": q["id"], "question": q["question"], "options": list(q["options"])}
         if q.get("temperature") is not None:
             item["temperature"] = float(q["temperature"])
+        if q.get("option_bias") is not None:
+            item["option_bias"] = [float(b) for b in q["option_bias"]]
         questions.append(item)
     return questions
+
+
+def engine_options(schema_record: dict[str, Any]) -> dict[str, Any]:
+    """The rest of what ``SchemaEngine.prepare`` takes from a schema version: ``independent``, ``calibration`` and
+    ``label_mass`` (None: the engine's default)."""
+    return {"independent": schema_record.get("mode") == "independent",
+            "calibration": schema_record.get("calibration") or "none", "label_mass": schema_record.get("label_mass")}
 
 
 def state_problem(record: dict[str, Any]) -> str | None:
@@ -208,16 +258,24 @@ def probability_record(
     source: SourceRecord,
     worker_id: str,
     truncated: bool = False,
+    label_mass: list[float] | None = None,
+    raw_probabilities: list[list[float] | None] | None = None,
 ) -> dict[str, Any]:
-    """The Avro ProbabilityRecord for one scored state; ``probabilities`` is per question, per option."""
+    """The Avro ProbabilityRecord for one scored state; ``probabilities`` is per question, per option (calibrated where
+    the schema says), ``label_mass`` per question (None: not computed) and ``raw_probabilities`` per question (None,
+    or None for a question: calibration changed nothing)."""
+    masses = label_mass or [None] * len(probabilities)
+    raws = raw_probabilities or [None] * len(probabilities)
     return {
         "state_id": state["state_id"],
         "schema_id": schema_record["schema_id"],
         "schema_version": schema_record["version"],
         "model_id": model_id,
         "questions": [
-            {"id": q["id"], "options": list(q["options"]), "probabilities": [float(p) for p in probs]}
-            for q, probs in zip(schema_record["questions"], probabilities)
+            {"id": q["id"], "options": list(q["options"]), "probabilities": [float(p) for p in probs],
+             "label_mass": None if mass is None else float(mass),
+             "raw_probabilities": None if raw is None else [float(p) for p in raw]}
+            for q, probs, mass, raw in zip(schema_record["questions"], probabilities, masses, raws)
         ],
         "source_topic": source.topic,
         "source_partition": source.partition,
@@ -230,8 +288,12 @@ def probability_record(
     }
 
 
-def probabilities_problem(probabilities: list[list[float]], n_options: list[int]) -> str | None:
-    """Why engine output is unfit to publish (wrong shape, non-finite, not a distribution), or None."""
+def probabilities_problem(probabilities: list[list[float]], n_options: list[int],
+                          label_mass: list[float] | None = None) -> str | None:
+    """Why engine output is unfit to publish (wrong shape, non-finite, not a distribution, a label mass that is not a
+    share), or None."""
+    if label_mass is not None and not all(math.isfinite(m) and 0 <= m <= 1 for m in label_mass):
+        return f"label mass {label_mass} is not a share of the distribution"
     if len(probabilities) != len(n_options):
         return f"engine returned {len(probabilities)} questions, expected {len(n_options)}"
     for index, (row, count) in enumerate(zip(probabilities, n_options)):

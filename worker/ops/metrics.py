@@ -17,6 +17,11 @@ CYCLE_SECONDS = Histogram(
     buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
 )
 BATCH_SIZE = Histogram("decider_batch_states", "States per scored batch (a cycle's states of every schema)", buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256))
+LABEL_MASS = Histogram(
+    "decider_label_mass", "Per probability record, the lowest label mass among its questions: the share of the model's "
+    "next-token distribution on the question's option labels (low: the model is not answering in format)",
+    ["schema_id"], buckets=(0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0),
+)
 PREPARED_BYTES = Gauge("decider_prepared_schema_bytes", "Device bytes held by prepared schemas")
 PREFIX_BANK_BYTES = Gauge("decider_prefix_bank_bytes", "Device bytes of the engine's prefix bank, where every prepared "
                           "schema's prefix states live (it grows by doubling and never shrinks; released slots are reused)")

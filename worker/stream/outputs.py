@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import schemas
+from worker.ops import metrics
 from worker.stream.batcher import Cycle, Pending
 from worker.config import Topics, WorkerConfig
 from worker.formats.output_formats import DEAD_LETTER, PROBABILITIES, OutputEncoder
@@ -83,8 +84,12 @@ class Outputs:
 
     def _probabilities(self, pending: Pending, schema: dict[str, Any], scored: ScoredState, out: CycleOutputs) -> OutgoingRecord:
         record = probability_record(pending.state, schema, scored.probabilities, self._model_id, pending.source,
-                                    self._worker_id, truncated=scored.truncated)
+                                    self._worker_id, truncated=scored.truncated, label_mass=scored.label_mass,
+                                    raw_probabilities=scored.raw_probabilities)
         out.scored[record["schema_id"]] += 1
+        if scored.label_mass:
+            # as records are made: a cycle whose transaction aborts is scored, and observed, again
+            metrics.LABEL_MASS.labels(record["schema_id"]).observe(min(scored.label_mass))
         if len(out.samples) < SAMPLES:
             out.samples.append(record)
         return OutgoingRecord(self._topics.probabilities, state_key(record["state_id"]), self._encode_probability(record),

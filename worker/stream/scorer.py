@@ -21,7 +21,7 @@ from typing import Any, Callable, Sequence
 from worker.ops import metrics
 from worker.config import WorkerConfig
 from worker.exceptions import ConfigError
-from worker.formats.records import Reason, SchemaKey, engine_questions, probabilities_problem
+from worker.formats.records import Reason, SchemaKey, engine_options, engine_questions, probabilities_problem
 
 log = logging.getLogger(__name__)
 
@@ -78,9 +78,12 @@ class _Entry:
 
 @dataclass
 class ScoredState:
-    """Outcome for one state: probabilities (per question, per option), or a dead-letter reason and message."""
+    """Outcome for one state: probabilities (per question, per option; with the raw ones where calibration changed
+    them, and the label mass per question where the schema asks for it), or a dead-letter reason and message."""
 
     probabilities: list[list[float]] | None = None
+    raw_probabilities: list[list[float] | None] | None = None
+    label_mass: list[float] | None = None
     truncated: bool = False
     reason: Reason | None = None  # set when scoring did not happen
     error: str | None = None
@@ -166,9 +169,8 @@ class Scorer:
                 del self._entries[key]
                 entry = None
             if entry is None:
-                questions = engine_questions(schema_record)
-                independent = schema_record.get("mode") == "independent"
-                entry = _Entry(self._gpu.submit(self._prepare, key, questions, independent))
+                entry = _Entry(self._gpu.submit(self._prepare, key, engine_questions(schema_record),
+                                                engine_options(schema_record)))
                 self._entries[key] = entry
             entry.pins += 1
             self._entries.move_to_end(key)
@@ -186,8 +188,8 @@ class Scorer:
         tombstone); pinned ones go when the budget needs room."""
         self._gpu.submit(self._forget, schema_id, keep_version)
 
-    def _prepare(self, key: SchemaKey, questions: list[dict], independent: bool) -> Any:
-        handle = self._se.prepare(questions, independent=independent)
+    def _prepare(self, key: SchemaKey, questions: list[dict], options: dict[str, Any]) -> Any:
+        handle = self._se.prepare(questions, **options)
         with self._lock:
             entry = self._entries.get(key)
             if entry is not None:
@@ -286,7 +288,7 @@ class Scorer:
         try:
             if launch.pending is not None:
                 try:
-                    launch.results = self._checked(launch.requests(), launch.pending.result())
+                    launch.results = self._checked(launch.requests(), launch.pending.details())
                 except Exception as batch_error:  # the device failed the batch: isolate the state at fault
                     launch.results = self._gpu.submit(self._one_by_one, launch.requests(), batch_error).result()
                 ready_at = time.perf_counter()
@@ -326,20 +328,21 @@ class Scorer:
         outcomes = []
         for request in requests:
             try:
-                outcomes.extend(self._checked([request], self._se.score_mixed([request])))
+                outcomes.extend(self._checked([request], self._se.launch_mixed([request]).details()))
             except Exception as error:
                 outcomes.append(ScoredState(reason=Reason.SCORING_ERROR, error=f"{type(error).__name__}: {error}"))
         return outcomes
 
     @staticmethod
-    def _checked(requests: list[tuple[Any, Any]], results: list[list[list[float]]]) -> list[ScoredState]:
+    def _checked(requests: list[tuple[Any, Any]], results: list[Any]) -> list[ScoredState]:
+        """The engine's ``StateScores`` as outcomes, a state whose probabilities are unusable as a scoring error."""
         outcomes = []
-        for (handle, _), probabilities in zip(requests, results):
-            problem = probabilities_problem(probabilities, list(handle.n_options))
+        for (handle, _), scores in zip(requests, results):
+            problem = probabilities_problem(scores.probabilities, list(handle.n_options), scores.label_mass)
             if problem:
                 outcomes.append(ScoredState(reason=Reason.SCORING_ERROR, error=f"unusable engine output: {problem}"))
             else:
-                outcomes.append(ScoredState(probabilities=probabilities))
+                outcomes.append(ScoredState(scores.probabilities, scores.raw_probabilities, scores.label_mass))
         return outcomes
 
     def graph_stats(self) -> dict[str, int]:

@@ -19,7 +19,8 @@ from worker.formats.registry import RegistryConfig, registry_client
 TOPICS = {PROBABILITIES: "out.probabilities", DEAD_LETTER: "out.dead-letter"}
 PROBABILITY = {
     "state_id": "s-1", "schema_id": "support", "schema_version": 3, "model_id": "tiny",
-    "questions": [{"id": "angry", "options": ["yes", "no"], "probabilities": [0.25, 0.75]}],
+    "questions": [{"id": "angry", "options": ["yes", "no"], "probabilities": [0.25, 0.75], "label_mass": 0.875,
+                   "raw_probabilities": [0.5, 0.5]}],
     "source_topic": "in", "source_partition": 1, "source_offset": 42, "event_time": 1_700_000_000_000,
     "scored_at": 1_700_000_000_123, "truncated": False, "worker_id": "w-0", "metadata": {"channel": "email"},
 }

@@ -59,5 +59,20 @@ def test_probability_record_follows_the_schema_and_the_source():
     state = {"state_id": "s-1", "event_time": 5, "metadata": {"a": "b"}}
     record = probability_record(state, schema, [[0.25, 0.75]], "tiny", _source(b""), "w0", truncated=True)
     assert schemas.decode_probability(schemas.encode_probability(record)) == record
-    assert record["questions"] == [{"id": "angry", "options": ["yes", "no"], "probabilities": [0.25, 0.75]}]
+    assert record["questions"] == [{"id": "angry", "options": ["yes", "no"], "probabilities": [0.25, 0.75],
+                                    "label_mass": None, "raw_probabilities": None}]
     assert (record["source_partition"], record["source_offset"], record["schema_version"]) == (3, 41, 2)
+    calibrated = probability_record(state, schema, [[0.25, 0.75]], "tiny", _source(b""), "w0", label_mass=[0.5],
+                                    raw_probabilities=[[0.5, 0.5]])
+    assert schemas.decode_probability(schemas.encode_probability(calibrated)) == calibrated
+    assert calibrated["questions"][0]["label_mass"] == 0.5 and calibrated["questions"][0]["raw_probabilities"] == [0.5, 0.5]
+
+
+def test_engine_output_with_a_label_mass_that_is_no_share_is_unusable():
+    from worker.formats.records import probabilities_problem
+
+    good = [[0.25, 0.75], [0.5, 0.2, 0.3]]
+    assert probabilities_problem(good, [2, 3]) is None and probabilities_problem(good, [2, 3], [0.9, 0.01]) is None
+    for mass in ([float("nan"), 0.5], [0.5, 1.5], [-0.1, 0.2]):
+        assert "is not a share" in probabilities_problem(good, [2, 3], mass)
+    assert "sum to" in probabilities_problem([[0.25, 0.5], [0.5, 0.2, 0.3]], [2, 3], [0.5, 0.5])

@@ -106,7 +106,8 @@ def test_every_dashboard_panel_queries_exported_metrics_and_labels():
     dashboard = json.loads((DEPLOY / "grafana/dashboards/decider.json").read_text())
     series = exported_metrics()
     titles = " ".join(p["title"].lower() for p in dashboard["panels"])
-    for topic in ("throughput", "lag per partition", "batch size", "engine", "commit", "dead letters by reason"):
+    for topic in ("throughput", "lag per partition", "batch size", "engine", "commit", "dead letters by reason",
+                  "label mass per schema"):
         assert topic in titles, f"the dashboard lacks a {topic} panel"
     for panel in dashboard["panels"]:
         assert panel["targets"], panel["title"]
