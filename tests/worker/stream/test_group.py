@@ -7,7 +7,7 @@ import threading
 import time
 from collections import Counter
 
-from confluent_kafka import TopicPartition
+from confluent_kafka import Consumer, TopicPartition
 
 from tests.worker.conftest import QUESTIONS, encode_state, feed_states, state_texts
 from worker.config import Topics, WorkerConfig
@@ -20,10 +20,15 @@ def test_rebalance_lines_name_the_topic_and_the_group(caplog):
     config = WorkerConfig(bootstrap="k:9092", model_dir="m", worker_id="gpu1", topics=Topics(states="tickets"))
     assignment = GroupAssignment(config, on_event=log_event)
     partitions = [TopicPartition("tickets", 0), TopicPartition("tickets", 2)]
-    with caplog.at_level("INFO", logger="decider.events"):
-        assignment._on_assign(None, partitions)
-        assignment._on_revoke(None, partitions)
-        assignment._on_lost(None, partitions)
+    # a consumer that never connects: the callbacks (un)assign on it as librdkafka's rebalance would
+    consumer = Consumer({"bootstrap.servers": "127.0.0.1:1", "group.id": "lines", "log_level": 0})
+    try:
+        with caplog.at_level("INFO", logger="decider.events"):
+            assignment._on_assign(consumer, partitions)
+            assignment._on_revoke(consumer, partitions)
+            assignment._on_lost(consumer, partitions)
+    finally:
+        consumer.close()
     lines = [HumanFormatter().format(record) for record in caplog.records]
     assert len(lines) == 3, lines
     for line, kind in zip(lines, ("assigned", "revoked", "lost")):
