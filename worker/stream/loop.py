@@ -29,9 +29,6 @@ import contextlib
 import logging
 import threading
 import time
-from typing import Collection
-
-from confluent_kafka import TopicPartition
 
 from worker.config import WorkerConfig
 from worker.exceptions import AbortableError, FatalError
@@ -46,7 +43,7 @@ from worker.stream.closing import CycleClosing
 from worker.stream.inflight import CyclesInFlight
 from worker.stream.outputs import Outputs, start_encoder
 from worker.stream.progress import ProgressWatch, describe_input_wait
-from worker.stream.revocation import drop_uncommitted
+from worker.stream.revocation import Partitions, drop_uncommitted
 from worker.stream.routing import Router
 from worker.stream.schema_table import SchemaTable
 from worker.stream.scorer import load_scorer
@@ -287,7 +284,7 @@ class Worker:
         self._drop_uncommitted("transaction aborted")
         seek_committed(self._assignment, self._consumer, self.config.broker_outage_s)
 
-    def _drop_uncommitted(self, why: str, partitions: Collection[TopicPartition] | None = None) -> None:
+    def _drop_uncommitted(self, why: str, partitions: Partitions | None = None) -> None:
         """Forget the uncommitted work of ``partitions`` (revoked), or all of it (``worker.stream.revocation``)."""
         if drop_uncommitted(self._cycle, self._inflight, self._txns, why, partitions,
                             lambda key: self._scorer.release_pin(key)):

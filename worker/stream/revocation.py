@@ -25,10 +25,11 @@ from worker.stream.transactions import Transactions
 log = logging.getLogger(__name__)
 
 ReleasePin = Callable[[SchemaKey], None]
+Partitions = Collection[TopicPartition]
 
 
 def drop_uncommitted(cycle: Cycle, inflight: CyclesInFlight, txns: Transactions, why: str,
-                     partitions: Collection[TopicPartition] | None, release_pin: ReleasePin) -> bool:
+                     partitions: Partitions | None, release_pin: ReleasePin) -> bool:
     """Drop the uncommitted work of ``partitions`` (None: all of it) from the open ``cycle`` and the cycles
     ``inflight``, aborting a transaction opened for it; ``release_pin`` gives back a dropped state's hold on its
     prepared schema. Returns whether nothing uncommitted is left (the caller then starts a fresh cycle)."""

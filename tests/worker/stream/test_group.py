@@ -1,5 +1,6 @@
 """Two workers in one consumer group on a topic with several partitions: every state is scored exactly
-once while one worker stops mid-stream and the other takes over its partitions."""
+once while one worker stops mid-stream and the other takes over its partitions, and a worker joining takes only the
+partitions that move (incremental rebalancing), while the worker that keeps the others goes on scoring them."""
 
 from __future__ import annotations
 
@@ -9,6 +10,10 @@ from collections import Counter
 
 from confluent_kafka import Consumer, TopicPartition
 
+import pytest
+
+from bench.stream_windows import held_partitions
+from tests import brokers
 from tests.worker.conftest import QUESTIONS, encode_state, feed_states, state_texts
 from worker.config import Topics, WorkerConfig
 from worker.ops.logs import HumanFormatter, log_event
@@ -118,3 +123,73 @@ def _wait_for_outputs(stream, at_least: int, timeout_s: float = 60.0) -> None:
         if len(probabilities) + len(dead) >= at_least:
             return
     raise AssertionError(f"fewer than {at_least} outputs after {timeout_s} s")
+
+
+REBALANCING = [("incremental", protocol) for protocol in brokers.group_protocols()] + [("eager", "classic")]
+
+
+@pytest.mark.parametrize("rebalancing, protocol", REBALANCING, ids=[f"{r}-{p}" for r, p in REBALANCING])
+def test_a_joining_worker_takes_only_the_partitions_that_move(stream_factory, model_dir, tmp_path, rebalancing, protocol):
+    """Incremental: the first worker gives up only the partitions the second one takes, keeps the others without a
+    revoke or a new assignment, and commits states of them after the second one joined. Eager (the range assignor,
+    set in [kafka]), for contrast: it gives every partition up and gets its share back. Every state once, either way."""
+    stream = stream_factory(partitions=4)
+    stream.put_schema("tickets", QUESTIONS)
+    flags = ["--group-protocol", protocol, "--log-format", "json"]
+    if rebalancing == "eager":
+        config = tmp_path / "eager.toml"
+        config.write_text('[kafka]\n"partition.assignment.strategy" = "range"\n')
+        flags += ["--config", str(config)]
+    first = stream.start_worker(model_dir, "join-a", *flags)
+    _wait_for_holdings(stream, {first: 4})
+    inputs, stop_feeding = [], threading.Event()
+    feeder = threading.Thread(target=_feed_until, args=(stream, inputs, stop_feeding), daemon=True)
+    feeder.start()
+    _wait_for_outputs(stream, 20)
+    second = stream.start_worker(model_dir, "join-b", *flags)
+    _wait_for_holdings(stream, {first: 1, second: 1})
+    joined_at = max(e["t"] for e in second.events() if e["event"] == "assigned" and e["partitions"])
+    time.sleep(2.0)  # load on both after the rebalance
+    stop_feeding.set()
+    feeder.join(30)
+
+    probabilities, dead = stream.collect(len(inputs), timeout_s=120, settle_s=2.0)
+    assert dead == [] and sorted(r["state_id"] for r in probabilities) == sorted(state_id for state_id, _ in inputs)
+    assert stream.committed_offsets() == stream.end_offsets()
+    events = first.events()
+    chosen = next(e for e in events if e["event"] == "group_protocol")
+    assert (chosen["protocol"], chosen["rebalancing"]) == (protocol, rebalancing), chosen
+    revoked = {p for e in events if e["event"] == "revoked" for p in e["partitions"]}
+    kept, taken = held_partitions(events), held_partitions(second.events())
+    assigned = [e for e in events if e["event"] == "assigned" and e["partitions"]]
+    if rebalancing == "eager":
+        assert revoked == {0, 1, 2, 3} and len(assigned) == 2, events
+        return
+    assert revoked == taken and kept == {0, 1, 2, 3} - taken and len(assigned) == 1, events
+    after_join = {p for e in events if e["event"] == "committed" and e["t"] > joined_at for p, _ in e["offsets"]}
+    assert after_join & kept, "the first worker committed nothing of the partitions it kept after the join"
+    assert first.stop() == 0 and second.stop() == 0
+
+
+def _feed_until(stream, inputs: list, stop: threading.Event) -> None:
+    """Publish a few states every 50 ms until ``stop`` is set; ``inputs`` collects (state id, value)."""
+    texts = iter(state_texts(100_000, seed=21))
+    while not stop.is_set():
+        chunk = [(f"j-{len(inputs) + i}", next(texts)) for i in range(4)]
+        chunk = [(state_id, encode_state(state_id, "tickets", text)) for state_id, text in chunk]
+        feed_states(stream, chunk, threading.Event(), chunk=4, pause_s=0.05)
+        inputs.extend(chunk)
+
+
+def _wait_for_holdings(stream, at_least: dict, timeout_s: float = 120.0) -> None:
+    """Wait until each worker in ``at_least`` holds that many partitions, and between them every partition, once."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        held = {worker: held_partitions(worker.events()) for worker in at_least}
+        union = set().union(*held.values())
+        if (all(len(held[w]) >= n for w, n in at_least.items()) and len(union) == stream.partitions
+                and sum(map(len, held.values())) == stream.partitions):
+            return
+        assert all(w.process.poll() is None for w in at_least), [w.log()[-3000:] for w in at_least]
+        time.sleep(0.2)
+    raise AssertionError(f"partitions not settled in {timeout_s} s: {held}")
