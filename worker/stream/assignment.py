@@ -39,9 +39,10 @@ REJOIN_NOT_BEFORE_S = 0.05
 """After a cooperative revoke, the rebalance callback returns no sooner than this. Returning is what makes the worker
 rejoin the group, and the embedded development broker (noida-db 0.2.3) loses a joining member's pending JoinGroup when
 another member rejoins within ~10 ms of the round that admitted it: the group then waits for that member until the
-rebalance timeout (max.poll.interval.ms, 5 minutes). 20 ms was enough in 50 of 50 trials there; Kafka needs no pause,
-and pays 50 ms once per rebalance that takes partitions from this worker (the partitions it keeps are on the device
-meanwhile; the revoked ones wait for their next owner anyway)."""
+rebalance timeout (max.poll.interval.ms, 5 minutes). Measured there with two joins in a row: returning after 0-10 ms
+stalled the group in 4 of 5 runs, after 20 ms in none of 20, after 50 ms in none of 20. Kafka needs no pause; it costs
+50 ms once per rebalance that takes partitions from this worker (the partitions it keeps are on the device meanwhile,
+and the revoked ones wait for the group's second round anyway)."""
 
 
 def choose_group_protocol(config: WorkerConfig, api_keys: set[int] | None) -> tuple[str, str]:
