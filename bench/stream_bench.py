@@ -4,6 +4,8 @@
     python bench/stream_bench.py --workers 2          # one worker per GPU (CUDA_VISIBLE_DEVICES=i each)
     python bench/stream_bench.py --workers 2 --kill-one   # SIGKILL worker 0 mid-stream, restart it, verify exactly-once
     python bench/stream_bench.py --quick              # CPU, tiny model, small (tests/bench runs it)
+    python bench/stream_bench.py --scale-out          # workers 1 -> 3 -> 1 under load, eager vs incremental
+                                                      # rebalancing (bench/scale_out.py), one worker per GPU
 
 Phases, each on its own set of topics so they never mix; each starts its workers, waits until every one holds
 partitions (from their `--log-format json` logs), then scores a warm-up before anything is measured:
@@ -517,6 +519,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--broker-delay-ms", type=float, default=0.0,
                     help="with --capacity: the workers reach the broker through bench/latency_proxy.py, this much each way")
     ap.add_argument("--start-timeout", type=float, default=300)
+    ap.add_argument("--scale-out", default=None, metavar="REBALANCING",
+                    help="instead of the phases above: bench/scale_out.py's run (workers 1 -> 3 -> 1 under load) once "
+                         "per comma-separated rebalancing, e.g. eager,incremental")
+    ap.add_argument("--scale-out-rate", type=float, default=None,
+                    help="states/s offered during --scale-out (default 1500: 75%% of one H200; 20 with --quick)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = ap.parse_args(argv)
     import torch
@@ -572,6 +579,9 @@ def main(argv=None) -> dict:
                state_tokens=args.state_tokens, questions=args.questions, options=args.options,
                model="tiny (engine.testing)" if args.quick else "Qwen3.5-0.8B-shaped random weights, test tokenizer")
     print(json.dumps(env), flush=True)
+    if args.scale_out:
+        from bench.scale_out import bench_runs
+        return bench_runs(args, env, model_dir, schema_file, texts, root)
     one_engine = engine_only(args, model_dir, document, texts)
     engine_rate = one_engine * (args.workers if args.device.startswith("cuda") else 1)
     print(f"engine only: {engine_rate:,.1f} states/s (x{args.workers} workers on GPUs)", flush=True)

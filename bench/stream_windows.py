@@ -35,9 +35,13 @@ def log_events(text: str) -> list[dict]:
         except json.JSONDecodeError:
             continue
         if "event" in record and "ts" in record:
-            stamp = datetime.datetime.strptime(record["ts"], _TS_FORMAT).replace(tzinfo=datetime.timezone.utc)
-            events.append({**record, "t": stamp.timestamp()})
+            events.append({**record, "t": wall_time(record["ts"])})
     return events
+
+
+def wall_time(ts: str) -> float:
+    """A log line's ``ts`` (``worker.ops.logs.JsonFormatter``, UTC) as epoch seconds."""
+    return datetime.datetime.strptime(ts, _TS_FORMAT).replace(tzinfo=datetime.timezone.utc).timestamp()
 
 
 def read_log_events(path: Path) -> list[dict]:

@@ -52,6 +52,20 @@ def selection(environ: Mapping[str, str] = os.environ) -> str:
     return choice
 
 
+def group_protocols(environ: Mapping[str, str] = os.environ) -> tuple[str, ...]:
+    """The consumer group protocols the selected broker runs: noida-db 0.2.3 has only the classic one (no KIP-848
+    ConsumerGroupHeartbeat); the Kafka testcontainers starts has both; an external Kafka says (its ApiVersions)."""
+    choice = selection(environ)
+    if choice == "embedded":
+        return ("classic",)
+    if choice == "kafka":
+        return ("classic", "consumer")
+    from worker.kafka_clients import CONSUMER_GROUP_HEARTBEAT_API, broker_api_keys
+
+    keys = broker_api_keys(environ[BOOTSTRAP_ENV]) or set()
+    return ("classic", "consumer") if CONSUMER_GROUP_HEARTBEAT_API in keys else ("classic",)
+
+
 def docker_engine_problem() -> str | None:
     """Why no Docker engine answers (None if one does)."""
     try:
@@ -157,5 +171,11 @@ def kafka_environment(host: str, port: int) -> dict[str, str]:
         "KAFKA_TRANSACTION_STATE_LOG_REPLICATION_FACTOR": "1",
         "KAFKA_TRANSACTION_STATE_LOG_MIN_ISR": "1",
         "KAFKA_GROUP_INITIAL_REBALANCE_DELAY_MS": "0",
+        # KIP-848's consumer protocol: the broker owns the session timeout (45 s by default, and no less). The tests
+        # move a killed worker's partitions after 6 s, as their --session-timeout-ms does on the classic protocol.
+        "KAFKA_GROUP_CONSUMER_MIN_SESSION_TIMEOUT_MS": "6000",
+        "KAFKA_GROUP_CONSUMER_SESSION_TIMEOUT_MS": "6000",
+        "KAFKA_GROUP_CONSUMER_MIN_HEARTBEAT_INTERVAL_MS": "1000",
+        "KAFKA_GROUP_CONSUMER_HEARTBEAT_INTERVAL_MS": "1000",
         "KAFKA_AUTO_CREATE_TOPICS_ENABLE": "false",
     }

@@ -19,6 +19,8 @@ DEFAULT_DEAD_LETTER_TOPIC = "decider.dead-letter"
 DEFAULT_GROUP = "decider"
 MAX_LATENCY_BUDGET_MS = 600_000  # ten minutes: far beyond any batch's scoring and commit
 REPLAY_MAX_BATCH = 64  # a replay is throughput-bound: fuller batches than a live worker's default
+GROUP_PROTOCOLS = ("classic", "consumer")  # librdkafka's group.protocol: JoinGroup/SyncGroup, or KIP-848's
+CLASSIC_SESSION_TIMEOUT_MS = 10_000  # the classic protocol's session timeout unless --session-timeout-ms sets one
 
 
 @dataclass(frozen=True)
@@ -67,7 +69,10 @@ class WorkerConfig:
     # Kept well under Kafka's default: a worker killed mid-transaction blocks read_committed readers
     # of its output partitions until the broker aborts the transaction (or the same worker id restarts).
     transaction_timeout_ms: int = 30_000
-    session_timeout_ms: int = 10_000
+    # The consumer group protocol: None picks the best one the broker supports when the loop starts
+    # (``worker.stream.assignment``); the config file's [kafka] "group.protocol" is the same setting.
+    group_protocol: str | None = None
+    session_timeout_ms: int | None = None  # classic protocol only (None: 10 s); the consumer protocol's is the broker's
     broker_outage_s: float = 300.0  # how long the loop rides out an unreachable broker before it exits (code 5)
     stall_after_s: float = 180.0  # a partition without progress this long is reported and fails /readyz (worker.stream.progress)
     metrics_port: int | None = None
@@ -103,8 +108,37 @@ class WorkerConfig:
         if not (self.device == "cpu" or re.fullmatch(r"cuda(:\d+)?", self.device)):
             raise ConfigError(f"--device {self.device!r} must be cpu, cuda or cuda:N")
         check_output_format(self.output_format, self.registry)
+        self._check_group_protocol()
         if self.input.format == "avro-registry" and self.registry is None:
             raise ConfigError("--input-format avro-registry needs --schema-registry-url")
+
+    def _check_group_protocol(self) -> None:
+        """``ConfigError`` for a group protocol that does not exist, that the [kafka] table contradicts, or that cannot
+        take the settings given with it (librdkafka refuses client-side assignment and session settings with KIP-848's
+        protocol: the broker owns them)."""
+        in_table = self.kafka.get("group.protocol")
+        for value, where in ((self.group_protocol, "--group-protocol"), (in_table, '[kafka] "group.protocol"')):
+            if value is not None and value not in GROUP_PROTOCOLS:
+                raise ConfigError(f"{where} {value!r}: use classic or consumer, or leave it out for the best one the "
+                                  "broker supports")
+        if self.group_protocol and in_table and self.group_protocol != in_table:
+            raise ConfigError(f'--group-protocol {self.group_protocol} but the config file\'s [kafka] "group.protocol" is '
+                              f"{in_table}: give the protocol once")
+        if self.requested_group_protocol != "consumer":
+            return
+        if self.session_timeout_ms is not None:
+            raise ConfigError("--session-timeout-ms has no effect with --group-protocol consumer: the broker sets the "
+                              "session timeout (group.consumer.session.timeout.ms, or the group's "
+                              "consumer.session.timeout.ms); leave it out, or use --group-protocol classic")
+        for key in ("partition.assignment.strategy", "heartbeat.interval.ms"):
+            if key in self.kafka:
+                raise ConfigError(f'[kafka] "{key}" is a classic-protocol setting, refused with --group-protocol consumer '
+                                  '(the broker assigns partitions: "group.remote.assignor" names its assignor)')
+
+    @property
+    def requested_group_protocol(self) -> str | None:
+        """The group protocol asked for (--group-protocol, or [kafka] "group.protocol"); None: the broker's best."""
+        return self.group_protocol or self.kafka.get("group.protocol")
 
     @property
     def cluster(self) -> Cluster:

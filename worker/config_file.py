@@ -56,7 +56,6 @@ OWNED_KAFKA_KEYS = {
     "isolation.level": "decider reads read_committed",
     "enable.idempotence": "required by the transactional and CLI producers",
     "auto.offset.reset": "a new group must start at the beginning",
-    "partition.assignment.strategy": "the loop relies on eager (range) rebalancing",
     "enable.partition.eof": "the readers rely on it",
 }
 

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import re
+import time
 from typing import Any, Iterable
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer
 from confluent_kafka.admin import AdminClient, NewTopic
 
-from worker.config import Cluster, Topics, WorkerConfig
+from worker.config import CLASSIC_SESSION_TIMEOUT_MS, Cluster, Topics, WorkerConfig
 from worker.exceptions import BrokerUnavailableError
 from worker.ops import liveness
 from worker.ops.metrics import on_consumer_stats
@@ -161,8 +163,9 @@ def reader_consumer_config(cluster: Cluster | str, group: str | None = None) -> 
     return config
 
 
-def worker_consumer_config(config: WorkerConfig) -> dict[str, Any]:
-    """Settings of the states consumer of the exactly-once loop (subscribes through the consumer group)."""
+def worker_consumer_config(config: WorkerConfig, protocol: str = "classic") -> dict[str, Any]:
+    """Settings of the states consumer of the exactly-once loop (subscribes through the consumer group), on group
+    ``protocol`` (classic or consumer: ``worker.stream.assignment`` picks it)."""
     return {
         # On Kafka a wait, not a poll interval: an empty Fetch is held at the broker until a record arrives (then
         # answered at once, whatever this value) or this many ms pass. An idle worker thus sends ~50 fetches/s per
@@ -174,23 +177,20 @@ def worker_consumer_config(config: WorkerConfig) -> dict[str, Any]:
         # the loaded 2-core development machine), at 500 ms exactly as at 20; no client setting changes that.
         # A default: the [kafka] table may set it (as every key decider does not own).
         "fetch.wait.max.ms": 20,
+        **_group_membership(config, protocol),
         **base_config(config.cluster),
         "group.id": config.group,
         # Static membership: a worker restarted with the same --worker-id (after a crash or kill -9) takes
         # its partitions back at once instead of waiting for the dead member's session to expire. A clean
         # stop leaves the group explicitly (Worker unsubscribes before closing), so its partitions move
-        # to the other workers right away.
+        # to the other workers right away (classic protocol; KIP-848's keeps a static member's partitions for it
+        # until the broker's session timeout, see README "Scaling out").
         "group.instance.id": config.worker_id,
         # Offsets are committed only inside our transactions (send_offsets_to_transaction).
         "enable.auto.commit": False,
         # Never read another producer's aborted output; inputs produced transactionally stay atomic too.
         "isolation.level": "read_committed",
         "auto.offset.reset": "earliest",  # a new group scores the whole topic, never skips
-        # Eager (stop-the-world) assignment: on a rebalance every partition is revoked first, so the
-        # callbacks drop all uncommitted work and the new assignment starts from committed offsets.
-        "partition.assignment.strategy": "range",
-        "session.timeout.ms": config.session_timeout_ms,
-        "heartbeat.interval.ms": max(100, config.session_timeout_ms // 5),
         # Scoring a batch holds the loop for at most seconds; this is the bound on a stuck GPU.
         "max.poll.interval.ms": 300_000,
         # Consumer lag per partition for the metrics, computed by librdkafka from the fetch responses, and whether
@@ -198,6 +198,61 @@ def worker_consumer_config(config: WorkerConfig) -> dict[str, Any]:
         "statistics.interval.ms": 2000,
         "stats_cb": _on_states_consumer_stats,
     }
+
+
+def _group_membership(config: WorkerConfig, protocol: str) -> dict[str, Any]:
+    """How the states consumer takes part in its group. With KIP-848's protocol the broker assigns partitions and owns
+    the session timeout and heartbeat interval (librdkafka refuses them client-side). With the classic one decider
+    sets both, and the assignor is a default the [kafka] table may set: cooperative-sticky moves only the partitions
+    that change owner (``worker.stream.assignment`` then drops only their uncommitted work); an eager one (range,
+    roundrobin) revokes every partition of every member on each rebalance. A group switches from one kind to the other
+    only with all its workers stopped: librdkafka refuses a list that mixes them, so no worker speaks both."""
+    if protocol == "consumer":
+        return {"group.protocol": "consumer"}
+    session_ms = config.session_timeout_ms or CLASSIC_SESSION_TIMEOUT_MS
+    return {"partition.assignment.strategy": "cooperative-sticky", "group.protocol": "classic",
+            "session.timeout.ms": session_ms, "heartbeat.interval.ms": max(100, session_ms // 5)}
+
+
+def incremental_rebalancing(consumer_config: dict[str, Any]) -> bool:
+    """Whether a consumer with ``consumer_config`` rebalances incrementally (revokes only the partitions that move)."""
+    return (consumer_config.get("group.protocol") == "consumer"
+            or "cooperative" in str(consumer_config.get("partition.assignment.strategy", "")))
+
+
+CONSUMER_GROUP_HEARTBEAT_API = 68
+"""KIP-848's ConsumerGroupHeartbeat: a broker that lists it in its ApiVersions answer runs the consumer protocol."""
+_API_LINE = re.compile(r"ApiKey \S+ \((\d+)\) Versions (\d+)\.\.(\d+)")
+
+
+class _LogLines:
+    """A librdkafka ``logger`` that keeps the lines (for ``broker_api_keys``)."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def log(self, level: int, message: str, *args: Any) -> None:
+        self.lines.append(message % args if args else message)
+
+
+def broker_api_keys(cluster: Cluster | str, timeout_s: float = 5.0) -> set[int] | None:
+    """The API keys the bootstrap broker advertises, or None if they could not be read (no broker answered, or
+    librdkafka's log lines changed their form).
+
+    librdkafka keeps each broker's ApiVersions answer to itself; its ``feature`` debug context logs it, one line per
+    API, on the client's own connection (TLS and SASL included: ApiVersions precedes authentication). So a short-lived
+    admin client lists the topics once, which connects it, and the lines are read back."""
+    lines = _LogLines()
+    admin = AdminClient({**base_config(cluster), "debug": "feature", "log_level": 7, "logger": lines})
+    try:
+        admin.list_topics(timeout=timeout_s)
+    except KafkaException:
+        return None
+    deadline = time.monotonic() + 1.0
+    while not any(_API_LINE.search(line) for line in lines.lines) and time.monotonic() < deadline:
+        admin.poll(0.05)
+    keys = {int(match.group(1)) for line in lines.lines if (match := _API_LINE.search(line))}
+    return keys or None
 
 
 def replay_consumer_config(config: WorkerConfig) -> dict[str, Any]:

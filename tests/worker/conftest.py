@@ -84,6 +84,12 @@ class WorkerProcess:
         """Everything the worker printed so far."""
         return self.log_path.read_text(errors="replace")
 
+    def events(self) -> list[dict]:
+        """The events of a worker started with ``--log-format json``, in order, each with its wall time as ``t``."""
+        from bench.stream_windows import log_events
+
+        return log_events(self.log())
+
     def wait_for_log(self, needle: str, timeout_s: float = 60.0) -> None:
         """Block until ``needle`` appears in the log (fails if the worker exits first)."""
         deadline = time.monotonic() + timeout_s
@@ -153,11 +159,14 @@ class Stream:
             entry = ["-m", "tests.worker.faults", f"fail-on={fail_on}"]
         elif scores_late_s is not None:
             entry = ["-m", "tests.worker.faults", f"scores-late={scores_late_s}"]
+        # A session timeout of 6 s moves a killed worker's partitions soon; the consumer protocol's is the broker's
+        # (tests.brokers sets it to 6 s on the Kafka it starts).
+        session = [] if _group_protocol(extra) == "consumer" else ["--session-timeout-ms", "6000"]
         args = [sys.executable, *entry, "worker", "-b", self.bootstrap, "--model", str(model_dir),
                 "--worker-id", worker_id, "--group", self.group,
                 "--states-topic", self.topics.states, "--schemas-topic", self.topics.schemas,
                 "--probabilities-topic", self.topics.probabilities, "--dead-letter-topic", self.topics.dead_letter,
-                "--max-batch", "8", "--max-wait-ms", "50", "--session-timeout-ms", "6000", *extra]
+                "--max-batch", "8", "--max-wait-ms", "50", *session, *extra]
         process_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         # One log per start: a restarted worker must not find its predecessor's lines.
         worker = WorkerProcess(args, self.workdir / f"worker-{worker_id}-{len(self.workers)}.log", process_env)
@@ -287,6 +296,11 @@ class Stream:
                     for p in range(self.partitions)}
         finally:
             consumer.close()
+
+
+def _group_protocol(args: tuple[str, ...]) -> str | None:
+    """The --group-protocol value among a worker's ``args`` (None: not given)."""
+    return next((args[i + 1] for i, arg in enumerate(args[:-1]) if arg == "--group-protocol"), None)
 
 
 def feed_states(stream: Stream, states: list[tuple[str, bytes]], done: threading.Event, chunk: int = 10, pause_s: float = 0.05) -> None:

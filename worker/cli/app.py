@@ -147,7 +147,14 @@ def worker(
              "the budget): a batch never waits for more states while the GPU could score it, and closes when the batch "
              "ahead of it is expected to finish (running estimates of scoring and commit time per batch size), so "
              "batches grow with the load; misses are counted. --max-wait-ms still caps the wait. Default: no budget."),
-    session_timeout_ms: int = typer.Option(DEFAULTS["session_timeout_ms"], "--session-timeout-ms", envvar="DECIDER_SESSION_TIMEOUT_MS", help="Consumer group session timeout."),
+    group_protocol: Optional[str] = typer.Option(
+        None, "--group-protocol", envvar="DECIDER_GROUP_PROTOCOL",
+        help="classic (cooperative-sticky: a rebalance revokes only the partitions that move) or consumer (KIP-848, "
+             "Kafka 4.0+: the broker assigns). Default: consumer where the broker has it and no classic-only setting "
+             "(--session-timeout-ms, [kafka] partition.assignment.strategy) is given, else classic."),
+    session_timeout_ms: Optional[int] = typer.Option(
+        None, "--session-timeout-ms", envvar="DECIDER_SESSION_TIMEOUT_MS", min=1,
+        help="Consumer group session timeout, classic protocol (default 10000); the consumer protocol's is the broker's."),
     probabilities_topic: str = ProbabilitiesTopicOpt,
 ) -> None:
     """Run the exactly-once stream processor (one per GPU). SIGTERM/SIGINT stop it cleanly.
@@ -156,7 +163,7 @@ def worker(
     """
     config = loop_config(ctx, loop_flags, probabilities_topic, worker_id=worker_id, group=group, max_batch=max_batch,
                           max_wait_ms=max_wait_ms, latency_budget_ms=latency_budget_ms,
-                          session_timeout_ms=session_timeout_ms)
+                          group_protocol=group_protocol, session_timeout_ms=session_timeout_ms)
     from worker.stream.loop import Worker
     from worker.cli.operated import run_logged, stop_on_signals
 

@@ -113,7 +113,7 @@ LOOP_OPTIONS = [
 # `decider worker --help` and `decider replay --help` group their ~40 options in these panels (typer's
 # rich_help_panel), in this order; an option not named here (the command's own) stays under "Options", first.
 PANELS = {
-    "Kafka": ("--bootstrap", "--worker-id", "--group", "--name", "--states-topic", "--schemas-topic",
+    "Kafka": ("--bootstrap", "--worker-id", "--group", "--group-protocol", "--name", "--states-topic", "--schemas-topic",
               "--probabilities-topic", "--dead-letter-topic", "--output-topic", "--session-timeout-ms",
               "--transaction-timeout-ms", "--broker-outage-s"),
     "Model": ("--model", "--device", "--dtype", "--deterministic", "--tokenizer-threads", "--warmup-state-tokens",

@@ -3,26 +3,72 @@
 ``Worker`` (``worker.stream.loop``) takes one ``Assignment``: ``GroupAssignment`` here for ``decider worker`` (the states
 topic shared through the consumer group), ``worker.stream.replay.RangeAssignment`` for ``decider replay`` (a fixed
 range of offsets, its end stored in the committed offsets' metadata). The loop itself is the same for both.
+
+The group rebalances incrementally: on the classic protocol with the cooperative-sticky assignor, or on KIP-848's
+consumer protocol, where the broker assigns. A rebalance then revokes only the partitions that change owner; the
+worker drops their uncommitted work (``worker.stream.revocation``) and goes on scoring the others. An eager assignor
+(``[kafka] "partition.assignment.strategy" = "range"``) revokes every partition of every worker, which drops all of
+it. ``choose_group_protocol`` picks the protocol when the worker starts.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Collection, Protocol
 
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, TopicPartition
 
 from worker.ops import liveness
 from worker.config import WorkerConfig
-from worker.exceptions import FatalError, FencedError
-from worker.kafka_clients import worker_consumer_config
+from worker.exceptions import ConfigError, FatalError, FencedError
+from worker.kafka_clients import (CONSUMER_GROUP_HEARTBEAT_API, broker_api_keys, incremental_rebalancing,
+                                  worker_consumer_config)
 from worker.stream.transactions import Transactions
 
 log = logging.getLogger(__name__)
 
 EventSink = Callable[[str, dict[str, Any]], None]
-DropUncommitted = Callable[[str], None]
+DropUncommitted = Callable[[str, Collection[TopicPartition] | None], None]
+"""The loop's: forget the uncommitted work of these partitions (None: all of it), for this reason."""
+
+CLASSIC_ONLY_KAFKA_KEYS = ("partition.assignment.strategy", "heartbeat.interval.ms")
+"""[kafka] settings that only the classic protocol has: given, they choose it when --group-protocol is left out."""
+
+REJOIN_NOT_BEFORE_S = 0.05
+"""After a cooperative revoke, the rebalance callback returns no sooner than this. Returning is what makes the worker
+rejoin the group, and the embedded development broker (noida-db 0.2.3) loses a joining member's pending JoinGroup when
+another member rejoins within ~10 ms of the round that admitted it: the group then waits for that member until the
+rebalance timeout (max.poll.interval.ms, 5 minutes). Measured there with two joins in a row: returning after 0-10 ms
+stalled the group in 4 of 5 runs, after 20 ms in none of 20, after 50 ms in none of 20. Kafka needs no pause; it costs
+50 ms once per rebalance that takes partitions from this worker (the partitions it keeps are on the device meanwhile,
+and the revoked ones wait for the group's second round anyway)."""
+
+
+def choose_group_protocol(config: WorkerConfig, api_keys: set[int] | None) -> tuple[str, str]:
+    """(the group protocol the worker joins with, why), given the broker's ``api_keys`` (``broker_api_keys``; None:
+    unknown): the one asked for, else the best one the broker offers (KIP-848's consumer protocol where its
+    ConsumerGroupHeartbeat API is listed) unless a setting only the classic protocol has was given. ``ConfigError`` when
+    --group-protocol consumer asks a broker that lacks it: librdkafka would retry the join forever without a word."""
+    asked = config.requested_group_protocol
+    if asked == "classic":
+        return "classic", "asked for"
+    offered = None if api_keys is None else CONSUMER_GROUP_HEARTBEAT_API in api_keys
+    if asked == "consumer":
+        if offered is False:
+            raise ConfigError(f"--group-protocol consumer: the broker at {config.bootstrap} does not offer KIP-848's consumer "
+                              "group protocol (Apache Kafka 4.0 or later has it); use --group-protocol classic, or leave "
+                              "it out for the best one the broker has")
+        return "consumer", "asked for"
+    classic_settings = [f"[kafka] {key}" for key in CLASSIC_ONLY_KAFKA_KEYS if key in config.kafka]
+    classic_settings += ["--session-timeout-ms"] if config.session_timeout_ms is not None else []
+    if classic_settings:
+        return "classic", f"{' and '.join(classic_settings)} given, which only the classic protocol has"
+    if offered is None:
+        return "classic", "the broker's API versions could not be read, and every broker has the classic protocol"
+    if offered:
+        return "consumer", "the broker offers KIP-848's"
+    return "classic", "the broker does not offer KIP-848's consumer protocol"
 
 
 class Assignment(Protocol):
@@ -62,10 +108,22 @@ class GroupAssignment:
     def __init__(self, config: WorkerConfig, on_event: EventSink | None = None) -> None:
         self._config = config
         self._emit = on_event or (lambda kind, info: None)
-        self._drop_uncommitted: DropUncommitted = lambda why: None
+        self._drop_uncommitted: DropUncommitted = lambda why, partitions: None
+        self.protocol = "classic"
+        self.incremental = False  # whether a rebalance revokes only the partitions that move (else: every one)
+        self._leaving = False
 
     def consumer(self) -> Consumer:
-        return Consumer(worker_consumer_config(self._config))
+        classic = self._config.requested_group_protocol == "classic"  # then the broker need not be asked
+        self.protocol, why = choose_group_protocol(self._config, None if classic else broker_api_keys(self._config.cluster))
+        settings = worker_consumer_config(self._config, self.protocol)
+        self.incremental = incremental_rebalancing(settings)
+        self._emit("group_protocol", {"group": self._config.group, "protocol": self.protocol, "why": why,
+                                      "rebalancing": "incremental" if self.incremental else "eager"})
+        try:
+            return Consumer(settings)
+        except KafkaException as exc:  # a [kafka] setting librdkafka refuses only in a consumer (an unknown assignor)
+            raise ConfigError(f"the states consumer's settings: {exc.args[0].str()}") from None
 
     def start(self, consumer: Consumer, txns: Transactions, drop_uncommitted: DropUncommitted) -> None:
         self._drop_uncommitted = drop_uncommitted
@@ -99,6 +157,7 @@ class GroupAssignment:
         # A static member does not leave the group on close(); unsubscribing does, so a stopped worker's
         # partitions go to the others now rather than after session.timeout.ms. Serve the revoke and let the
         # LeaveGroup request go out before close() tears the client down.
+        self._leaving = True
         consumer.unsubscribe()
         deadline = time.monotonic() + 1.0
         while consumer.assignment() and time.monotonic() < deadline:
@@ -106,19 +165,34 @@ class GroupAssignment:
         consumer.poll(0.2)
 
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        # Incremental: ``partitions`` are the ones added, the others stay; eager: the whole new assignment. Each
+        # starts at its committed offset.
+        (consumer.incremental_assign if self.incremental else consumer.assign)(partitions)
         self._emit("assigned", self._where(partitions))
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
-        # Eager rebalancing revokes everything; uncommitted work is dropped, never committed, because
-        # the next owner starts from the committed offsets and would score those states again.
-        self._drop_uncommitted("partitions revoked")
+        # The next owner starts from the committed offsets and scores their states again: what this worker has of
+        # them uncommitted is dropped, never committed. Incremental: only the revoked partitions'; eager revokes all.
+        called = time.monotonic()
+        self._drop_uncommitted("partitions revoked", partitions if self.incremental else None)
+        self._give_up(consumer, partitions)
         self._emit("revoked", self._where(partitions))
+        if self.incremental and self.protocol == "classic" and not self._leaving:
+            time.sleep(max(0.0, called + REJOIN_NOT_BEFORE_S - time.monotonic()))
 
     def _on_lost(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         # Lost (session expired): another worker may already own them; committing would be wrong, and a
         # transaction with stale group metadata would be rejected anyway.
-        self._drop_uncommitted("partitions lost")
+        self._drop_uncommitted("partitions lost", None)
+        self._give_up(consumer, partitions)
         self._emit("lost", self._where(partitions))
+
+    def _give_up(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        """Stop fetching ``partitions``: messages of theirs already fetched are never returned after this."""
+        if self.incremental:
+            consumer.incremental_unassign(partitions)
+        else:
+            consumer.unassign()
 
     def _where(self, partitions: list[TopicPartition]) -> dict[str, Any]:
         """A rebalance event's fields: the topic and group it happened in (a worker started without --group joins

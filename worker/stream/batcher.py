@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Collection, Iterator
 
 from confluent_kafka import TopicPartition
 
@@ -157,10 +157,29 @@ class Cycle:
         else:
             self.add_waiting(pending, pending.wait_deadline)
 
+    def forget_partitions(self, partitions: Collection[tuple[str, int]], scored: bool = False) -> list[Pending]:
+        """Remove the states of ``partitions`` (topic, partition: the worker gave them up in a rebalance) and their
+        offsets, so that nothing of them commits; returns the removed states. A cycle being scored (``scored``) keeps its
+        batches whole, since its scores come back by position in them; an open cycle drops them from its batches too."""
+        gone = set(partitions)
+        removed = [p for p in self.entries if (p.source.topic, p.source.partition) in gone]
+        if not removed and not gone & self._next_offsets.keys():
+            return []
+        self.entries = [p for p in self.entries if (p.source.topic, p.source.partition) not in gone]
+        self.waiting = [p for p in self.waiting if (p.source.topic, p.source.partition) not in gone]
+        for where in gone:
+            self._next_offsets.pop(where, None)
+        if not scored:
+            self._keep_batch_members({id(p) for p in self.entries})
+            if not self.entries:
+                self.opened_at = self.arrived_at = None
+        return removed
+
     def _keep_batch_members(self, kept: set[int]) -> None:
         """Drop from the batches the members not in ``kept`` (by ``id``), and batches left empty."""
         for key in list(self.batches):
             batch = self.batches[key]
+            batch.carried = sum(1 for m in batch.members[:batch.carried] if id(m) in kept)  # carried ones come first
             pairs = [(m, r) for m, r in zip(batch.members, batch.rows) if id(m) in kept]
             if not pairs:
                 del self.batches[key]

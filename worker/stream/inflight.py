@@ -15,7 +15,7 @@ import queue
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import astuple, dataclass, field
-from typing import Any, Iterator
+from typing import Any, Collection, Iterator
 
 from confluent_kafka import Consumer
 
@@ -122,6 +122,15 @@ class CyclesInFlight:
     def clear(self) -> None:
         """Every cycle in flight was dropped (an abort, a rebalance)."""
         self._cycles.clear()
+
+    def forget_partitions(self, partitions: Collection[tuple[str, int]]) -> tuple[int, list[InFlight]]:
+        """Remove the states and offsets of ``partitions`` (given up in a rebalance) from every cycle in flight: the
+        device scores them all the same, but they never commit. Returns how many states were removed, and the cycles
+        left with nothing to commit, which are no longer in flight."""
+        removed = sum(len(inflight.cycle.forget_partitions(partitions, scored=True)) for inflight in self._cycles)
+        emptied = [inflight for inflight in self._cycles if not len(inflight.cycle) and not inflight.cycle.offsets()]
+        self._cycles = deque(inflight for inflight in self._cycles if inflight not in emptied)
+        return removed, emptied
 
     def gpu_busy(self) -> bool:
         """Whether the last submitted cycle is still being scored."""

@@ -16,8 +16,8 @@ Failure rules:
 - the broker unreachable -> nothing commits; the transactional producer is replaced where librdkafka needs it
   (``worker.stream.transactions``), and once the broker answers again the loop rewinds to the committed offsets and
   goes on; after --broker-outage-s without an answer -> ``BrokerOutageError`` (exit 5);
-- partitions revoked or lost -> drop all uncommitted work and abort a transaction opened for it (never commit for
-  partitions we may not own);
+- partitions revoked -> drop their uncommitted work (eager rebalancing: all of it) and abort a transaction opened
+  with their offsets; lost -> drop all of it (never commit for partitions we may not own: ``worker.stream.revocation``);
 - fenced (another process with this --worker-id) or fatal client error -> ``FatalError`` to the CLI;
 - stop requested (SIGTERM/SIGINT) -> score and commit the open cycle if it can close now, else drop it,
   then close the clients.
@@ -43,6 +43,7 @@ from worker.stream.closing import CycleClosing
 from worker.stream.inflight import CyclesInFlight
 from worker.stream.outputs import Outputs, start_encoder
 from worker.stream.progress import ProgressWatch, describe_input_wait
+from worker.stream.revocation import Partitions, drop_uncommitted
 from worker.stream.routing import Router
 from worker.stream.schema_table import SchemaTable
 from worker.stream.scorer import load_scorer
@@ -283,16 +284,12 @@ class Worker:
         self._drop_uncommitted("transaction aborted")
         seek_committed(self._assignment, self._consumer, self.config.broker_outage_s)
 
-    def _drop_uncommitted(self, why: str) -> None:
-        dropped = len(self._cycle) + sum(len(f.cycle) for f in self._inflight)
-        self._txns.discard(why)  # a transaction opened ahead for dropped states must not commit their offsets
-        for cycle in [self._cycle, *(f.cycle for f in self._inflight)]:
-            self._release_pins(cycle)
-        self._cycle = Cycle()
-        self._inflight.clear()
-        self._closing.forget()
-        if dropped:
-            log.info("%s: dropped %d uncommitted states (they will be read again)", why, dropped)
+    def _drop_uncommitted(self, why: str, partitions: Partitions | None = None) -> None:
+        """Forget the uncommitted work of ``partitions`` (revoked), or all of it (``worker.stream.revocation``)."""
+        if drop_uncommitted(self._cycle, self._inflight, self._txns, why, partitions,
+                            lambda key: self._scorer.release_pin(key)):
+            self._cycle = Cycle()
+            self._closing.forget()
 
     def _release_pins(self, cycle: Cycle) -> None:
         """Let the scorer evict the schemas ``cycle`` held (after its commit or when it is dropped)."""

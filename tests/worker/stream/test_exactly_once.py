@@ -11,6 +11,7 @@ from collections import Counter
 
 import pytest
 
+from tests import brokers
 from tests.worker.conftest import QUESTIONS, Stream, encode_state, feed_states, state_texts
 
 
@@ -26,14 +27,15 @@ def _inputs(n: int, seed: int) -> list[tuple[str, bytes]]:
     return inputs
 
 
-def run_chaos(stream: Stream, model_dir, n_states: int, kills: int, seed: int) -> None:
+def run_chaos(stream: Stream, model_dir, n_states: int, kills: int, seed: int, protocol: str = "classic") -> None:
     rnd = random.Random(seed)
     stream.put_schema("tickets", QUESTIONS)
     inputs = _inputs(n_states, seed)
     fed = threading.Event()
     feeder = threading.Thread(target=feed_states, args=(stream, inputs, fed), daemon=True)
     feeder.start()
-    flags = ("--schema-wait-ms", "200", "--log-level", "debug", "--max-batch", str(rnd.choice([4, 8, 16])))
+    flags = ("--schema-wait-ms", "200", "--log-level", "debug", "--max-batch", str(rnd.choice([4, 8, 16])),
+             "--group-protocol", protocol)
     for attempt in range(kills):
         worker = stream.start_worker(model_dir, "chaos", *flags)
         worker.wait_for_log("assigned", timeout_s=90)
@@ -53,8 +55,10 @@ def run_chaos(stream: Stream, model_dir, n_states: int, kills: int, seed: int) -
     assert survivor.stop() == 0, survivor.log()
 
 
-def test_sigkill_at_random_points_then_restart_outputs_each_state_exactly_once(stream, model_dir):
-    run_chaos(stream, model_dir, n_states=240, kills=3, seed=11)
+@pytest.mark.parametrize("protocol", brokers.group_protocols())
+def test_sigkill_at_random_points_then_restart_outputs_each_state_exactly_once(stream, model_dir, protocol):
+    """With the same --worker-id the restarted worker is the same static member: it takes its partitions back."""
+    run_chaos(stream, model_dir, n_states=240, kills=3, seed=11, protocol=protocol)
 
 
 @pytest.mark.slow

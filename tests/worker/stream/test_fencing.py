@@ -1,19 +1,24 @@
 """A second worker started with the same --worker-id takes over; the first exits non-zero with a message
-saying why, and no state is output twice."""
+saying why, and no state is output twice: on every consumer group protocol the broker has (the producer's epoch
+fences the older one whatever the group does with the two members of one static id)."""
 
 from __future__ import annotations
 
 from collections import Counter
 
+import pytest
+
+from tests import brokers
 from tests.worker.conftest import QUESTIONS, state_texts
 
 
-def test_duplicate_worker_id_fences_the_older_instance(stream, model_dir):
+@pytest.mark.parametrize("protocol", brokers.group_protocols())
+def test_duplicate_worker_id_fences_the_older_instance(stream, model_dir, protocol):
     stream.put_schema("tickets", QUESTIONS)
     stream.produce_states([(f"a-{i}", t) for i, t in enumerate(state_texts(10, seed=2))], "tickets")
-    older = stream.start_worker(model_dir, "twin")
+    older = stream.start_worker(model_dir, "twin", "--group-protocol", protocol)
     stream.collect(10, settle_s=0)
-    newer = stream.start_worker(model_dir, "twin")
+    newer = stream.start_worker(model_dir, "twin", "--group-protocol", protocol)
     newer.wait_for_log("assigned", timeout_s=90)
     stream.produce_states([(f"b-{i}", t) for i, t in enumerate(state_texts(10, seed=3))], "tickets")
 

@@ -1,0 +1,76 @@
+"""Which group protocol a worker joins with: the one asked for, else the best one the broker offers, unless a setting
+only the classic protocol has was given; asking for one the broker lacks is a user error, not a silent hang."""
+
+from __future__ import annotations
+
+import pytest
+
+from worker.config import WorkerConfig
+from worker.exceptions import ConfigError
+from worker.kafka_clients import CONSUMER_GROUP_HEARTBEAT_API
+from worker.stream.assignment import choose_group_protocol
+
+CLASSIC_BROKER = {11, 12, 14, 28}
+KIP_848_BROKER = CLASSIC_BROKER | {CONSUMER_GROUP_HEARTBEAT_API}
+
+
+def _config(**fields) -> WorkerConfig:
+    return WorkerConfig(bootstrap="kafka:9092", model_dir="m", worker_id="w", **fields)
+
+
+@pytest.mark.parametrize("fields, api_keys, protocol", [
+    ({}, KIP_848_BROKER, "consumer"),
+    ({}, CLASSIC_BROKER, "classic"),
+    ({}, None, "classic"),                                                   # the broker's list could not be read
+    ({"group_protocol": "classic"}, KIP_848_BROKER, "classic"),
+    ({"group_protocol": "consumer"}, None, "consumer"),                      # asked for: librdkafka will tell
+    ({"kafka": {"group.protocol": "consumer"}}, KIP_848_BROKER, "consumer"),
+    ({"session_timeout_ms": 6000}, KIP_848_BROKER, "classic"),               # settings only classic has
+    ({"kafka": {"partition.assignment.strategy": "range"}}, KIP_848_BROKER, "classic"),
+])
+def test_the_protocol_asked_for_else_the_brokers_best(fields, api_keys, protocol):
+    chosen, why = choose_group_protocol(_config(**fields), api_keys)
+    assert chosen == protocol and why
+
+
+def test_asking_for_the_consumer_protocol_on_a_broker_without_it_is_a_user_error():
+    with pytest.raises(ConfigError, match="does not offer KIP-848's consumer group protocol"):
+        choose_group_protocol(_config(group_protocol="consumer"), CLASSIC_BROKER)
+
+
+def _timed_revoke(assignment, leaving: bool = False) -> float:
+    """Seconds ``assignment``'s revoke callback took, on a consumer that never connects (it unassigns all the same)."""
+    import time
+
+    from confluent_kafka import Consumer, TopicPartition
+
+    consumer = Consumer({"bootstrap.servers": "127.0.0.1:1", "group.id": "revoke", "log_level": 0})
+    partitions = [TopicPartition("states", 0)]
+    try:
+        consumer.incremental_assign(partitions) if assignment.incremental else consumer.assign(partitions)
+        assignment._leaving = leaving
+        started = time.monotonic()
+        assignment._on_revoke(consumer, partitions)
+        return time.monotonic() - started
+    finally:
+        consumer.close()
+
+
+@pytest.mark.parametrize("protocol, incremental, leaving, pauses", [
+    ("classic", True, False, True),     # cooperative: the worker rejoins when the callback returns
+    ("classic", True, True, False),     # leaving the group: no rejoin follows
+    ("classic", False, False, False),   # eager: the revoke comes before the join, not between two rounds
+    ("consumer", True, False, False),   # KIP-848 has no JoinGroup
+])
+def test_only_a_cooperative_revoke_on_the_classic_protocol_waits_before_the_rejoin(protocol, incremental, leaving,
+                                                                                   pauses):
+    from worker.stream.assignment import REJOIN_NOT_BEFORE_S, GroupAssignment
+
+    assignment = GroupAssignment(_config())
+    assignment.protocol, assignment.incremental = protocol, incremental
+    dropped = []
+    assignment._drop_uncommitted = lambda why, partitions: dropped.append(partitions)
+    took = _timed_revoke(assignment, leaving)
+    assert (took >= REJOIN_NOT_BEFORE_S) == pauses, took
+    # incremental: only the revoked partitions' work is dropped; eager: all of it (None)
+    assert [None if p is None else [tp.partition for tp in p] for p in dropped] == [[0] if incremental else None]

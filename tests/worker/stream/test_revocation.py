@@ -1,0 +1,143 @@
+"""An incremental rebalance takes some partitions away: only their uncommitted states are dropped, from the open cycle
+and from the cycles being scored, and a transaction opened ahead never commits their offsets; the other partitions'
+states stay and commit (``worker.stream.revocation``). Bookkeeping first (no broker), then with a real transaction."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+
+from confluent_kafka import TopicPartition
+
+from tests.worker.stream.test_batcher import _batch, _pending, _schema
+from worker.formats.records import SourceRecord
+from worker.stream.batcher import Cycle, Pending
+from worker.stream.inflight import CyclesInFlight
+from worker.stream.latency_budget import CycleBudget
+from worker.stream.revocation import drop_uncommitted
+
+
+class _Scorer:
+    """Takes a cycle's batch; its scores never come (what the loop does meanwhile is under test)."""
+
+    def submit(self, jobs, on_launched):
+        return Future()
+
+
+def _cycle(*where: tuple[int, int], schema: str = "s") -> Cycle:
+    cycle = Cycle()
+    for partition, offset in where:
+        _batch(cycle, _pending(partition, offset, schema), _schema(schema), 1.0)
+    return cycle
+
+
+def _in_flight(*cycles: Cycle) -> CyclesInFlight:
+    inflight = CyclesInFlight()
+    for cycle in cycles:
+        inflight.submit(cycle, 0.0, CycleBudget(None, 0.05, inflight.gpu_busy), _Scorer())
+    return inflight
+
+
+def _offsets(cycle: Cycle) -> dict[int, int]:
+    return {tp.partition: tp.offset for tp in cycle.offsets()}
+
+
+def test_an_open_cycle_forgets_the_revoked_partitions_states_batch_members_and_offsets():
+    cycle = _cycle((0, 5), (1, 9), (0, 6), (2, 3))
+    waiting = _pending(1, 10, "unknown")
+    cycle.track(waiting, 1.0)
+    cycle.add_waiting(waiting, 99.0)
+    removed = cycle.forget_partitions({("states", 1)})
+    assert [(p.source.partition, p.source.offset) for p in removed] == [(1, 9), (1, 10)]
+    assert [(p.source.partition, p.source.offset) for p in cycle.entries] == [(0, 5), (0, 6), (2, 3)]
+    assert cycle.waiting == [] and _offsets(cycle) == {0: 7, 2: 4}
+    members = cycle.batches[("s", 1)].members
+    assert members == cycle.entries and [m.batch_index for m in members] == [0, 1, 2]
+    assert len(cycle.batches[("s", 1)].rows) == 3 and sorted(cycle.pins()) == [("s", 1)] * 3
+
+
+def test_a_partition_the_cycle_never_saw_changes_nothing_and_a_cycle_left_empty_is_fresh():
+    cycle = _cycle((0, 5))
+    assert cycle.forget_partitions({("states", 3), ("other", 0)}) == []
+    assert len(cycle) == 1 and _offsets(cycle) == {0: 6}
+    assert len(cycle.forget_partitions({("states", 0)})) == 1
+    assert len(cycle) == 0 and cycle.batches == {} and cycle.offsets() == [] and cycle.opened_at is None
+
+
+def test_carried_states_of_a_revoked_partition_no_longer_count_as_carried():
+    """States held back by a wait for their schema come first in the next cycle's batches and do not make it full."""
+    closed = _cycle((0, 1), (1, 1))
+    waiting = _pending(1, 2, "late")
+    closed.track(waiting, 1.0)
+    closed.add_waiting(waiting, 99.0)
+    behind = _pending(0, 2)
+    _batch(closed, behind, _schema(), 1.0)
+    carried = closed.carry_held(2.0)  # partition 1 from its waiting state on; partition 0's states commit
+    assert [p.source.partition for p in carried.entries] == [1]
+    _batch(carried, _pending(0, 3), _schema(), 2.0)
+    carried.forget_partitions({("states", 1)})
+    assert not carried.waiting and carried.full(1)  # the state left counts: nothing carried remains
+
+
+def test_a_cycle_being_scored_keeps_its_batches_whole_so_the_scores_still_line_up():
+    cycle = _cycle((0, 5), (1, 9), (0, 6))
+    cycle.forget_partitions({("states", 1)}, scored=True)
+    assert [(p.source.partition, p.batch_index) for p in cycle.entries] == [(0, 0), (0, 2)]
+    assert len(cycle.batches[("s", 1)].members) == 3 and _offsets(cycle) == {0: 7}
+
+
+def test_cycles_in_flight_lose_the_revoked_states_and_one_left_with_nothing_is_no_longer_in_flight():
+    only_revoked, mixed = _cycle((1, 1), (1, 2)), _cycle((0, 3), (1, 3))
+    inflight = _in_flight(only_revoked, mixed)
+    removed, emptied = inflight.forget_partitions({("states", 1)})
+    assert removed == 3 and [f.cycle for f in emptied] == [only_revoked]
+    assert [f.cycle for f in inflight] == [mixed] and _offsets(mixed) == {0: 4}
+
+
+def test_eager_revocation_drops_everything(stream):
+    from tests.worker.stream.test_transactions import _transactions
+
+    open_cycle, scored = _cycle((0, 1)), _cycle((1, 1))
+    inflight, released = _in_flight(scored), []
+    with _transactions(stream, "drop-all") as txns:
+        inflight.oldest.offsets = scored.offsets()
+        txns.open(inflight.oldest.offsets)
+        assert drop_uncommitted(open_cycle, inflight, txns, "partitions lost", None, released.append)
+        assert not inflight and not txns.is_open_for(scored.offsets())
+    assert sorted(released) == [("s", 1), ("s", 1)]
+
+
+def test_revoking_a_partition_keeps_the_others_work_and_its_transaction_unless_that_names_the_partition(stream):
+    """The transaction opened ahead for the oldest cycle in flight survives a revoke of a partition it does not name,
+    and commits; one that names a revoked partition is aborted, and its cycle commits the offsets left in a new one."""
+    from tests.worker.stream.test_transactions import _records, _transactions
+
+    states = stream.topics.states
+
+    def cycle(*where):
+        made = Cycle()
+        for partition, offset in where:
+            _batch(made, Pending(SourceRecord(states, partition, offset, b"k", b"v")), _schema(), 1.0)
+        return made
+
+    released: list = []
+    with _transactions(stream, "drop-some") as txns:
+        kept = cycle((0, 10))
+        inflight = _in_flight(kept)
+        inflight.oldest.offsets = kept.offsets()
+        txns.open(inflight.oldest.offsets)
+        open_cycle = cycle((0, 11), (1, 4))
+        left = drop_uncommitted(open_cycle, inflight, txns, "partitions revoked", [TopicPartition(states, 1)],
+                                released.append)
+        assert not left and released == [("s", 1)]           # the open cycle's state of partition 1, unpinned
+        assert txns.is_open_for(inflight.oldest.offsets)      # it names partition 0 only: still open
+        txns.commit(_records(stream, 1, "kept"), inflight.oldest.offsets)
+        assert stream.committed_offsets()[0] == 11
+
+        named = cycle((0, 12), (1, 5))
+        inflight = _in_flight(named)
+        inflight.oldest.offsets = named.offsets()
+        txns.open(inflight.oldest.offsets)
+        drop_uncommitted(Cycle(), inflight, txns, "partitions revoked", [TopicPartition(states, 1)], released.append)
+        assert inflight.oldest.offsets is None and not txns.is_open_for(named.offsets())
+        txns.commit(_records(stream, 1, "named"), named.offsets())   # what the loop commits for it: partition 0 only
+    assert stream.committed_offsets() == {0: 13, 1: -1001}
