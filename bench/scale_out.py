@@ -33,7 +33,7 @@ from bench.rebalances import Step, dropped_states, rebalance_table
 from bench.stream_windows import held_partitions, read_log_events
 from worker.cli.commands import put_schema
 from worker.config import Topics
-from worker.kafka_clients import create_topics, plain_producer, reader_consumer, reader_consumer_config
+from worker.kafka_clients import create_topics, plain_producer, reader_consumer, whole_pass_reader
 
 REBALANCING = ("incremental", "eager", "consumer")
 STEPS = (("worker 1 joins", "start", 1), ("worker 2 joins", "start", 2), ("worker 1 SIGTERM", "stop", 1),
@@ -267,8 +267,7 @@ def _end_transactions_of_the_killed(setup: ScaleOut, pool: Pool, kills: list[Ste
 def _read_outputs(bootstrap: str, topics: Topics, partitions: int, timeout_s: float = 60.0) -> Counter:
     """How often each state id is in the output topics, read whole from offset 0 by a fresh read_committed reader with
     large fetches (the embedded broker's aborted-transaction list makes a reader that starts later skip records)."""
-    consumer = Consumer({**reader_consumer_config(bootstrap), "max.partition.fetch.bytes": 64 << 20,
-                         "fetch.max.bytes": 64 << 20})
+    consumer = whole_pass_reader(bootstrap)
     assigned = [TopicPartition(t, p, OFFSET_BEGINNING) for t in (topics.probabilities, topics.dead_letter)
                 for p in range(partitions)]
     consumer.assign(assigned)

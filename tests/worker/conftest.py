@@ -25,7 +25,7 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, Producer, To
 import schemas
 from worker.cli import commands
 from worker.config import Topics
-from worker.kafka_clients import create_topics, reader_consumer, reader_consumer_config
+from worker.kafka_clients import create_topics, reader_consumer, reader_consumer_config, whole_pass_reader
 
 REPO = Path(__file__).resolve().parents[2]
 SCHEMA_FILE = REPO / "worker" / "examples" / "support_schema.json"
@@ -205,8 +205,7 @@ class Stream:
 
         client = registry_client(registry_url) if registry_url else None
         decoders = {kind: OutputDecoder(kind, client) for kind in ("probabilities", "dead-letter")}
-        consumer = Consumer({**reader_consumer_config(self.bootstrap), "max.partition.fetch.bytes": 64 << 20,
-                             "fetch.max.bytes": 64 << 20})
+        consumer = whole_pass_reader(self.bootstrap)
         partitions = [TopicPartition(t, p, OFFSET_BEGINNING) for t in (self.topics.probabilities, self.topics.dead_letter)
                       for p in range(self.partitions)]
         consumer.assign(partitions)

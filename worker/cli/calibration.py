@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
 import typer
-from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, TopicPartition
+from confluent_kafka import OFFSET_BEGINNING, KafkaError, TopicPartition
 
 import schemas
 from worker.cli import calibration_report as report_files
@@ -37,7 +37,7 @@ from worker.config import Cluster, Topics
 from worker.exceptions import BrokerUnavailableError, ConfigError
 from worker.formats.output_formats import OutputDecoder
 from worker.formats.records import engine_questions, question_schema_record, schema_document
-from worker.kafka_clients import as_cluster, check_broker, reader_consumer_config, require_topics
+from worker.kafka_clients import as_cluster, check_broker, require_topics, whole_pass_reader
 from worker.stream.schema_table import BrokenSchema
 
 METHODS = ("order", "temperature")
@@ -336,8 +336,7 @@ def read_topic(cluster: Cluster | str, topic: str, roles: Topics | None = None, 
             raise BrokerUnavailableError(f"topic {topic} does not exist on {as_cluster(cluster).bootstrap}; it is "
                                          "the user's own (labelled answers come from your labelling tool)")
     counts = require_topics(cluster, [topic], roles=roles)
-    consumer = Consumer({**reader_consumer_config(cluster), "max.partition.fetch.bytes": 64 << 20,
-                         "fetch.max.bytes": 64 << 20})
+    consumer = whole_pass_reader(cluster)
     consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in range(counts[topic])])
     at_end: set[int] = set()
     deadline = time.monotonic() + timeout_s
