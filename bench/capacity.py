@@ -32,6 +32,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from worker.devbroker.embedded_broker import free_port  # noqa: E402
+from worker.ops.ports import port_open  # noqa: E402
 
 DEFAULT_LOADS = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95)
 OVER_BUDGET_SHARE = 0.01   # a load holds with at most this share of a sample's states over the budget
@@ -61,16 +62,14 @@ def slower_broker(broker_port: int, delay_ms: float, logs: Path):
 
 
 def _wait_listening(address: str, proxy: subprocess.Popen, timeout_s: float = 10) -> None:
-    import socket
     host, port = address.rsplit(":", 1)
     deadline = time.time() + timeout_s
-    while time.time() < deadline:
+    while not port_open(int(port), host):
         if proxy.poll() is not None:
             raise SystemExit(f"the latency proxy exited ({proxy.returncode}); see its log")
-        with contextlib.suppress(OSError), socket.create_connection((host, int(port)), timeout=0.5):
-            return
+        if time.time() > deadline:
+            raise SystemExit(f"the latency proxy did not listen on {address} within {timeout_s} s")
         time.sleep(0.05)
-    raise SystemExit(f"the latency proxy did not listen on {address} within {timeout_s} s")
 
 
 def holds(sample: dict, budget_ms: int) -> bool:
