@@ -128,8 +128,11 @@ class CyclesInFlight:
         device scores them all the same, but they never commit. Returns how many states were removed, and the cycles
         left with nothing to commit, which are no longer in flight."""
         removed = sum(len(inflight.cycle.forget_partitions(partitions, scored=True)) for inflight in self._cycles)
-        emptied = [inflight for inflight in self._cycles if not len(inflight.cycle) and not inflight.cycle.offsets()]
-        self._cycles = deque(inflight for inflight in self._cycles if inflight not in emptied)
+        kept: deque[InFlight] = deque()
+        emptied: list[InFlight] = []
+        for inflight in self._cycles:
+            (emptied if not len(inflight.cycle) and not inflight.cycle.offsets() else kept).append(inflight)
+        self._cycles = kept
         return removed, emptied
 
     def gpu_busy(self) -> bool:
