@@ -168,7 +168,9 @@ def cycle_timelines(events: list[dict], budget_ms: float, since: float = 0.0) ->
     the records and the transaction) over all cycles and over those visible later than ``budget_ms``, from the
     ``committed`` events' ``closed_ms``, ``launched_ms`` and ``scored_ms``; close to launch split further where every
     cycle's event has ``taken_ms`` and ``gathered_ms``, and close to taken where they have ``submitted_ms``; and how
-    many cycles had their transaction opened while the GPU scored them (``opened_ahead``), where every event says; and
+    many cycles had their transaction opened while the GPU scored them (``opened_ahead``, workers before the committer
+    thread) or the median number of cycles their transaction committed (``cycles_in_transaction``), where every event
+    says; and
     the median number of states a cycle scored (``states``: late cycles are often the larger ones)."""
     cycles = [e for e in _commits(events) if e["t"] >= since
               and all(e.get(k) is not None for k in ("closed_ms", "launched_ms", "scored_ms", "arrival_to_visible_ms"))]
@@ -182,8 +184,10 @@ def cycle_timelines(events: list[dict], budget_ms: float, since: float = 0.0) ->
         for name, start, end in _SEGMENTS + (_LAUNCH_SEGMENTS if split else ()) + (_HANDOFF_SEGMENTS if handoff else ()):
             out[name] = round(_lower_median(e[end] - (e[start] if start else 0.0) for e in group), 2)
         out["states"] = _lower_median(e.get("scored", 0) for e in group)        # a cycle's scored states
-        if all("opened_ahead" in e for e in group):   # workers since 2026-12-01 (session 12)
+        if all("opened_ahead" in e for e in group):   # workers of 2026-12-01 and 02 (sessions 12 to 16)
             out["opened_ahead"] = sum(bool(e["opened_ahead"]) for e in group)
+        if all("cycles_in_transaction" in e for e in group):   # workers with the committer thread
+            out["cycles_in_transaction"] = _lower_median(e["cycles_in_transaction"] for e in group)
         return out
 
     return {"all": medians(cycles), "late": medians([e for e in cycles if e["arrival_to_visible_ms"] > budget_ms])}

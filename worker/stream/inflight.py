@@ -1,11 +1,12 @@
 """The cycles in flight: closed cycles handed to the GPU thread whose transactions are not committed yet, oldest
-first, each with the times the loop and the GPU thread stamped on it, and the loop's wait on the oldest.
+first, each with the times the loop and the GPU thread stamped on it, and the loop's wait on them.
 
-While one cycle is scored the loop keeps consuming and tokenizing the next. A consumer's poll cannot be woken by
-another thread, so meanwhile the loop waits on the cycle rather than inside a poll (``CyclesInFlight.next_message``):
-on its launch, when its transaction is to be opened then (its offsets are sent while the GPU scores it), and on its
-scores, so that its commit follows them at once rather than at the end of a poll (a wait of up to its timeout, spent
-from every record's latency); woken, it takes the messages fetched meanwhile.
+A cycle in flight is scored on the GPU thread, then handed to the committer (``worker.stream.committer``), then
+committed; the cycles handed come first, in order. While one cycle is scored the loop keeps consuming and tokenizing
+the next. A consumer's poll cannot be woken by another thread, so meanwhile the loop waits on the cycle rather than
+inside a poll (``CyclesInFlight.next_message``): on its scores, so that it is handed on at once rather than at the end
+of a poll (a wait of up to its timeout, spent from every record's latency), and on the committer's outcomes; woken, it
+takes the messages fetched meanwhile.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ from worker.ops import metrics
 from worker.stream.batcher import Cycle, monotonic
 from worker.stream.latency_budget import CycleBudget
 from worker.stream.scorer import BatchJob, LaunchTimes, Scorer
-from worker.stream.transactions import Transactions
 
 
 @dataclass
@@ -39,19 +39,20 @@ class InFlight:
     submitted_at: float | None = None  # when the loop handed it to the GPU thread (schemas caught up, batches built)
     launched: Future = field(default_factory=Future)  # its ``LaunchTimes``, once its batch is queued on the device
     scored_at: float | None = None  # when its scores were ready (set on the scoring thread)
-    offsets: list | None = None  # what its transaction commits, once ``Transactions.open`` sent them ahead
-    wakes_loop: bool = False  # its launch and its scores put a wake-up on the loop's queue (once it waited on them)
+    handed: bool = False  # handed to the committer (its records made and its offsets named)
+    out: Any = None  # its records (``worker.stream.outputs.CycleOutputs``), once handed
+    offsets: list | None = None  # what its transaction commits, once handed
+    wakes_loop: bool = False  # its scores put a wake-up on the loop's queue (once it waited on them)
 
     def on_launched(self, times: LaunchTimes) -> None:
         """(GPU thread) Its batch is queued on the device."""
         self.launched.set_result(times)
 
-    def wake(self, wakeups: queue.SimpleQueue) -> None:
-        """Have ``wakeups`` told (once) when its batch is launched and when its scores are ready."""
+    def wake_on_scores(self, wakeups: queue.SimpleQueue) -> None:
+        """Have ``wakeups`` told (once) when its scores are ready."""
         if not self.wakes_loop:
             self.wakes_loop = True
-            for future in (self.launched, self.future):
-                future.add_done_callback(lambda _: wakeups.put(None))
+            self.future.add_done_callback(lambda _: wakeups.put(None))
 
     @property
     def launch(self) -> LaunchTimes | None:
@@ -135,37 +136,47 @@ class CyclesInFlight:
         self._cycles = kept
         return removed, emptied
 
+    def unhanded(self) -> Iterator[InFlight]:
+        """The cycles not handed to the committer yet, oldest first (the newest cycles in flight)."""
+        return (inflight for inflight in list(self._cycles) if not inflight.handed)
+
+    def unscored(self) -> int:
+        """How many cycles are queued on or scored by the GPU thread."""
+        return sum(not inflight.future.done() for inflight in self._cycles)
+
+    def wake(self) -> None:
+        """End the loop's wait (``next_message``): another thread has something for it (the committer's outcome)."""
+        self._wakeups.put(None)
+
     def gpu_busy(self) -> bool:
         """Whether the last submitted cycle is still being scored."""
         return bool(self._cycles) and not self._cycles[-1].future.done()
 
-    def next_message(self, consumer: Consumer, txns: Transactions, timeout: float) -> Any:
+    def next_message(self, consumer: Consumer, timeout: float) -> Any:
         """``consumer``'s next message, waiting up to ``timeout`` for one or, while a cycle is being scored, for its
-        scores (and for its launch, when its transaction is to be opened then): the cycle is then committed at once
-        rather than at the end of a poll."""
-        if not self._cycles:
+        scores or a transaction's end (``wake``): the cycle is then handed on at once rather than at the end of a
+        poll."""
+        waiting = next(self.unhanded(), None)
+        if waiting is None:
             return consumer.poll(timeout)
-        oldest = self.oldest
-        opened = txns.is_open_for(oldest.offsets)
-        awaited = [oldest.future] if opened else [oldest.future, oldest.launched]
-        if timeout <= 0 or any(future.done() for future in awaited):
-            return consumer.poll(0)     # its commit, or the opening of its transaction, is due now
+        if timeout <= 0 or waiting.future.done():
+            return consumer.poll(0)     # it is to be handed on now
         message = consumer.poll(0)
         if message is None:
-            self._wait_for(oldest, awaited, timeout)
+            self._wait_for(waiting, timeout)
             message = consumer.poll(0)
         return message
 
-    def _wait_for(self, inflight: InFlight, awaited: list[Future], timeout: float) -> None:
-        """Wait up to ``timeout`` for one of ``awaited`` (``inflight``'s launch or scores) to be done. Another cycle's
-        progress may end the wait early: the loop then merely looks again."""
-        inflight.wake(self._wakeups)
+    def _wait_for(self, inflight: InFlight, timeout: float) -> None:
+        """Wait up to ``timeout`` for ``inflight``'s scores. Another cycle's progress or a transaction's end may end
+        the wait early: the loop then merely looks again."""
+        inflight.wake_on_scores(self._wakeups)
         while True:                            # forget the wake-ups of what is already done
             try:
                 self._wakeups.get_nowait()
             except queue.Empty:
                 break
-        if any(future.done() for future in awaited):
+        if inflight.future.done():
             return
         with contextlib.suppress(queue.Empty):
             self._wakeups.get(timeout=timeout)

@@ -2,22 +2,23 @@
 
 One record's path, one direction: poll -> decode (``worker.formats.records``) -> route to its schema's batch in the
 open cycle (``worker.stream.batcher``; the schema is prepared and the state tokenized by ``worker.stream.scorer``) ->
-score on the GPU thread -> one output record per state (``worker.stream.outputs``) -> one transaction per cycle with
-the input offsets (``worker.stream.transactions``). When a cycle closes is ``worker.stream.closing``'s rule. While
-cycle N is scored the loop keeps consuming and tokenizing cycle N+1; N+1 is submitted to the GPU before N commits, so
-the GPU is not idle during the commit. Once N's batch is on the device (and N-1 committed), N's transaction is begun
-and its offsets sent, so those broker round trips overlap the scoring; its records follow when the scores are ready
-(the cycles in flight and the loop's wait on them: ``worker.stream.inflight``). Where states come from and where
-committed positions go is the ``Assignment``'s (``worker.stream.assignment``): the consumer group for ``decider
-worker``, a fixed range for ``decider replay``.
+score on the GPU thread -> one output record per state (``worker.stream.outputs``) -> a transaction with the input
+offsets on the committer's thread (``worker.stream.committer``, ``worker.stream.transactions``). When a cycle closes
+is ``worker.stream.closing``'s rule. While cycle N is scored the loop keeps consuming and tokenizing cycle N+1; N+1 is
+submitted to the GPU before N is scored, so the GPU is not idle between them. A scored cycle is handed to the
+committer, which commits it (with every cycle handed while its previous transaction ran) while the loop goes on
+consuming and launching (the cycles in flight and the loop's wait on them: ``worker.stream.inflight``). Where states
+come from and where committed positions go is the ``Assignment``'s (``worker.stream.assignment``): the consumer group
+for ``decider worker``, a fixed range for ``decider replay``.
 
 Failure rules:
-- an error inside a transaction -> abort, drop all uncommitted work, seek to the committed offsets;
+- an error inside a transaction -> abort, drop all uncommitted work (the committer takes nothing until then), seek to
+  the committed offsets;
 - the broker unreachable -> nothing commits; the transactional producer is replaced where librdkafka needs it
   (``worker.stream.transactions``), and once the broker answers again the loop rewinds to the committed offsets and
   goes on; after --broker-outage-s without an answer -> ``BrokerOutageError`` (exit 5);
-- partitions revoked -> drop their uncommitted work (eager rebalancing: all of it) and abort a transaction opened
-  with their offsets; lost -> drop all of it (never commit for partitions we may not own: ``worker.stream.revocation``);
+- partitions revoked -> let the transaction running end, then drop their uncommitted work (eager rebalancing: all of
+  it); lost -> drop all of it (never commit for partitions we may not own: ``worker.stream.revocation``);
 - fenced (another process with this --worker-id) or fatal client error -> ``FatalError`` to the CLI;
 - stop requested (SIGTERM/SIGINT) -> score and commit the open cycle if it can close now, else drop it,
   then close the clients.
@@ -40,7 +41,8 @@ from worker.stream import gc_pauses
 from worker.stream.assignment import Assignment, EventSink, GroupAssignment, check_consumer_error, partition_names, seek_committed
 from worker.stream.batcher import Cycle, Pending, monotonic
 from worker.stream.closing import CycleClosing
-from worker.stream.inflight import CyclesInFlight
+from worker.stream.committer import Committer, Handed, Outcome
+from worker.stream.inflight import CyclesInFlight, InFlight
 from worker.stream.outputs import Outputs, start_encoder
 from worker.stream.progress import ProgressWatch, describe_input_wait
 from worker.stream.revocation import Partitions, drop_uncommitted
@@ -50,6 +52,10 @@ from worker.stream.scorer import load_scorer
 from worker.stream.transactions import Transactions
 
 log = logging.getLogger(__name__)
+
+MAX_HANDED = 16
+"""Cycles handed to the committer and not yet committed beyond which the loop waits for it (a broker slower than the
+GPU): the transactions merge what waits, but every state held there waits too."""
 
 SLOW_STEP_S = 0.1
 """A blocking step of the loop that takes this long is logged as a warning: the states consumed meanwhile wait."""
@@ -83,6 +89,7 @@ class Worker:
         self._inflight = CyclesInFlight()
         self._closing = CycleClosing(config.max_batch, config.max_wait_ms, config.latency_budget_ms,
                                      self._inflight.gpu_busy)  # with the latency budget, which learns from every commit
+        self._rewind_due = False  # a transaction failed during a rebalance callback: seek at the next step
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
     def run(self) -> None:
@@ -114,6 +121,7 @@ class Worker:
             # transaction, so the committed offsets we start from are final.
             self._txns.init()
             self._assignment.start(self._consumer, self._txns, self._drop_uncommitted)
+            self._committer = Committer(self._txns, self._inflight.wake)
             while not self.stop.is_set():
                 self._step()
             self._drain()
@@ -129,7 +137,10 @@ class Worker:
         if len(ready):
             self._inflight.submit(ready, monotonic(), self._closing.budget, self._scorer)
         while self._inflight:
-            self._commit_oldest()
+            for inflight in self._inflight.unhanded():
+                self._hand(inflight)
+            self._committer.wait_for_outcome()
+            self._take_outcomes()
         if len(self._cycle):
             log.info("stopping: %d states wait for their schema or come after one in their partition; left "
                      "uncommitted for the next owner", len(self._cycle))
@@ -141,7 +152,8 @@ class Worker:
 
     def _close(self) -> None:
         leave = lambda: self._assignment.leave(self._consumer)  # noqa: E731
-        for action in (self._txns.close, leave, self._consumer.close, self._table.close, self._scorer.close, self._watch.close):
+        committer = getattr(self, "_committer", None)
+        for action in (*([committer.close] if committer else []), self._txns.close, leave, self._consumer.close, self._table.close, self._scorer.close, self._watch.close):
             try:
                 action()
             except Exception as exc:  # closing is best effort: the transaction is already committed or aborted
@@ -150,12 +162,13 @@ class Worker:
     # ---- the loop --------------------------------------------------------------------------------------------
     def _step(self) -> None:
         liveness.BROKER.check_outage(self.config.broker_outage_s)
+        if self._rewind_due:
+            self._rewind()
         self._consume(self._closing.poll_timeout(monotonic(), self._cycle, bool(self._inflight)))
         self._router.apply(self._table.poll(), self._cycle)
         now = monotonic()
-        if self._inflight and self._inflight.oldest.future.done():
-            self._commit_oldest()
-        self._open_transaction()     # where the oldest cycle in flight is on the device now
+        self._take_outcomes()
+        self._hand_scored()
         if self._closing.due(now, self._cycle, self._assignment.exhausted):
             self._close_cycle()
         if self._assignment.exhausted() and not len(self._cycle):
@@ -169,7 +182,7 @@ class Worker:
         *wait* for more states, never the taking of states already here: a backlog is taken in full batches
         (a deadline on taking would cap batches at what one deadline's worth of routing allows, below the
         load the GPU can carry)."""
-        message = self._inflight.next_message(self._consumer, self._txns, timeout)
+        message = self._inflight.next_message(self._consumer, timeout)
         count = 0
         while message is not None:
             self._take(message)
@@ -212,34 +225,55 @@ class Worker:
         if not len(ready):
             return
         self._inflight.submit(ready, closed_at, self._closing.budget, self._scorer)
-        # Keep at most one cycle on the GPU while the one before it commits.
-        while len(self._inflight) > 1:
-            self._commit_oldest()
+        # Keep at most one cycle queued on the GPU behind the one it scores: states arriving meanwhile make the
+        # next cycle larger rather than one more launch to wait behind.
+        while self._inflight.unscored() > 1:
+            self._hand(next(self._inflight.unhanded()))
 
-    def _commit_oldest(self) -> None:
-        inflight = self._inflight.oldest
+    # ---- handing scored cycles to the committer, and what it reports ----------------------------------------------
+    def _hand_scored(self) -> None:
+        """Hand every cycle whose scores are ready to the committer, oldest first."""
+        for inflight in self._inflight.unhanded():
+            if not inflight.future.done():
+                return
+            self._hand(inflight)
+        while self._committer.pending > MAX_HANDED:   # the broker is slower than the GPU: wait for it
+            with _blocking_step("wait_for_commit"):
+                self._committer.wait_for_outcome(timeout=1.0)
+            self._take_outcomes()
+
+    def _hand(self, inflight: InFlight) -> None:
+        """Wait for ``inflight``'s scores, make its records and hand them to the committer with its offsets."""
         try:
             with _blocking_step("wait_for_scores", warn=False):     # long on a CPU, by nature
                 results = inflight.future.result()
         except Exception as exc:  # the scorer isolates per-state failures; anything else is a bug
             raise FatalError(f"scoring thread failed: {exc!r}") from exc
-        if not self._inflight or self._inflight.oldest is not inflight:
-            return  # dropped by a rebalance while we waited
         cycle = inflight.cycle
-        out = self._outputs.of_cycle(cycle, dict(zip(inflight.keys, results)))
-        offsets = inflight.offsets or self._assignment.commit_offsets(cycle.offsets())
-        started = time.perf_counter()
-        try:
-            with _blocking_step("commit"):
-                self._txns.commit(out.records, offsets)
-        except AbortableError as exc:
-            self._aborted(exc)
-            return
-        commit_ms = (time.perf_counter() - started) * 1000
-        self._inflight.pop_oldest()
+        inflight.out = self._outputs.of_cycle(cycle, dict(zip(inflight.keys, results)))
+        inflight.offsets = self._assignment.commit_offsets(cycle.offsets())
+        inflight.handed = True
+        self._committer.hand(Handed(inflight, inflight.out.records, inflight.offsets,
+                                    self._consumer.consumer_group_metadata()))
+
+    def _take_outcomes(self, seek: bool = True) -> None:
+        """Account for the transactions the committer ended: their cycles are committed, or the first that failed
+        is aborted (``seek``: rewind now, else at the next step)."""
+        for outcome in self._committer.outcomes():
+            if outcome.error is None:
+                for part in outcome.handed:
+                    self._committed(part.cycle, outcome)
+            elif isinstance(outcome.error, AbortableError):
+                return self._aborted(outcome.error, seek)
+            else:
+                raise outcome.error  # fenced, the broker gone past --broker-outage-s, a fatal client error
+
+    def _committed(self, inflight: InFlight, outcome: Outcome) -> None:
+        if self._inflight.pop_oldest() is not inflight:
+            raise FatalError("committed a cycle that was not the oldest in flight")  # a bug: the order is the contract
+        cycle, out, committed_at = inflight.cycle, inflight.out, outcome.committed_at
         self._release_pins(cycle)
-        self._assignment.on_committed(offsets)
-        committed_at = monotonic()
+        self._assignment.on_committed(inflight.offsets)
         launched_at = inflight.launch.launched_at if inflight.launch else None
         self._closing.budget.committed(cycle, inflight.closed_at, inflight.scored_at, committed_at, launched_at)
         scored, dead_letters = sum(out.scored.values()), out.dead_letters_by_code()
@@ -248,46 +282,43 @@ class Worker:
                   partition_names(cycle.offsets(), with_offsets=True))
         self._emit("committed", {"scored": scored, "dead_letters": dead_letters,
                                  "samples": out.samples, "batches": {f"{k[0]} v{k[1]}": len(b.members) for k, b in cycle.batches.items()},
-                                 "commit_ms": commit_ms, "commit_steps_ms": self._txns.last_steps_ms,
-                                 "opened_ahead": self._txns.last_opened_ahead,
+                                 "commit_ms": outcome.commit_ms, "commit_steps_ms": outcome.steps_ms,
+                                 "cycles_in_transaction": len(outcome.handed),
                                  "offsets": [(tp.partition, tp.offset) for tp in cycle.offsets()],
-                                 "outputs": self._txns.last_outputs, **inflight.latency_fields(committed_at)})
-        self._open_transaction()     # the next cycle's, while the GPU scores it
-
-    def _open_transaction(self) -> None:
-        """Begin the transaction of the oldest cycle in flight and send its offsets while the GPU scores it, so that
-        these round trips to the broker overlap the scoring. Only once its batch is on the device: a cycle still
-        queued behind a schema's preparation (graph captures: seconds) would hold a transaction open meanwhile."""
-        if not self._inflight or self._txns.is_open_for(self._inflight.oldest.offsets):
-            return
-        inflight = self._inflight.oldest
-        if inflight.launch is None or inflight.future.done():
-            return  # not launched yet, or nothing to overlap any more (``_commit_oldest`` opens it itself)
-        offsets = self._assignment.commit_offsets(inflight.cycle.offsets())
-        try:
-            with _blocking_step("open_transaction"):
-                self._txns.open(offsets)
-        except AbortableError as exc:
-            self._aborted(exc)
-            return
-        inflight.offsets = offsets
-
-    def _aborted(self, exc: AbortableError) -> None:
-        metrics.TRANSACTIONS.labels("aborted").inc()
-        self._emit("aborted", {"error": str(exc)})
-        self._rewind()
+                                 "outputs": outcome.outputs, **inflight.latency_fields(committed_at)})
 
     # ---- failure paths ---------------------------------------------------------------------------------------
+    def _aborted(self, exc: AbortableError, seek: bool = True) -> None:
+        metrics.TRANSACTIONS.labels("aborted").inc()
+        self._emit("aborted", {"error": str(exc)})
+        self._forget("transaction aborted", None)
+        self._committer.resume()
+        if seek:
+            self._rewind()
+        else:
+            self._rewind_due = True
+
     def _rewind(self) -> None:
         """After an abort: forget all uncommitted work and read again from the committed offsets, retried while the
         broker does not answer (without a rewind the next cycle would skip the aborted records)."""
-        self._drop_uncommitted("transaction aborted")
+        self._rewind_due = False
+        self._forget("transaction aborted", None)
         seek_committed(self._assignment, self._consumer, self.config.broker_outage_s)
 
     def _drop_uncommitted(self, why: str, partitions: Partitions | None = None) -> None:
-        """Forget the uncommitted work of ``partitions`` (revoked), or all of it (``worker.stream.revocation``)."""
-        if drop_uncommitted(self._cycle, self._inflight, self._txns, why, partitions,
-                            lambda key: self._scorer.release_pin(key)):
+        """Forget the uncommitted work of ``partitions`` (revoked), or all of it (``worker.stream.revocation``): once
+        the transaction running has ended (what it commits stays committed); the cycles handed to the committer
+        and not begun come back to the loop first."""
+        for part in self._committer.hold():
+            part.cycle.handed = False
+        try:
+            self._take_outcomes(seek=False)
+            self._forget(why, partitions)
+        finally:
+            self._committer.release()
+
+    def _forget(self, why: str, partitions: Partitions | None) -> None:
+        if drop_uncommitted(self._cycle, self._inflight, why, partitions, lambda key: self._scorer.release_pin(key)):
             self._cycle = Cycle()
             self._closing.forget()
 

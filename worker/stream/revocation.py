@@ -5,9 +5,9 @@ Incremental rebalancing (``worker.stream.assignment``) revokes only the partitio
 others stay with this one, so their states keep being scored and committed. The states of a revoked partition are
 removed from the open cycle and from every cycle in flight (those are scored all the same, as one batch: their
 records are simply not produced), and its offset leaves their transactions: the next owner reads the partition from
-its committed offset, so a record or an offset of it committed here would score those states twice. A transaction
-already opened for a cycle in flight, whose offsets were sent ahead and name a revoked partition, is aborted: its cycle
-commits in a new one, with the offsets that remain.
+its committed offset, so a record or an offset of it committed here would score those states twice. The loop first
+lets the committer's transaction running end and takes back the cycles handed to it and not begun
+(``worker.stream.committer``): no transaction is open while their states are dropped.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from confluent_kafka import TopicPartition
 from worker.formats.records import SchemaKey
 from worker.stream.batcher import Cycle
 from worker.stream.inflight import CyclesInFlight
-from worker.stream.transactions import Transactions
 
 log = logging.getLogger(__name__)
 
@@ -28,23 +27,19 @@ ReleasePin = Callable[[SchemaKey], None]
 Partitions = Collection[TopicPartition]
 
 
-def drop_uncommitted(cycle: Cycle, inflight: CyclesInFlight, txns: Transactions, why: str,
-                     partitions: Partitions | None, release_pin: ReleasePin) -> bool:
+def drop_uncommitted(cycle: Cycle, inflight: CyclesInFlight, why: str, partitions: Partitions | None,
+                     release_pin: ReleasePin) -> bool:
     """Drop the uncommitted work of ``partitions`` (None: all of it) from the open ``cycle`` and the cycles
-    ``inflight``, aborting a transaction opened for it; ``release_pin`` gives back a dropped state's hold on its
+    ``inflight`` (none of them handed to a transaction that may still commit); ``release_pin`` gives back a dropped state's hold on its
     prepared schema. Returns whether nothing uncommitted is left (the caller then starts a fresh cycle)."""
     if partitions is None:
         dropped = len(cycle) + sum(len(f.cycle) for f in inflight)
-        txns.discard(why)  # a transaction opened ahead for dropped states must not commit their offsets
         for held in [cycle, *(f.cycle for f in inflight)]:
             _release(held.pins(), release_pin)
         inflight.clear()
         _report(why, dropped, None)
         return True
     gone = {(tp.topic, tp.partition) for tp in partitions}
-    if inflight and txns.is_open_for(inflight.oldest.offsets) and _names_any(inflight.oldest.offsets, gone):
-        txns.discard(why)
-        inflight.oldest.offsets = None  # its commit opens a transaction of its own, for the offsets left
     removed = cycle.forget_partitions(gone)
     _release((p.batch_key for p in removed if p.batch_key is not None), release_pin)
     scored_away, emptied = inflight.forget_partitions(gone)
@@ -52,10 +47,6 @@ def drop_uncommitted(cycle: Cycle, inflight: CyclesInFlight, txns: Transactions,
         _release(nothing_left.cycle.pins(), release_pin)
     _report(why, len(removed) + scored_away, sorted(p for _, p in gone))
     return not len(cycle) and not inflight
-
-
-def _names_any(offsets: Collection[TopicPartition], partitions: set[tuple[str, int]]) -> bool:
-    return any((tp.topic, tp.partition) in partitions for tp in offsets)
 
 
 def _release(keys, release_pin: ReleasePin) -> None:

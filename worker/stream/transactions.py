@@ -20,7 +20,7 @@ import contextlib
 import logging
 import threading
 import time
-from typing import Callable, Sequence, TypeVar
+from typing import Any, Callable, Sequence, TypeVar
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
 
@@ -78,28 +78,20 @@ class Transactions:
         self._hung_after_s = 2 * timeout_s + max(5.0, timeout_s)
         self._outage_s = outage_s
         self._broker = broker
-        # the offsets the open transaction commits (None: no transaction open); `open` compares them by identity
-        self._opened_for: Sequence[TopicPartition] | None = None
-        self._opening_ms = 0.0  # how long the open transaction's begin and send_offsets took
+        self._open = False  # a transaction is begun and not yet committed or aborted
         self._in_doubt = False  # a request went unanswered: this producer must be replaced, not reused
         self._failing_since: float | None = None  # monotonic time of the first failure since the last commit
         self._delivery_errors: list[KafkaError] = []
         self._watchdog = Watchdog(broker)
         self._generation = 0
         self._producer = self._new_producer()
-        # the last committed transaction's ms per step (offsets: begin and send_offsets; produce; flush; commit) and
-        # whether `open` began it ahead of its records (then its offsets step overlapped the scoring)
+        # the last committed transaction's ms per step (produce: begin and the records queued; offsets: sent, while
+        # librdkafka delivers the records; flush; commit)
         self.last_steps_ms: dict[str, float] = {}
-        self.last_opened_ahead = False
         # the newest offset of a record the last committed transaction wrote, per (topic, partition): what
         # ``worker.stream.progress`` reads back to see that read_committed readers get it
         self.last_outputs: dict[tuple[str, int], int] = {}
         self._delivered: dict[tuple[str, int], int] = {}
-
-    @property
-    def _open(self) -> bool:
-        """Whether a transaction is open (begun, not yet committed or aborted)."""
-        return self._opened_for is not None
 
     def _new_producer(self) -> Producer:
         self._generation += 1
@@ -114,32 +106,12 @@ class Transactions:
         aborts whatever transaction it left open, so its partial output never becomes visible."""
         self._init_until_answered()
 
-    def open(self, offsets: Sequence[TopicPartition]) -> None:
-        """Begin a transaction and send ``offsets`` with it (steps 1 and 2 of a commit) ahead of its records: the
-        caller does it while the GPU scores them, so these broker round trips (the transaction and group
-        coordinators) overlap the scoring instead of following it. ``commit`` with the same list finishes it; the
-        caller must ``discard`` it if those offsets' states are dropped (partitions revoked) instead."""
-        if self._open:
-            raise RuntimeError("a transaction is already open")
-        self._guarded(lambda: self._open_steps(offsets))
-
-    def is_open_for(self, offsets: Sequence[TopicPartition]) -> bool:
-        """Whether ``open(offsets)`` (this very list) began the transaction open now."""
-        return self._open and self._opened_for is offsets
-
-    def commit(self, records: Sequence[OutgoingRecord], offsets: Sequence[TopicPartition]) -> None:
-        """Publish ``records`` and commit ``offsets`` (next offset to read, per input partition) atomically; the
-        transaction ``open(offsets)`` began, if it did."""
-        if self._open and self._opened_for is not offsets:
-            raise RuntimeError("the open transaction was begun for other offsets")
-        self._guarded(lambda: self._commit_steps(records, offsets))
-
-    def discard(self, why: str) -> None:
-        """Abort the transaction ``open`` began, if one is open: its offsets' states were dropped (``why``). Where the
-        abort fails the producer is replaced (which aborts it too); ``FencedError`` if another instance took over."""
-        if self._open:
-            log.info("aborting the open transaction: %s", why)
-            self._abort_or_replace(why)
+    def commit(self, records: Sequence[OutgoingRecord], offsets: Sequence[TopicPartition], group_metadata: Any = None) -> None:
+        """Publish ``records`` and commit ``offsets`` (next offset to read, per input partition) atomically, in the
+        name of ``group_metadata`` (the consumer's ``consumer_group_metadata()``; None: asked now). A thread other
+        than the consumer's must pass it: librdkafka answers that call on the consumer group's own queue, which does
+        not answer while the consumer's thread is in a rebalance callback."""
+        self._guarded(lambda: self._commit_steps(records, offsets, group_metadata))
 
     def _guarded(self, steps: Callable[[], None]) -> None:
         # an AbortableError leaves no transaction open: aborted here, or its producer replaced
@@ -154,36 +126,31 @@ class Transactions:
         self._failing_since = None
         self._broker.succeeded()
 
-    def _open_steps(self, offsets: Sequence[TopicPartition]) -> None:
-        started = time.perf_counter()
+    def _commit_steps(self, records: Sequence[OutgoingRecord], offsets: Sequence[TopicPartition], metadata: Any) -> None:
+        steps = _StepClock()
         # 1. Begin: nothing produced from here on is visible until step 5 succeeds.
         self._call("begin_transaction", lambda _timeout: self._producer.begin_transaction())
-        self._opened_for = offsets
-        # 2. Send the input offsets with the group metadata, so the group coordinator rejects them
-        #    if this worker is no longer the group's owner of those partitions (zombie fencing).
-        #    First, before any record: if this call hangs (seen on the embedded broker right after a
-        #    restart) and the watchdog exits, the stuck transaction holds no output record, so it cannot
-        #    hold read_committed readers of the output topics behind it. The order inside a
-        #    transaction does not matter for atomicity; and a zombie is rejected before producing.
-        if offsets:
-            metadata = self._consumer.consumer_group_metadata()
-            self._call(
-                "send_offsets_to_transaction",
-                lambda timeout: self._producer.send_offsets_to_transaction(list(offsets), metadata, timeout),
-            )
-        self._opening_ms = round((time.perf_counter() - started) * 1000, 3)
-
-    def _commit_steps(self, records: Sequence[OutgoingRecord], offsets: Sequence[TopicPartition]) -> None:
-        opened_ahead = self._open
-        if not opened_ahead:
-            self._open_steps(offsets)
-        steps = _StepClock()
-        # 3. Produce every output record and dead letter into the transaction.
+        self._open = True
+        # 2. Queue every output record and dead letter: librdkafka registers their partitions with the transaction
+        #    and sends them on its own threads ...
         self._delivery_errors.clear()
         self._delivered = {}
         for record in records:
             self._produce(record)
+        self._producer.poll(0)
         steps.lap("produce")
+        # 3. ... while this thread sends the input offsets with the group metadata, so the group coordinator rejects
+        #    them if this worker no longer owns those partitions (zombie fencing: the transaction then aborts, its
+        #    records with it). The two chains of round trips (partitions + records; offsets to the transaction and
+        #    group coordinators) overlap: behind a broker 2 ms away each way a transaction took 15.6 ms so, 25.1 ms
+        #    with the offsets sent first. The order inside a transaction does not matter for atomicity.
+        if offsets:
+            metadata = metadata or self._consumer.consumer_group_metadata()
+            self._call(
+                "send_offsets_to_transaction",
+                lambda timeout: self._producer.send_offsets_to_transaction(list(offsets), metadata, timeout),
+            )
+        steps.lap("offsets")
         # 4. Flush, then check every delivery report: a lost record must not be committed around.
         remaining = self._flush()
         steps.lap("flush")
@@ -197,17 +164,16 @@ class Transactions:
             raise AbortableError(f"record delivery failed: {self._delivery_errors[0].str()}")
         # 5. Commit: records and offsets become visible together, or not at all.
         self._call("commit_transaction", self._producer.commit_transaction)
-        self._opened_for = None
+        self._open = False
         self.last_outputs = self._delivered
         steps.lap("commit")
-        self.last_steps_ms = {"offsets": self._opening_ms, **steps.ms}
-        self.last_opened_ahead = opened_ahead
+        self.last_steps_ms = steps.ms
 
     def abort(self) -> None:
         """Abort the open transaction, if any. The single abort path; safe to call twice."""
         if not self._open:
             return
-        self._opened_for = None
+        self._open = False
         try:
             self._call("abort_transaction", self._producer.abort_transaction)
         except AbortableError as exc:
@@ -241,7 +207,7 @@ class Transactions:
         log.warning("replacing the transactional producer (%s): a new one with the same transactional id fences the "
                     "old one's requests and aborts its open transaction", why)
         old, self._producer = self._producer, self._new_producer()
-        self._opened_for = None
+        self._open = False
         self._in_doubt = False
         # Destroying a producer may wait for its requests in flight: let that happen off the loop's thread.
         threading.Thread(target=_retire, args=(old,), name="decider-producer-retire", daemon=True).start()

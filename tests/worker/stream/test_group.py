@@ -77,10 +77,11 @@ def test_one_worker_stops_mid_stream_and_the_other_takes_its_partitions(stream_f
     assert second.stop() == 0, second.log()
 
 
-def test_a_rebalance_among_transactions_opened_ahead_scores_each_state_once(stream_factory, model_dir):
-    """A cycle's transaction is opened (its offsets sent) while the GPU scores it. A second worker joining revokes the
-    first one's partitions, often while such a transaction is open (then it is aborted: the abort itself is checked in
-    tests/worker/stream/test_loop_steps.py, without the timing): every state is scored exactly once."""
+def test_a_rebalance_among_transactions_on_the_committers_thread_scores_each_state_once(stream_factory, model_dir):
+    """Scored cycles commit on the committer's thread while the loop consumes. A second worker joining revokes the
+    first one's partitions, often while a transaction runs there and cycles wait for the next (the loop lets the one
+    running end and drops the others: checked in tests/worker/stream/test_loop_steps.py, without the timing): every
+    state is scored exactly once."""
     stream = stream_factory(partitions=4)
     stream.put_schema("tickets", QUESTIONS)
     # each batch's scores half a second after its launch, and states arriving faster than that drains them: until the
@@ -111,7 +112,7 @@ def test_a_rebalance_among_transactions_opened_ahead_scores_each_state_once(stre
     counts = Counter(r["state_id"] for r in probabilities)
     assert not {k: v for k, v in counts.items() if v > 1}, "a state was scored twice"
     assert set(counts) == {state_id for state_id, _ in inputs}
-    assert "opened_ahead=True" in first.log(), first.log()
+    assert "cycles_in_transaction=" in first.log(), first.log()
     assert stream.committed_offsets() == stream.end_offsets()
     assert first.stop() == 0, first.log()
     assert second.stop() == 0, second.log()

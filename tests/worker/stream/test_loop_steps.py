@@ -30,71 +30,91 @@ def test_a_slow_step_is_timed_and_logged(monkeypatch, caplog):
     assert not any("wait_for_scores" in m for m in messages)
 
 
-def test_the_loop_wakes_when_the_cycle_in_flight_is_launched_then_when_it_is_scored(stream):
-    """While a cycle is on the GPU the loop waits on it (a consumer's poll cannot be woken by another thread): first
-    on its launch, when its transaction is to be opened then, so that the broker round trips overlap the scoring; then,
-    the transaction open, on its scores, so that the commit follows them at once. With nothing in flight it waits on
-    the consumer."""
+def test_the_loop_wakes_when_the_cycle_in_flight_is_scored_or_a_transaction_ends(stream):
+    """While a cycle is on the GPU the loop waits on it (a consumer's poll cannot be woken by another thread): on its
+    scores, so that it is handed to the committer at once, or on the committer's wake-up (a transaction ended). With
+    nothing waiting for its scores it waits on the consumer."""
     import threading
 
-    from confluent_kafka import TopicPartition
-
-    from tests.worker.stream.test_transactions import _group_consumer, _transactions
-    from worker.stream.scorer import LaunchTimes
+    from tests.worker.stream.test_transactions import _group_consumer
 
     consumer, cycles, scorer = _group_consumer(stream), CyclesInFlight(), _Scorer()
-    with _transactions(stream, "wake-test") as txns:
-        try:
-            cycles.submit(Cycle(), 0.0, CycleBudget(None, 0.05, cycles.gpu_busy), scorer)
-            threading.Timer(0.05, scorer.on_launched, [LaunchTimes(0.0, 0.0, 0.0)]).start()
-            woken_within = functools.partial(_woken_within, cycles, consumer, txns)
-            assert woken_within(2.0) < 1.0        # by the launch, not the 2 s timeout
-            assert woken_within(2.0) < 0.5        # launched, its transaction not open: no wait at all
-            cycles.oldest.offsets = [TopicPartition(stream.topics.states, 0, 1)]
-            txns.open(cycles.oldest.offsets)
-            threading.Timer(0.2, scorer.scores.set_result, [[]]).start()
-            waited = woken_within(2.0)
-            assert scorer.scores.done() and 0.15 <= waited < 1.0  # the transaction open: by the scores
-            assert woken_within(2.0) < 0.5        # scored already: no wait at all
-            txns.discard("test over")
-            cycles.clear()
-            assert woken_within(0.3) >= 0.25      # nothing in flight, nothing to read: the poll
-        finally:
-            consumer.close()
+    woken_within = functools.partial(_woken_within, cycles, consumer)
+    try:
+        cycles.submit(Cycle(), 0.0, CycleBudget(None, 0.05, cycles.gpu_busy), scorer)
+        threading.Timer(0.2, cycles.wake).start()
+        assert 0.15 <= woken_within(2.0) < 1.0    # by the committer's wake-up, not the 2 s timeout
+        threading.Timer(0.2, scorer.scores.set_result, [[]]).start()
+        assert 0.15 <= woken_within(2.0) < 1.0    # by the scores
+        assert woken_within(2.0) < 0.5            # scored already: no wait at all
+        cycles.oldest.handed = True
+        assert woken_within(0.3) >= 0.25          # handed on: nothing to wait for but the consumer
+    finally:
+        consumer.close()
 
 
 class _Scorer:
-    """Takes a cycle's batch and hands the test its scores and the callback that says it was launched."""
+    """Takes a cycle's batch and hands the test its scores."""
 
     def submit(self, jobs, on_launched):
-        self.on_launched, self.scores = on_launched, Future()
+        self.scores = Future()
         return self.scores
 
+    def release_pin(self, key):
+        pass
 
-def _woken_within(cycles: CyclesInFlight, consumer, txns, timeout_s: float) -> float:
+
+def _woken_within(cycles: CyclesInFlight, consumer, timeout_s: float) -> float:
     started = time.monotonic()
-    assert cycles.next_message(consumer, txns, timeout_s) is None
+    assert cycles.next_message(consumer, timeout_s) is None
     return time.monotonic() - started
 
 
-def test_dropping_the_uncommitted_states_aborts_the_transaction_opened_for_them(stream):
-    """A rebalance drops the cycles in flight; a transaction already opened for the oldest (its offsets sent while the
-    GPU scored it) is aborted with them, so those offsets never commit for partitions that may be another's now."""
+class _Assignment:
+    def __init__(self):
+        self.committed = []
+
+    def on_committed(self, offsets):
+        self.committed.append([(tp.partition, tp.offset) for tp in offsets])
+
+
+def test_a_rebalance_lets_the_running_transaction_commit_and_drops_what_the_committer_had_not_begun(stream):
+    """The committer has committed cycle A (its outcome not yet taken) and holds cycle B, not begun, when the
+    partitions go: A is accounted committed, B comes back to the loop and is dropped with the open cycle, nothing of it
+    commits, and the committer takes cycles again afterwards."""
     from confluent_kafka import TopicPartition
 
     from tests.worker.stream.test_transactions import _records, _transactions
     from worker.stream.closing import CycleClosing
+    from worker.stream.committer import Committer, Handed
+    from worker.stream.outputs import CycleOutputs
 
-    worker = loop.Worker.__new__(loop.Worker)   # only the cycles, the closing rule and the transactions take part
-    with _transactions(stream, "drop-test") as worker._txns:
-        worker._cycle, worker._inflight = Cycle(), CyclesInFlight()
-        worker._closing = CycleClosing(8, 50, None, worker._inflight.gpu_busy)
-        worker._inflight.submit(Cycle(), 0.0, worker._closing.budget, _Scorer())
-        inflight = worker._inflight.oldest
-        inflight.offsets = [TopicPartition(stream.topics.states, 0, 30)]
-        worker._txns.open(inflight.offsets)
-        worker._drop_uncommitted("partitions revoked")
-        assert not worker._inflight and not worker._txns.is_open_for(inflight.offsets)
-        # the next transaction commits only its own offsets
-        worker._txns.commit(_records(stream, 1, "next"), [TopicPartition(stream.topics.states, 0, 7)])
-        assert stream.committed_offsets()[0] == 7
+    worker = loop.Worker.__new__(loop.Worker)   # the cycles, the closing rule, the committer and what it reports to
+    worker._cycle, worker._inflight, worker._scorer = Cycle(), CyclesInFlight(), _Scorer()
+    worker._assignment, events = _Assignment(), []
+    worker._emit = lambda kind, info: events.append(kind)
+    worker._closing = CycleClosing(8, 50, None, worker._inflight.gpu_busy)
+    with _transactions(stream, "drop-test") as txns:
+        worker._committer = Committer(txns, worker._inflight.wake)
+        try:
+            for offset in (30, 31):
+                worker._inflight.submit(Cycle(), 0.0, worker._closing.budget, worker._scorer)
+                worker._scorer.scores.set_result([])
+            a, b = worker._inflight
+            for inflight, offset in ((a, 30), (b, 31)):
+                inflight.handed, inflight.out = True, CycleOutputs()
+                inflight.offsets = [TopicPartition(stream.topics.states, 0, offset)]
+            worker._committer.hand(Handed(a, _records(stream, 1, "a"), a.offsets))
+            worker._committer.wait_for_outcome(timeout=20)
+            worker._committer.hold()
+            worker._committer.hand(Handed(b, _records(stream, 1, "b"), b.offsets))
+            worker._drop_uncommitted("partitions revoked")
+            assert worker._assignment.committed == [[(0, 30)]] and events == ["committed"]
+            assert not worker._inflight and not b.handed and worker._committer.pending == 0
+            assert stream.committed_offsets()[0] == 30
+            worker._committer.hand(Handed("next", _records(stream, 1, "next"), [TopicPartition(stream.topics.states, 0, 7)]))
+            worker._committer.wait_for_outcome(timeout=20)
+            assert [o.error for o in worker._committer.outcomes()] == [None]   # not held any more
+            assert stream.committed_offsets()[0] == 7
+        finally:
+            worker._committer.close()

@@ -1,6 +1,6 @@
 """An incremental rebalance takes some partitions away: only their uncommitted states are dropped, from the open cycle
-and from the cycles being scored, and a transaction opened ahead never commits their offsets; the other partitions'
-states stay and commit (``worker.stream.revocation``). Bookkeeping first (no broker), then with a real transaction."""
+and from the cycles being scored; the other partitions' states stay and commit (``worker.stream.revocation``). The loop
+lets the committer's transaction end before (``test_loop_steps``, ``test_committer``)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,7 @@ from concurrent.futures import Future
 from confluent_kafka import TopicPartition
 
 from tests.worker.stream.test_batcher import _batch, _pending, _schema
-from worker.formats.records import SourceRecord
-from worker.stream.batcher import Cycle, Pending
+from worker.stream.batcher import Cycle
 from worker.stream.inflight import CyclesInFlight
 from worker.stream.latency_budget import CycleBudget
 from worker.stream.revocation import drop_uncommitted
@@ -93,51 +92,20 @@ def test_cycles_in_flight_lose_the_revoked_states_and_one_left_with_nothing_is_n
     assert [f.cycle for f in inflight] == [mixed] and _offsets(mixed) == {0: 4}
 
 
-def test_eager_revocation_drops_everything(stream):
-    from tests.worker.stream.test_transactions import _transactions
-
+def test_eager_revocation_drops_everything():
     open_cycle, scored = _cycle((0, 1)), _cycle((1, 1))
     inflight, released = _in_flight(scored), []
-    with _transactions(stream, "drop-all") as txns:
-        inflight.oldest.offsets = scored.offsets()
-        txns.open(inflight.oldest.offsets)
-        assert drop_uncommitted(open_cycle, inflight, txns, "partitions lost", None, released.append)
-        assert not inflight and not txns.is_open_for(scored.offsets())
+    assert drop_uncommitted(open_cycle, inflight, "partitions lost", None, released.append)
+    assert not inflight
     assert sorted(released) == [("s", 1), ("s", 1)]
 
 
-def test_revoking_a_partition_keeps_the_others_work_and_its_transaction_unless_that_names_the_partition(stream):
-    """The transaction opened ahead for the oldest cycle in flight survives a revoke of a partition it does not name,
-    and commits; one that names a revoked partition is aborted, and its cycle commits the offsets left in a new one."""
-    from tests.worker.stream.test_transactions import _records, _transactions
-
-    states = stream.topics.states
-
-    def cycle(*where):
-        made = Cycle()
-        for partition, offset in where:
-            _batch(made, Pending(SourceRecord(states, partition, offset, b"k", b"v")), _schema(), 1.0)
-        return made
-
+def test_revoking_a_partition_keeps_the_others_work_in_flight_with_the_offsets_left():
     released: list = []
-    with _transactions(stream, "drop-some") as txns:
-        kept = cycle((0, 10))
-        inflight = _in_flight(kept)
-        inflight.oldest.offsets = kept.offsets()
-        txns.open(inflight.oldest.offsets)
-        open_cycle = cycle((0, 11), (1, 4))
-        left = drop_uncommitted(open_cycle, inflight, txns, "partitions revoked", [TopicPartition(states, 1)],
-                                released.append)
-        assert not left and released == [("s", 1)]           # the open cycle's state of partition 1, unpinned
-        assert txns.is_open_for(inflight.oldest.offsets)      # it names partition 0 only: still open
-        txns.commit(_records(stream, 1, "kept"), inflight.oldest.offsets)
-        assert stream.committed_offsets()[0] == 11
-
-        named = cycle((0, 12), (1, 5))
-        inflight = _in_flight(named)
-        inflight.oldest.offsets = named.offsets()
-        txns.open(inflight.oldest.offsets)
-        drop_uncommitted(Cycle(), inflight, txns, "partitions revoked", [TopicPartition(states, 1)], released.append)
-        assert inflight.oldest.offsets is None and not txns.is_open_for(named.offsets())
-        txns.commit(_records(stream, 1, "named"), named.offsets())   # what the loop commits for it: partition 0 only
-    assert stream.committed_offsets() == {0: 13, 1: -1001}
+    kept, mixed = _cycle((0, 10)), _cycle((0, 12), (1, 5))
+    inflight = _in_flight(kept, mixed)
+    open_cycle = _cycle((0, 13), (1, 6))
+    left = drop_uncommitted(open_cycle, inflight, "partitions revoked", [TopicPartition("states", 1)], released.append)
+    assert not left and released == [("s", 1)]           # the open cycle's state of partition 1, unpinned
+    assert [f.cycle for f in inflight] == [kept, mixed]   # scored all the same; their partition-0 states commit
+    assert _offsets(kept) == {0: 11} and _offsets(mixed) == {0: 13} and _offsets(open_cycle) == {0: 14}

@@ -77,45 +77,14 @@ def test_commit_publishes_records_and_offsets_together(stream):
         assert _read_keys(stream) == sorted(f"ok-{i}" for i in range(5))
         assert stream.committed_offsets()[0] == 17
         # where the transaction's time went, for the committed event
-        assert list(txns.last_steps_ms) == ["offsets", "produce", "flush", "commit"]
+        assert list(txns.last_steps_ms) == ["produce", "offsets", "flush", "commit"]
         assert all(ms >= 0 for ms in txns.last_steps_ms.values())
-
-
-def test_a_transaction_opened_ahead_commits_its_offsets_with_the_records_given_later(stream):
-    """The loop opens a cycle's transaction (begin, send its offsets) while the GPU scores it, and commits it with
-    the records once they exist: one transaction, offsets and records visible together."""
-    with _transactions(stream, "t-ahead") as txns:
-        offsets = [TopicPartition(stream.topics.states, 0, 11)]
-        txns.open(offsets)
-        assert txns.is_open_for(offsets) and not txns.is_open_for(list(offsets))
-        assert stream.committed_offsets()[0] < 0                # sent, but the transaction is open
-        with pytest.raises(RuntimeError, match="other offsets"):
-            txns.commit([], [TopicPartition(stream.topics.states, 0, 12)])
-        with pytest.raises(RuntimeError, match="already open"):
-            txns.open([TopicPartition(stream.topics.states, 0, 12)])
-        txns.commit(_records(stream, 3, "ahead"), offsets)
-        assert _read_keys(stream) == ["ahead-0", "ahead-1", "ahead-2"]
-        assert stream.committed_offsets()[0] == 11
-        assert txns.last_opened_ahead and not txns.is_open_for(offsets)
-        assert list(txns.last_steps_ms) == ["offsets", "produce", "flush", "commit"]
-
-
-def test_a_discarded_transaction_commits_neither_its_offsets_nor_blocks_the_next(stream):
-    """States dropped while their transaction is open (partitions revoked): their offsets must never commit."""
-    with _transactions(stream, "t-discard") as txns:
-        txns.open([TopicPartition(stream.topics.states, 0, 40)])
-        txns.discard("partitions revoked")
-        txns.discard("partitions revoked")                      # nothing open: nothing to do
-        txns.commit(_records(stream, 1, "next"), [TopicPartition(stream.topics.states, 0, 5)])
-        assert _read_keys(stream) == ["next-0"]
-        assert stream.committed_offsets()[0] == 5
-        assert not txns.last_opened_ahead
 
 
 def test_abort_leaves_nothing_visible_and_no_offsets(stream):
     with _transactions(stream, "t-abort") as txns:
-        # Offsets go out first (step 2), then records; the oversized last record fails the produce step, so the
-        # transaction already holds offsets and records when the single abort path runs.
+        # Records are queued first (step 2): the oversized last one fails the produce step after four others, so the
+        # transaction already holds records when the single abort path runs.
         too_big = OutgoingRecord(stream.topics.probabilities, b"too-big", b"x" * (MAX_MESSAGE_BYTES * 2))
         with pytest.raises(AbortableError, match="produce failed"):
             txns.commit(_records(stream, 4, "aborted") + [too_big], [TopicPartition(stream.topics.states, 0, 99)])
