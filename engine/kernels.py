@@ -9,8 +9,8 @@ Deterministic on CUDA: the same table with the GEMMs of cuBLAS where a check at 
 this model's shapes, else `engine.batch_invariant.matmul`; the one-kernel suffix attention at launches that give a row
 the same bits at every batch size (`engine.suffix_attention.InvariantSuffixAttention`), and the answers' attention as it
 is (one launch at every size); the forward then takes no path by the batch's size (`Kernels.batch_invariant`). Every
-other CUDA kernel here computes a row from that row alone in a fixed order (checked by `bench/invariance_probe.py` and
-the GPU tests).
+other CUDA kernel here (the label mass's fused vocabulary log-sum-exp among them) computes a row from that row alone in
+a fixed order (checked by `bench/invariance_probe.py` and the GPU tests).
 """
 from __future__ import annotations
 
@@ -72,6 +72,10 @@ class Kernels:
     row_logsumexp(x [S, N], n_cols, out=None) -> [S] float32: log(sum(exp(x[:, :n_cols]))) per row (into `out`, a
         [S] float32 view, when given): the full vocabulary's log-sum-exp behind the label mass (`engine.label_mass`);
         in a batch-invariant table a row's sum takes one order whatever the rows beside it;
+    vocab_logsumexp(x [S, K], weight [V, K], n_valid) -> [S] float32: log(sum(exp(x @ weight[:n_valid]^T))) per row in
+        one GEMM kernel, the logits never written (`engine.vocab_logsumexp`, batch-invariant by construction, so in
+        both CUDA tables); None: `engine.label_mass.FullVocabulary` reads the vocabulary in chunks through `linear` and
+        `row_logsumexp`;
     attend_by_request: the suffix pass runs attention one row at a time on its own lengths (eager only: a graph
         cannot capture per-batch lengths), for tables whose attention kernel depends on the batch's padded length;
     batch_invariant: a row's result does not depend on the batch around it (its size, the row's position, its
@@ -93,6 +97,7 @@ class Kernels:
     suffix_attention: Callable | None = None
     answer_attention: Callable | None = None
     row_logsumexp: Callable = torch_k.torch_row_logsumexp
+    vocab_logsumexp: Callable | None = None
     attend_by_request: bool = False
     batch_invariant: bool = False
 
@@ -137,6 +142,7 @@ def fla_kernels() -> Kernels:
     from engine import fla_kernels as f      # imports fla and triton, which CPU machines may lack
     from engine.suffix_attention import answer_attention, suffix_attention
     from engine.triton_kernels import row_logsumexp
+    from engine.vocab_logsumexp import vocab_logsumexp
     log.info("fla's autotuned kernels pinned to one launch each (the same in every process): %s",
              f.pin_autotuned_launches())
     # the prefix half, where the attention is split (`engine.model.FUSED_ATTENTION` off), by the Triton
@@ -145,7 +151,7 @@ def fla_kernels() -> Kernels:
     return Kernels("fla", f.delta_rule, f.conv_qkv, f.row_norm, f.gated_rms_norm, f.swiglu, f.add_rms_norm,
                    f.qk_norm_rope, f.gate_attention, f.linear, add_linear=torch_k.torch_add_linear,
                    indexed_attention=bi.indexed_attention, suffix_attention=suffix_attention,
-                   answer_attention=answer_attention, row_logsumexp=row_logsumexp)
+                   answer_attention=answer_attention, row_logsumexp=row_logsumexp, vocab_logsumexp=vocab_logsumexp)
 
 
 def batch_invariant_kernels(table: Kernels, gemm_weights: Sequence[torch.Tensor],
@@ -155,7 +161,8 @@ def batch_invariant_kernels(table: Kernels, gemm_weights: Sequence[torch.Tensor]
     The suffix attention is the fast table's one kernel, at launches checked at load (`InvariantSuffixAttention`:
     `attention_heads` None, the large launch at every size); the answers' attention is the fast table's kernel as it
     is, so with `engine.model.ANSWER_QUERIES` the last layer's queries run at the answer rows at every batch size
-    (their projections through `InvariantLinear` like every other). Not taken: `add_linear` (cuBLAS's GEMM with the
+    (their projections through `InvariantLinear` like every other), and so is `vocab_logsumexp` (one tile at every row
+    count by construction: `engine.vocab_logsumexp`). Not taken: `add_linear` (cuBLAS's GEMM with the
     residual in its epilogue, a kernel family whose row-count invariance is not checked; `engine.model.FUSED_RESIDUAL`
     is off in the fast table too: it gained nothing on the H200)."""
     from engine import batch_invariant as bi      # imports triton

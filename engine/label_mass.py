@@ -13,6 +13,10 @@ in a deterministic table: the chunk's shape is among the weights its check cover
 chunk has the same shape (the last is a zero-padded copy whose padding the reduction skips), so the order of every
 sum is fixed by the vocabulary alone: a row's label mass does not depend on the batch around it. Nothing syncs with
 the host, so a CUDA graph captures it.
+
+On CUDA the kernel table's `vocab_logsumexp` (`engine.vocab_logsumexp`) does the same in one GEMM kernel whose epilogue
+reduces each tile of logits, and a small kernel combining the tiles: two launches instead of 62, the logits never
+written (at batch 128 the chunks write and re-read 636 MB of them). `FUSED` switches it off.
 """
 from __future__ import annotations
 
@@ -27,13 +31,19 @@ VOCAB_CHUNK = 8192
 load (up to 131,072 rows) allocates what the MLP's 7,168-wide projection's does (~2 GB); wider chunks would save
 launches (31 chunks for 248,320 tokens) at the cost of that check's memory."""
 
+FUSED = True
+"""Whether `FullVocabulary.logsumexp` takes the kernel table's `vocab_logsumexp` where it has one (False: the chunks,
+as before it). Read at each call, so a CUDA graph keeps the path it was captured with and `bench/variant_ab.py` can
+time both in one process ("chunked:engine.label_mass.FUSED=False")."""
+
 
 class FullVocabulary:
-    """The unembedding matrix [V, hidden] as chunks of `VOCAB_CHUNK` rows (views, the last a zero-padded copy), and
-    the log-sum-exp over all V logits of given hidden rows."""
+    """The unembedding matrix [V, hidden] (`weight`), also as chunks of `VOCAB_CHUNK` rows (views, the last a
+    zero-padded copy), and the log-sum-exp over all V logits of given hidden rows."""
 
     def __init__(self, weight: torch.Tensor, chunk: int = VOCAB_CHUNK):
         V, H = weight.shape
+        self.weight = weight
         C = min(chunk, V)
         whole = V // C * C
         self.chunks = list(weight[:whole].split(C))                                  # [C, H] views
@@ -49,8 +59,13 @@ class FullVocabulary:
         """One chunk: the weight shape whose GEMM a batch-invariant table must check."""
         return self.chunks[0]
 
-    def logsumexp(self, x: torch.Tensor, linear: Callable, row_logsumexp: Callable) -> torch.Tensor:
-        """x [S, H] (final-normed hidden states) -> [S] float32: log(sum(exp(x @ W.T))) over the whole vocabulary."""
+    def logsumexp(self, x: torch.Tensor, linear: Callable, row_logsumexp: Callable,
+                  fused: Callable | None = None) -> torch.Tensor:
+        """x [S, H] (final-normed hidden states) -> [S] float32: log(sum(exp(x @ W.T))) over the whole vocabulary, by
+        `fused` (a table's `vocab_logsumexp`) where given and `FUSED` is on, else by chunks through `linear` and
+        `row_logsumexp`."""
+        if fused is not None and FUSED:
+            return fused(x, self.weight, self.weight.shape[0])
         partial = torch.empty(x.shape[0], len(self.chunks), dtype=torch.float32, device=x.device)   # [S, chunks]
         for i, (w, n) in enumerate(zip(self.chunks, self.valid)):
             row_logsumexp(linear(x, w), n, out=partial[:, i])                       # [S, C] logits, then [S]

@@ -328,7 +328,8 @@ class SchemaEngine:
         mass = None
         if with_mass:
             def mass(normed, logits, mask):
-                return label_mass(logits, self.e.vocab.logsumexp(normed, kernels.linear, kernels.row_logsumexp), mask)
+                lse = self.e.vocab.logsumexp(normed, kernels.linear, kernels.row_logsumexp, kernels.vocab_logsumexp)
+                return label_mass(logits, lse, mask)
 
         def step(staged):
             ids, slots, flat, n_options, answers, inv_temp, bias = layout.unstage(staged)

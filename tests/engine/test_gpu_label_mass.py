@@ -1,15 +1,19 @@
 """The label mass on a CUDA device (pytest -m gpu): the 0.8B shape in bf16 with Qwen3.5's whole vocabulary (248,320
-tokens: 31 chunks of the log-sum-exp, the last one padded), with graphs.
+tokens), with graphs; its log-sum-exp by the fused kernel (`engine.vocab_logsumexp`, the default) and by 31 chunks,
+the last one padded (`engine.label_mass.FUSED` off).
 
 With the deterministic kernels a state's label mass is bit-identical alone and in shuffled batches of other sizes, and
-graph replays equal eager steps; a step that computes the mass gives the probabilities the step without it gives;
-the mass agrees with the oracle's full softmax to bf16 rounding."""
+graph replays equal eager steps, on either path; a step that computes the mass gives the probabilities the step
+without it gives; the mass agrees with the oracle's full softmax to bf16 rounding. The fused kernel's log-sum-exp is
+torch's of the float32 logits, agrees with the chunks' (bf16 logits), and gives a row its bits at any row count from
+1 to 1,300 and any position."""
 import random
 
 import pytest
 import torch
 
 from engine import Engine, SchemaEngine
+from engine import label_mass as lm
 
 pytestmark = pytest.mark.gpu
 
@@ -43,7 +47,9 @@ def test_the_whole_vocabulary_is_read_in_padded_chunks(engine):
     assert len(engine.vocab.chunks) == 31 and engine.vocab.valid[-1] == 248_320 - 30 * 8192
 
 
-def test_label_mass_is_bit_identical_in_any_batch_and_in_graphs(engine, texts):
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "chunked"])
+def test_label_mass_is_bit_identical_in_any_batch_and_in_graphs(engine, texts, fused, monkeypatch):
+    monkeypatch.setattr(lm, "FUSED", fused)
     se = SchemaEngine(engine)
     h = se.prepare(questions(engine.tok, 10, 4, 400))
     alone = [se.score_details(h, [t])[0] for t in texts]
@@ -73,3 +79,49 @@ def test_the_label_mass_leaves_the_probabilities_and_matches_the_oracle(engine, 
     mass, oracle = torch.stack([g.label_mass for g in got]), torch.stack([w.label_mass for w in want])
     assert ((mass > 0) & (mass <= 1)).all()
     torch.testing.assert_close(mass, oracle, rtol=0.1, atol=1e-7)         # bf16 logits: ~1% on exp(logit - lse)
+
+
+def _normed_rows(engine, S: int, seed: int) -> torch.Tensor:
+    """Final-normed hidden rows [S, hidden] in bf16, as the read-out passes them (scaled up: logits of std ~2.5)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    h = torch.randn(S, engine.cfg.hidden_size, device="cuda", generator=g, dtype=torch.bfloat16) * 4
+    return engine.forward.final_norm(h) * 4
+
+
+def test_the_fused_logsumexp_is_torchs_and_agrees_with_the_chunks(engine):
+    kernels = engine.forward.kernels
+    assert kernels.vocab_logsumexp is not None
+    x = _normed_rows(engine, 1300, seed=5)
+    fused = engine.vocab.logsumexp(x, kernels.linear, kernels.row_logsumexp, kernels.vocab_logsumexp)
+    chunked = engine.vocab.logsumexp(x, kernels.linear, kernels.row_logsumexp)
+    w = engine.vocab.weight.float()
+    want = torch.cat([torch.logsumexp(part.float() @ w.T, -1) for part in x.split(256)])
+    torch.testing.assert_close(fused, want, rtol=1e-5, atol=1e-4)          # float32 logits, another summation order
+    torch.testing.assert_close(chunked, want, rtol=1e-3, atol=1e-3)        # bf16 logits
+    assert (fused - want).abs().max() <= (chunked - want).abs().max()
+
+
+def test_the_fused_logsumexp_gives_a_row_its_bits_at_any_row_count_and_position(engine):
+    """One tile at every row count (`engine.vocab_logsumexp.vocab_config`): probe rows alone and among random
+    neighbours at row counts around the 128-row block and up to batch 128's 1,280 answers and beyond."""
+    fused, w = engine.forward.kernels.vocab_logsumexp, engine.vocab.weight
+    probe = _normed_rows(engine, 4, seed=7)
+    alone = torch.cat([fused(probe[i:i + 1], w, w.shape[0]) for i in range(4)])
+    positions = random.Random(8)
+    for S in (4, 10, 80, 127, 128, 129, 320, 640, 1280, 1300):
+        block = _normed_rows(engine, S, seed=S)
+        for at in {0, S - 4, positions.randrange(S - 3), positions.randrange(S - 3)}:
+            neighbours = block[at:at + 4].clone()
+            block[at:at + 4] = probe
+            assert torch.equal(fused(block, w, w.shape[0])[at:at + 4], alone), (S, at)
+            block[at:at + 4] = neighbours
+
+
+def test_the_fused_and_chunked_label_mass_agree(engine, texts, monkeypatch):
+    qs = questions(engine.tok, 10, 4, 400)
+    got = {}
+    for fused in (True, False):
+        monkeypatch.setattr(lm, "FUSED", fused)
+        se = SchemaEngine(engine)
+        got[fused] = torch.stack([d.label_mass for d in se.score_details(se.prepare(qs), texts[:16])])
+    torch.testing.assert_close(got[True], got[False], rtol=5e-3, atol=1e-7)   # the chunks' logits are bf16

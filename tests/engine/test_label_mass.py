@@ -1,11 +1,13 @@
 """The label mass (`engine.label_mass`): the share of the full-vocabulary softmax on a question's labels at its answer
-slot. The cached path against the oracle's full softmax, the chunked log-sum-exp against torch's, bit-identical in any
-batch with the deterministic kernels, and switchable per engine and per schema without touching the probabilities."""
+slot. The cached path against the oracle's full softmax, the chunked log-sum-exp against torch's (a table's one-kernel
+log-sum-exp taken instead where it has one), bit-identical in any batch with the deterministic kernels, and switchable
+per engine and per schema without touching the probabilities."""
 import pytest
 import torch
 
 from engine import Engine, SchemaEngine
 from engine import invariant_kernels as inv
+from engine import label_mass as lm
 from engine.label_mass import FullVocabulary
 from engine.reference import score_full_details
 from engine.torch_kernels import torch_row_logsumexp
@@ -48,6 +50,28 @@ def test_the_vocabulary_in_chunks_gives_torchs_logsumexp(eng):
         for row_lse in (torch_row_logsumexp, inv.row_logsumexp):
             torch.testing.assert_close(vocab.logsumexp(x, torch.nn.functional.linear, row_lse), want,
                                        rtol=1e-6, atol=1e-5)
+
+
+def test_a_tables_fused_logsumexp_takes_the_whole_weight_unless_switched_off(eng, det_se, monkeypatch):
+    """`Kernels.vocab_logsumexp` (CUDA's one-kernel log-sum-exp: tests/engine/test_vocab_logsumexp.py) gets the
+    unpadded weight and its row count; with `FUSED` off, or on the CPU's tables (which have none), the chunks run."""
+    weight = eng.model.lm_head.weight.detach()
+    x = torch.randn(5, weight.shape[1], generator=torch.Generator().manual_seed(1))
+    vocab = FullVocabulary(weight, 97)
+    calls = []
+
+    def fused(rows, w, n_valid):
+        calls.append((rows, w, n_valid))
+        return torch.logsumexp(rows @ w[:n_valid].t(), -1)
+
+    want = torch.logsumexp(x @ weight.t(), -1)
+    got = vocab.logsumexp(x, torch.nn.functional.linear, torch_row_logsumexp, fused)
+    assert len(calls) == 1 and calls[0][1] is weight and calls[0][2] == weight.shape[0] and torch.equal(got, want)
+    monkeypatch.setattr(lm, "FUSED", False)
+    torch.testing.assert_close(vocab.logsumexp(x, torch.nn.functional.linear, torch_row_logsumexp, fused), want,
+                               rtol=1e-6, atol=1e-5)
+    assert len(calls) == 1
+    assert eng.forward.kernels.vocab_logsumexp is None and det_se.e.forward.kernels.vocab_logsumexp is None
 
 
 def test_the_invariant_row_logsumexp_gives_a_row_its_bits_alone_and_in_any_batch():

@@ -24,14 +24,20 @@ pytestmark = pytest.mark.gpu
 def _ptx(kernel, signature: dict, constants: dict, runtime_ints: dict, num_warps: int = 4, pdl: bool = False) -> str:
     """PTX of `kernel` specialised as a launch with these ints would be: multiples of 16 marked divisible (Triton's
     rule for arguments not in `do_not_specialize`), pointers 16-byte aligned (torch's allocations are)."""
+    return _compiled(kernel, signature, constants, runtime_ints, num_warps, pdl).asm["ptx"]
+
+
+def _compiled(kernel, signature: dict, constants: dict, runtime_ints: dict, num_warps: int = 4, pdl: bool = False,
+              num_stages: int = 3):
+    """`_ptx`'s compilation, the whole compiled kernel (its `metadata.shared`: bytes of shared memory)."""
     names = list(signature)
     unspecialised = set(kernel.do_not_specialize) | {names[i] for i in kernel.do_not_specialize if isinstance(i, int)}
     aligned = [n for n, t in signature.items() if t.startswith("*")]
     aligned += [n for n, v in runtime_ints.items() if v % 16 == 0 and n not in unspecialised]
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
     src = ASTSource(kernel, signature, constexprs={(names.index(k),): v for k, v in constants.items()}, attrs=attrs)
-    options = {"num_warps": num_warps, "launch_pdl": pdl}
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
+    options = {"num_warps": num_warps, "launch_pdl": pdl, "num_stages": num_stages}
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
 def _scalar_bf16_loads(ptx: str) -> int:
@@ -153,6 +159,39 @@ def test_answer_attention_kernel_loads_queries_keys_values_and_gate_in_16_byte_v
                dict(G=4, D=256, BM=BM, BN=BN, PRECISION="tf32", KEY_CAP=0, T_CAP=0), ints, num_warps=warps)
     assert _scalar_bf16_loads(ptx) == 0 and "ld.global.v4.b32" in ptx
 
+def _vocab_logsumexp_launches() -> list[tuple]:
+    """(kernel, signature, constants, ints, warps, stages) of `engine.vocab_logsumexp`'s two kernels as launched for
+    Qwen3.5's vocabulary (248,320 x 1,024 bf16) at 1,280 rows."""
+    from engine import vocab_logsumexp as vl
+
+    BM, BN, BK, warps, stages = vl.vocab_config(248_320, 1024)
+    blocks = 248_320 // BN
+    width = -(-blocks // vl.TABLE_ALIGN) * vl.TABLE_ALIGN
+    tile = ({"X": "*bf16", "W": "*bf16", "P": "*fp32", "M": "i32", "N": "i32", "K": "constexpr", "sx": "i32",
+             "sw": "i32", "sp": "i32", "BM": "constexpr", "BN": "constexpr", "BK": "constexpr",
+             "PRECISION": "constexpr"},
+            dict(K=1024, BM=BM, BN=BN, BK=BK, PRECISION="tf32"),
+            _ints(["M", "N", "sx", "sw", "sp"], M=1280, N=248_320, sx=1024, sw=1024, sp=width), warps, stages)
+    combine = ({"P": "*fp32", "Y": "*fp32", "sp": "i32", "NB": "constexpr", "WIDTH": "constexpr",
+                "BLOCK": "constexpr"},
+               dict(NB=blocks, WIDTH=width, BLOCK=triton.next_power_of_2(width)), {"sp": width}, 4, 3)
+    return [(vl._block_logsumexp_kernel, *tile), (vl._combine_kernel, *combine)]
+
+
+def test_vocab_logsumexp_runs_on_tensor_cores_within_shared_memory_and_combines_in_16_byte_loads():
+    """The label mass's fused log-sum-exp: the tile's dots compile to Hopper's wgmma fed by cp.async stages, in the
+    H200's 227 KB of shared memory; the combine kernel reads the partial table 16 bytes at a time."""
+    (tile, *tile_args), (combine, *combine_args) = _vocab_logsumexp_launches()
+    sig, constants, ints, warps, stages = tile_args
+    compiled = _compiled(tile, sig, constants, ints, warps, num_stages=stages)
+    ptx = compiled.asm["ptx"]
+    assert "wgmma.mma_async" in ptx and "cp.async" in ptx
+    assert compiled.metadata.shared <= 227 * 1024
+    sig, constants, ints, warps, _stages = combine_args
+    ptx = _ptx(combine, sig, constants, ints, warps)
+    assert "ld.global.v4.b32" in ptx and "ld.global.b32" not in ptx
+
+
 def _waits_before_touching_memory(ptx: str) -> bool:
     """Whether the kernel's first global load or store comes after `griddepcontrol.wait` (and it lets the next kernel
     launch): under programmatic dependent launch, the kernel ahead may still be writing this one's inputs."""
@@ -184,3 +223,7 @@ def test_kernels_under_pdl_wait_for_the_kernel_ahead_before_touching_memory():
         off = _ptx(kernel, sig, {**constants, "PDL": False}, ints)
         assert _waits_before_touching_memory(on), kernel.fn.__name__
         assert "griddepcontrol" not in off, kernel.fn.__name__
+    for kernel, sig, constants, ints, warps, _stages in _vocab_logsumexp_launches():
+        sig = {**sig, "PDL": "constexpr"}
+        assert _waits_before_touching_memory(_ptx(kernel, sig, {**constants, "PDL": True}, ints, warps, pdl=True))
+        assert "griddepcontrol" not in _ptx(kernel, sig, {**constants, "PDL": False}, ints, warps)
