@@ -46,6 +46,17 @@ def _matmul_kernel(X, W, Y, M, N, K: tl.constexpr, sx, sw, sy, BM: tl.constexpr,
     # Y[M, N] = X[M, K] @ W[N, K]^T, one BM x BN tile a program, the whole of K in BK steps
     await_previous_kernel(PDL)
     rm, rn = _tile(M, N, BM, BN, GROUP_M)
+    acc = tile_dot(X, W, rm, rn, M, N, K, sx, sw, BM, BN, BK, PRECISION)
+    tl.store(Y + rm[:, None].to(tl.int64) * sy + rn[None, :], acc.to(Y.dtype.element_ty),
+             mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+@triton.jit
+def tile_dot(X, W, rm, rn, M, N, K: tl.constexpr, sx, sw, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+             PRECISION: tl.constexpr):
+    """The float32 [BM, BN] tile X[rm] @ W[rn]^T (rows past M and columns past N read as 0), the whole of K in BK
+    steps in order: every element the same dot product, in the same order, whatever M. Shared by the kernels whose
+    invariance rests on it (`_matmul_kernel`, `engine.vocab_logsumexp`)."""
     rk = tl.arange(0, BK)
     x_ptr = X + rm[:, None].to(tl.int64) * sx + rk[None, :]
     w_ptr = W + rn[None, :].to(tl.int64) * sw + rk[:, None]                     # [BK, BN]: a tile of W^T
@@ -57,7 +68,7 @@ def _matmul_kernel(X, W, Y, M, N, K: tl.constexpr, sx, sw, sy, BM: tl.constexpr,
                      input_precision=PRECISION)
         x_ptr += BK
         w_ptr += BK
-    tl.store(Y + rm[:, None].to(tl.int64) * sy + rn[None, :], acc.to(Y.dtype.element_ty), mask=m_ok & n_ok)
+    return acc
 
 
 Config = tuple[int, int, int, int, int]

@@ -38,6 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.batch_invariant import tile_dot
 from engine.triton_kernels import await_previous_kernel, pdl_launch
 
 CONFIG = (128, 256, 8, 3)
@@ -73,17 +74,8 @@ def _block_logsumexp_kernel(X, W, P, M, N, K: tl.constexpr, sx, sw, sp, BM: tl.c
     pn = tl.program_id(0) // num_m
     rm = pm * BM + tl.arange(0, BM)
     rn = pn * BN + tl.arange(0, BN)
-    rk = tl.arange(0, BK)
-    x_ptr = X + rm[:, None].to(tl.int64) * sx + rk[None, :]
-    w_ptr = W + rn[None, :].to(tl.int64) * sw + rk[:, None]                     # [BK, BN]: a tile of W^T
-    m_ok = rm[:, None] < M
+    acc = tile_dot(X, W, rm, rn, M, N, K, sx, sw, BM, BN, BK, PRECISION)
     n_ok = rn[None, :] < N
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for _ in range(0, K, BK):
-        acc = tl.dot(tl.load(x_ptr, mask=m_ok, other=0.0), tl.load(w_ptr, mask=n_ok, other=0.0), acc,
-                     input_precision=PRECISION)
-        x_ptr += BK
-        w_ptr += BK
     logits = tl.where(n_ok, acc, float("-inf"))            # a block holds at least one column below N: finite max
     top = tl.max(logits, axis=1)
     total = tl.sum(tl.exp(logits - top[:, None]), axis=1)

@@ -7,21 +7,18 @@ addressing and masking (its dot is numpy's): `TRITON_INTERPRET=1 pytest -m gpu t
 triton installed and fla not. bfloat16 only on the GPU: the large tile's float32 operands exceed the H200's shared
 memory (the engine's float32 CUDA path runs cuBLAS, not this kernel).
 """
-import os
 import random
 
 import pytest
 import torch
 
-triton = pytest.importorskip("triton")
-if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("no CUDA device: run with TRITON_INTERPRET=1 to use Triton's interpreter", allow_module_level=True)
+from tests.engine.triton_device import require
+
+ON_GPU, DEV = require()
 
 from engine import batch_invariant as bi  # noqa: E402
 
 pytestmark = pytest.mark.gpu
-ON_GPU = torch.cuda.is_available()
-DEV = "cuda" if ON_GPU else "cpu"
 DTYPE = torch.bfloat16 if ON_GPU else torch.float32
 # the 0.8B model's down projection on the GPU; a ragged small shape on the interpreter
 N, K = (1024, 3584) if ON_GPU else (80, 192)

@@ -2,20 +2,18 @@
 the forward passes them. Runs on the GPU; on a CPU through Triton's interpreter, which Triton reads when it is first
 imported (before this module, by transformers): `TRITON_INTERPRET=1 pytest -m gpu tests/engine/test_triton_kernels.py`
 with triton installed and fla not (where fla imports, transformers' CPU forward dispatches to its GPU kernels)."""
-import os
 
 import pytest
 import torch
 
-triton = pytest.importorskip("triton")
-if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("no CUDA device: run with TRITON_INTERPRET=1 to use Triton's interpreter", allow_module_level=True)
+from tests.engine.triton_device import require
+
+ON_GPU, DEV = require()
 
 from engine.torch_kernels import torch_gated_rms_norm, torch_rms_norm  # noqa: E402
 from engine.triton_kernels import GATED, row_norm  # noqa: E402
 
 pytestmark = pytest.mark.gpu
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _same_across_tiles(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -6,21 +6,18 @@ same bits alone, among other rows at any row count and at any position (one tile
 K). Runs on the GPU (`pytest -m gpu`); on a CPU through Triton's interpreter, whose dot is numpy's (float32 only:
 the interpreter's bfloat16 dot is not): `TRITON_INTERPRET=1 pytest -m gpu tests/engine/test_vocab_logsumexp.py` with
 triton installed and fla not. The whole engine's label mass with it on CUDA: tests/engine/test_gpu_label_mass.py."""
-import os
 import random
 
 import pytest
 import torch
 
-triton = pytest.importorskip("triton")
-if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("no CUDA device: run with TRITON_INTERPRET=1 to use Triton's interpreter", allow_module_level=True)
+from tests.engine.triton_device import require
+
+ON_GPU, DEV = require()
 
 from engine import vocab_logsumexp as vl  # noqa: E402
 
 pytestmark = pytest.mark.gpu
-ON_GPU = torch.cuda.is_available()
-DEV = "cuda" if ON_GPU else "cpu"
 DTYPES = [torch.float32, torch.bfloat16] if ON_GPU else [torch.float32]
 V, K = 1000, 128            # V a multiple of neither BN (256, 128) nor 16: a ragged last block and a padded table
 
