@@ -104,9 +104,12 @@ def observe_budget(engine: Mapping[int, float], commit: Mapping[int, float], mis
         LATENCY_BUDGET_MISSES.inc()
 
 
-def count_committed(cycle_seconds: float, scored: Mapping[str, int], dead_letters: Mapping[str, int]) -> None:
-    """A cycle committed: its latency, its probability records by schema id, its dead letters by reason code."""
-    TRANSACTIONS.labels("committed").inc()
+def count_committed(cycle_seconds: float, scored: Mapping[str, int], dead_letters: Mapping[str, int],
+                    first_in_transaction: bool = True) -> None:
+    """A cycle committed: its latency, its probability records by schema id, its dead letters by reason code; its
+    transaction counted with its first cycle (one transaction may commit several)."""
+    if first_in_transaction:
+        TRANSACTIONS.labels("committed").inc()
     CYCLE_SECONDS.observe(cycle_seconds)
     for schema_id, count in scored.items():
         STATES_SCORED.labels(schema_id).inc(count)
@@ -116,8 +119,8 @@ def count_committed(cycle_seconds: float, scored: Mapping[str, int], dead_letter
 
 def on_event(kind: str, info: dict[str, Any]) -> None:
     """Update the metrics the loop reports as events (``Worker(on_event=...)``)."""
-    if kind == "committed" and "commit_ms" in info:
-        COMMIT_SECONDS.observe(info["commit_ms"] / 1000)
+    if kind == "committed" and "commit_ms" in info and not info.get("transaction_cycle"):
+        COMMIT_SECONDS.observe(info["commit_ms"] / 1000)      # once a transaction, with its first cycle
 
 
 def on_consumer_stats(stats_json: str) -> None:

@@ -261,14 +261,15 @@ class Worker:
         is aborted (``seek``: rewind now, else at the next step)."""
         for outcome in self._committer.outcomes():
             if outcome.error is None:
-                for part in outcome.handed:
-                    self._committed(part.cycle, outcome)
+                for position, part in enumerate(outcome.handed):
+                    self._committed(part.cycle, outcome, position)
             elif isinstance(outcome.error, AbortableError):
                 return self._aborted(outcome.error, seek)
             else:
                 raise outcome.error  # fenced, the broker gone past --broker-outage-s, a fatal client error
 
-    def _committed(self, inflight: InFlight, outcome: Outcome) -> None:
+    def _committed(self, inflight: InFlight, outcome: Outcome, position: int) -> None:
+        """``inflight`` was committed, the ``position``-th cycle of ``outcome``'s transaction."""
         if self._inflight.pop_oldest() is not inflight:
             raise FatalError("committed a cycle that was not the oldest in flight")  # a bug: the order is the contract
         cycle, out, committed_at = inflight.cycle, inflight.out, outcome.committed_at
@@ -277,13 +278,14 @@ class Worker:
         launched_at = inflight.launch.launched_at if inflight.launch else None
         self._closing.budget.committed(cycle, inflight.closed_at, inflight.scored_at, committed_at, launched_at)
         scored, dead_letters = sum(out.scored.values()), out.dead_letters_by_code()
-        metrics.count_committed(committed_at - (cycle.arrived_at or committed_at), out.scored, dead_letters)
+        metrics.count_committed(committed_at - (cycle.arrived_at or committed_at), out.scored, dead_letters,
+                                first_in_transaction=position == 0)
         log.debug("committed %d scored, %s dead letters, offsets %s", scored, dead_letters,
                   partition_names(cycle.offsets(), with_offsets=True))
         self._emit("committed", {"scored": scored, "dead_letters": dead_letters,
                                  "samples": out.samples, "batches": {f"{k[0]} v{k[1]}": len(b.members) for k, b in cycle.batches.items()},
                                  "commit_ms": outcome.commit_ms, "commit_steps_ms": outcome.steps_ms,
-                                 "cycles_in_transaction": len(outcome.handed),
+                                 "cycles_in_transaction": len(outcome.handed), "transaction_cycle": position,
                                  "offsets": [(tp.partition, tp.offset) for tp in cycle.offsets()],
                                  "outputs": outcome.outputs, **inflight.latency_fields(committed_at)})
 

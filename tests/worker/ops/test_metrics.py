@@ -102,3 +102,22 @@ def test_metrics_health_and_json_logs_follow_the_run(stream, model_dir):
     assert all({"ts", "level", "logger", "message"} <= set(e) for e in events)
     dead_line = next(e for e in events if e.get("event") == "dead_letter")
     assert dead_line["reason"] == "undecodable" and dead_line["count"] == 1
+
+
+def test_a_transaction_of_several_cycles_counts_once_and_its_time_once():
+    """The committer commits the cycles scored meanwhile in one transaction: each cycle's latency and records count,
+    the transaction and its duration once (with its first cycle)."""
+    from worker.ops import metrics
+
+    def value(metric, suffix: str, labels: dict | None = None) -> float:
+        return next((s.value for s in metric.collect()[0].samples
+                     if s.name.endswith(suffix) and (labels is None or s.labels == labels)), 0.0)
+
+    committed, commits, cycles = (value(metrics.TRANSACTIONS, "_total", {"outcome": "committed"}),
+                                  value(metrics.COMMIT_SECONDS, "_count"), value(metrics.CYCLE_SECONDS, "_count"))
+    for position in range(3):
+        metrics.count_committed(0.01, {"s": 2}, {}, first_in_transaction=position == 0)
+        metrics.on_event("committed", {"commit_ms": 4.0, "cycles_in_transaction": 3, "transaction_cycle": position})
+    assert value(metrics.TRANSACTIONS, "_total", {"outcome": "committed"}) == committed + 1
+    assert value(metrics.COMMIT_SECONDS, "_count") == commits + 1
+    assert value(metrics.CYCLE_SECONDS, "_count") == cycles + 3
