@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.blocked_linear import blocked_is_invariant, blocked_linear
 from engine.triton_kernels import await_previous_kernel, pdl_launch
 
 
@@ -259,9 +260,6 @@ def small_tile_is_identical(weight: torch.Tensor, row_counts: list[int], small: 
     return all(torch.equal(matmul(block[:M], w, small), ref[:M]) for M in row_counts)
 
 
-BLOCK_ROWS = 256
-"""Rows of each GEMM of `blocked_linear`: every row goes through a GEMM of exactly this many rows."""
-
 BLOCKED_CUBLAS = True
 """Whether `InvariantLinear` runs the shapes it found batch-invariant as `blocked_linear` that way (False: the Triton
 matmul, as before it had the choice). Read at each call, so a CUDA graph keeps the setting it was captured under and
@@ -271,58 +269,6 @@ CUBLAS_FLOOR_MIN = 0
 """A floor under the floors `InvariantLinear` found (each found floor is checked for every row count from it up, so a
 higher one stays batch-invariant where it is a checked row count: 256 is): 256 runs as before the 128-row floor was a
 candidate. Read at each call, like `BLOCKED_CUBLAS`."""
-
-
-def blocked_linear(x: torch.Tensor, weight: torch.Tensor, rows: int = BLOCK_ROWS) -> torch.Tensor:
-    """x [..., K] @ weight[N, K]^T -> [..., N] by cuBLAS, as GEMMs of exactly `rows` rows each: the whole blocks in one
-    strided batched GEMM (the weight broadcast, not copied), the last partial block zero-padded to `rows` in a batch
-    of one. Every row goes through a GEMM of the same M wherever it sits, which a single GEMM of all the rows does not
-    give (cuBLAS picks its kernel, split-K among them, by M); whether the batched kernel cuBLAS picks for another
-    batch count sums a row in the same order is the library's, so `blocked_is_invariant` checks it."""
-    K, N = x.shape[-1], weight.shape[0]
-    flat = x.reshape(-1, K)                                                            # [M, K]
-    if flat.stride(0) != K or flat.stride(-1) != 1:
-        flat = flat.contiguous()
-    M = flat.shape[0]
-    full, rest = divmod(M, rows)
-    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    wt = weight.t()                                                                    # [K, N], a view
-    if full:
-        torch.bmm(flat[:full * rows].view(full, rows, K), wt.expand(full, K, N),
-                  out=y[:full * rows].view(full, rows, N))
-    if rest:
-        tail = torch.nn.functional.pad(flat[full * rows:], (0, 0, 0, rows - rest))      # [rows, K]
-        y[full * rows:] = torch.bmm(tail[None], wt[None])[0, :rest]
-    return y.view(*x.shape[:-1], N)
-
-
-def blocked_is_invariant(weight: torch.Tensor, row_counts: list[int], probe_rows: int = 16, seed: int = 0) -> bool:
-    """Whether `blocked_linear` gives a probe's rows the bits it gives them alone (a partial block, batch of one) at
-    every row count in `row_counts`, placed in a whole block (a batch of all of them) and in the last partial block,
-    among random neighbours."""
-    gen = torch.Generator(device=weight.device).manual_seed(seed)
-    positions = random.Random(seed)
-    block = torch.randn(max(row_counts), weight.shape[1], device=weight.device, generator=gen).to(weight.dtype)
-    w = torch.randn(weight.shape, device=weight.device, generator=gen).to(weight.dtype) / weight.shape[1] ** 0.5
-    probe = block[:probe_rows].clone()
-    ref = blocked_linear(probe, w)
-    for M in row_counts:
-        if M < probe_rows:
-            continue
-        full = M // BLOCK_ROWS * BLOCK_ROWS
-        starts = {positions.randrange(M - probe_rows + 1)}
-        if full >= probe_rows:
-            starts.add(positions.randrange(full - probe_rows + 1))                     # inside the whole blocks
-        if M - full >= probe_rows:
-            starts.add(full + positions.randrange(M - full - probe_rows + 1))          # inside the padded tail
-        for at in starts:
-            neighbours = block[at:at + probe_rows].clone()
-            block[at:at + probe_rows] = probe
-            same = torch.equal(blocked_linear(block[:M], w)[at:at + probe_rows], ref)
-            block[at:at + probe_rows] = neighbours
-            if not same:
-                return False
-    return True
 
 
 class InvariantLinear:

@@ -14,6 +14,7 @@ a fixed order (checked by `bench/invariance_probe.py` and the GPU tests).
 """
 from __future__ import annotations
 
+import inspect
 import logging
 import time
 from dataclasses import dataclass, replace
@@ -166,6 +167,7 @@ def batch_invariant_kernels(table: Kernels, gemm_weights: Sequence[torch.Tensor]
     residual in its epilogue, a kernel family whose row-count invariance is not checked; `engine.model.FUSED_RESIDUAL`
     is off in the fast table too: it gained nothing on the H200)."""
     from engine import batch_invariant as bi      # imports triton
+    from engine import blocked_linear as blocked
     from engine.suffix_attention import InvariantSuffixAttention
     from engine.graphs import B_BUCKETS, TS_BUCKETS
 
@@ -179,7 +181,7 @@ def batch_invariant_kernels(table: Kernels, gemm_weights: Sequence[torch.Tensor]
     linear = bi.InvariantLinear(list(gemm_weights), rows)
     log.info("deterministic: GEMMs by cuBLAS for weight shapes %s (rows padded up to the floor given; batch-invariant "
              "at %d row counts), by cuBLAS in blocks of %d rows for %s, else by the Triton matmul for %s; checked in "
-             "%.1f s", linear.floors, len(rows), bi.BLOCK_ROWS, sorted(linear.blocked) or "none",
+             "%.1f s", linear.floors, len(rows), blocked.BLOCK_ROWS, sorted(linear.blocked) or "none",
              sorted(linear.triton) or "none", time.perf_counter() - started)
     log.info("deterministic: Triton small tile below %d rows for %s", bi.SMALL_TILE_ROWS, sorted(linear.small) or "none")
     weight = gemm_weights[0] if gemm_weights else None
@@ -188,9 +190,14 @@ def batch_invariant_kernels(table: Kernels, gemm_weights: Sequence[torch.Tensor]
                                       weight.device if weight is not None else "cuda")
     log.info("deterministic: %r", suffix)
     floors = ", ".join(f"{n}x{k}>={f}" for (n, k), f in sorted(linear.floors.items()))
+    # the MLP's SwiGLU feeds the down projection: where that runs in blocks, its output gets whole blocks' storage
+    swiglu = table.swiglu
+    if linear.blocked and "out" in inspect.signature(swiglu).parameters:
+        swiglu = blocked.block_padded_output(swiglu)
     return replace(table, name=f"{table.name}+batch-invariant(cuBLAS {floors}; blocked {sorted(linear.blocked)}; "
                               f"Triton {sorted(linear.triton)}; small tile {sorted(linear.small)}; {suffix!r})",
                    linear=linear,
+                   swiglu=swiglu,
                    add_linear=None,
                    attention=bi.attention,
                    indexed_attention=bi.indexed_attention,

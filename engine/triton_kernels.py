@@ -67,6 +67,10 @@ batch 128 alone (run BK), 59.24 against 59.39 with `engine.model.ANSWER_QUERIES`
 `CONV_WEIGHT_TILE` (its docstring gives the three together)."""
 
 _BLOCK_ELEMENTS = 4096          # elements per program: 4 rows of 1024, 32 rows of 128
+NORM_WARPS = 4
+"""Warps of a `row_norm` program. It and `_BLOCK_ELEMENTS` are read at each call (so `bench/variant_ab.py` can time
+other launches in one process); both fix how a row's sum of squares is split over threads, so they are constants of
+the process, never chosen by the row count."""
 
 
 @triton.jit
@@ -150,7 +154,7 @@ def row_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, kind: int = RMS,
     _row_norm_kernel[(triton.cdiv(n_rows, BR),)](
         rows, g, weight, out, residual if residual is not None else out, n_rows, heads,
         rows.stride(0), rows.stride(1), g.stride(0), g.stride(1), eps, D=D, BD=BD, BR=BR, KIND=kind,
-        ADD_RESIDUAL=residual is not None, W_TILE=NORM_WEIGHT_TILE, num_warps=4, **pdl_launch())
+        ADD_RESIDUAL=residual is not None, W_TILE=NORM_WEIGHT_TILE, num_warps=NORM_WARPS, **pdl_launch())
     return out
 
 
@@ -281,11 +285,14 @@ def _swiglu_kernel(G, U, Y, n_rows, g_row, u_row, D: tl.constexpr, BLOCK: tl.con
     tl.store(Y + row * D + cols, (act * u).to(ty), mask=mask)
 
 
-def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+def swiglu(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """silu(gate) * up for gate, up [..., D] (row-strided views, e.g. the halves of a fused projection) -> a contiguous
-    [..., D], rounded as transformers' `act_fn(gate) * up`."""
+    [..., D], rounded as transformers' `act_fn(gate) * up`; into `out` (contiguous, gate's shape) when given."""
     D = gate.shape[-1]
-    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    if out is None:
+        out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    elif not out.is_contiguous() or out.shape != gate.shape:
+        raise ValueError("swiglu: out must be contiguous and of gate's shape")
     g, u = gate.reshape(-1, D), up.reshape(-1, D)          # views when the leading dimensions merge, else copies
     n_rows = g.shape[0]
     if n_rows == 0:

@@ -17,6 +17,7 @@ from tests.engine.triton_device import require
 ON_GPU, DEV = require()
 
 from engine import batch_invariant as bi  # noqa: E402
+from engine import blocked_linear as blocked  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 DTYPE = torch.bfloat16 if ON_GPU else torch.float32
@@ -64,7 +65,7 @@ def test_invariant_linear_gives_a_row_the_same_bits_at_every_row_count(kind, mon
     if kind != "as-checked":
         assert linear.triton == {(N, K)}
     if kind == "blocked" and not linear.blocked:
-        pytest.skip(f"cuBLAS's batched GEMM in blocks of {bi.BLOCK_ROWS} rows is not batch-invariant here "
+        pytest.skip(f"cuBLAS's batched GEMM in blocks of {blocked.BLOCK_ROWS} rows is not batch-invariant here "
                     f"({DEV}): the Triton matmul runs the shape")
     print(f"{DTYPE}: floors {linear.floors}, blocked {linear.blocked}, Triton {linear.triton}, "
           f"small tile {linear.small}")
@@ -81,16 +82,17 @@ def test_invariant_linear_gives_a_row_the_same_bits_at_every_row_count(kind, mon
 
 
 def test_blocked_linear_is_the_projection_in_blocks_of_a_fixed_row_count():
-    """`blocked_linear`: whole blocks in one batched GEMM, the last partial block zero-padded (row counts below, at and
-    past one block, with and without a partial block, rows of a strided view), against F.linear; and its check's
-    answer on this device (printed: on the GPU cuBLAS's, for the down projection)."""
-    rows, weight = _rows_and_weight(3 * bi.BLOCK_ROWS + 45, seed=2)
+    """`blocked_linear`: whole blocks in one batched GEMM, the last partial block zero-padded, or read in place where
+    the storage runs on (views of the first M rows of a longer tensor) (row counts below, at and past one block, with
+    and without a partial block, rows of a strided view), against F.linear; and its check's answer on this device
+    (printed: on the GPU cuBLAS's, for the down projection)."""
+    rows, weight = _rows_and_weight(3 * blocked.BLOCK_ROWS + 45, seed=2)
     tol = dict(rtol=1e-5, atol=1e-5) if DTYPE == torch.float32 else dict(rtol=2e-2, atol=2e-2)
-    for M in (16, bi.BLOCK_ROWS, bi.BLOCK_ROWS + 1, 3 * bi.BLOCK_ROWS + 45):
-        got = bi.blocked_linear(rows[:M].view(1, M, K), weight)
+    for M in (16, blocked.BLOCK_ROWS, blocked.BLOCK_ROWS + 1, 3 * blocked.BLOCK_ROWS + 45):
+        got = blocked.blocked_linear(rows[:M].view(1, M, K), weight)
         assert got.shape == (1, M, N)
         torch.testing.assert_close(got[0], torch.nn.functional.linear(rows[:M], weight), **tol)
     wide = torch.cat([rows, rows], -1)[:, :K]                                  # rows of stride 2K
-    torch.testing.assert_close(bi.blocked_linear(wide, weight), torch.nn.functional.linear(rows, weight), **tol)
+    torch.testing.assert_close(blocked.blocked_linear(wide, weight), torch.nn.functional.linear(rows, weight), **tol)
     print(f"{DTYPE} {N}x{K}: blocked cuBLAS invariant: "
-          f"{bi.blocked_is_invariant(weight, [16, 184, 1000, 5888 if ON_GPU else 700])}")
+          f"{blocked.blocked_is_invariant(weight, [16, 184, 1000, 5888 if ON_GPU else 700])}")

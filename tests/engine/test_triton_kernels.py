@@ -131,6 +131,12 @@ def test_swiglu_on_the_halves_of_the_fused_gate_up_projection(dtype):
     # transformers' act_fn(gate) * up; bf16: the interpreter truncates where the GPU rounds, 1 ulp of each rounding
     tol = 1e-5 if dtype == torch.float32 else 2 ** -6
     torch.testing.assert_close(got, F.silu(gate) * up, atol=tol, rtol=tol)
+    # into a given output (the deterministic table's block-padded storage: engine.blocked_linear.block_padded)
+    storage = torch.empty(64, 1536, dtype=dtype, device=gate.device)
+    into = swiglu(gate, up, out=storage[:38].view(2, 19, 1536))
+    assert into.data_ptr() == storage.data_ptr() and torch.equal(into, got)
+    with pytest.raises(ValueError, match="contiguous"):
+        swiglu(gate, up, out=torch.empty(2, 1536, 19, dtype=dtype, device=gate.device).transpose(1, 2))
 
 
 def test_rows_that_cannot_merge_are_copied_not_misread():
