@@ -55,7 +55,8 @@ def test_norm_kernels_load_strided_rows_in_16_byte_vectors():
            "BD": "constexpr", "BR": "constexpr", "KIND": "constexpr", "ADD_RESIDUAL": "constexpr"}
     ints = _ints(["n_rows", "heads", "x_outer", "x_inner", "g_outer", "g_inner"], n_rows=5888 * 16, heads=16,
                  x_outer=8224, x_inner=128)
-    ptx = _ptx(tk._row_norm_kernel, sig, dict(D=128, BD=128, BR=32, KIND=tk.GATED, ADD_RESIDUAL=False), ints)
+    ptx = _ptx(tk._row_norm_kernel, sig, dict(D=128, BD=128, BR=tk._blocks(128)[1], KIND=tk.GATED, ADD_RESIDUAL=False),
+               ints)
     assert _scalar_bf16_loads(ptx) == 0 and "ld.global.v4.b32" in ptx
 
 
@@ -67,9 +68,9 @@ def test_norm_weights_loaded_as_tiles_take_no_barrier_to_broadcast():
            "BD": "constexpr", "BR": "constexpr", "KIND": "constexpr", "ADD_RESIDUAL": "constexpr",
            "W_TILE": "constexpr"}
     names = ["n_rows", "heads", "x_outer", "x_inner", "g_outer", "g_inner"]
-    launches = [(dict(D=128, BD=128, BR=32, KIND=tk.GATED, ADD_RESIDUAL=False),
+    launches = [(dict(D=128, BD=128, BR=tk._blocks(128)[1], KIND=tk.GATED, ADD_RESIDUAL=False),
                  _ints(names, n_rows=5888 * 16, heads=16, x_outer=8224, x_inner=128)),
-                (dict(D=1024, BD=1024, BR=4, KIND=tk.RMS, ADD_RESIDUAL=True),
+                (dict(D=1024, BD=1024, BR=tk._blocks(1024)[1], KIND=tk.RMS, ADD_RESIDUAL=True),
                  _ints(names, n_rows=23552, heads=1, x_outer=1024, x_inner=1024))]
     barriers = [[_ptx(tk._row_norm_kernel, sig, {**constants, "W_TILE": tile}, ints).split(".entry")[1]
                  .count("bar.sync") for tile in (False, True)] for constants, ints in launches]
