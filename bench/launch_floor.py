@@ -24,7 +24,7 @@ def _bump_kernel(X, PDL: tl.constexpr):
     tl.store(X, tl.load(X) + 1.0)
 
 
-def _graph_ms(launch, n: int, iters: int) -> float:
+def graph_ms(launch, n: int, iters: int) -> float:
     """Milliseconds per replay of a graph of `n` calls of `launch`, after a warm-up replay."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -62,7 +62,7 @@ def main(argv=None) -> dict:
     }
     result = {"kernels": args.kernels, "device": torch.cuda.get_device_name(0)}
     for name, launch in chains.items():
-        per_kernel_us = 1000 * _graph_ms(launch, args.kernels, args.iters) / args.kernels
+        per_kernel_us = 1000 * graph_ms(launch, args.kernels, args.iters) / args.kernels
         result[name] = per_kernel_us
         print(f"{name}: {per_kernel_us:.2f} us a kernel in a graph of {args.kernels} "
               f"({per_kernel_us * args.kernels / 1000:.3f} ms a replay)", flush=True)
