@@ -63,6 +63,19 @@ def _sample(samples: dict, name: str, **labels) -> float:
     return samples[key]
 
 
+def _samples_counting(port: int, scored: int, timeout_s: float = 10.0) -> dict:
+    """/metrics once it counts ``scored`` states of the schema "tickets": a read_committed reader sees a transaction's
+    records as soon as the committer thread commits it, and the loop counts the commit when it takes the outcome, a
+    moment later."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        samples = _samples(port)
+        counted = samples.get(("decider_states_scored_total", (("schema_id", "tickets"),)), 0)
+        if counted >= scored or time.monotonic() > deadline:
+            return samples
+        time.sleep(0.05)
+
+
 def test_records_are_visible_within_the_budget_at_a_modest_rate(stream, model_dir):
     port = free_port()
     stream.put_schema("tickets", QUESTIONS)
@@ -78,7 +91,7 @@ def test_records_are_visible_within_the_budget_at_a_modest_rate(stream, model_di
         stream.produce_states(warm, "tickets")
         assert len(_visible_times(reader, stream.topics.probabilities, len(warm), 90)) == len(warm), worker.log()
         # the warm-up's cycles run before any estimate exists, and the first touches the model (slow on a CPU)
-        warm_samples = _samples(port)
+        warm_samples = _samples_counting(port, len(warm))
 
         n = RATE * SECONDS
         produced = {}
@@ -96,7 +109,7 @@ def test_records_are_visible_within_the_budget_at_a_modest_rate(stream, model_di
     # meets its own deadline would put the median near the budget: well over half of it).
     assert p50 < BUDGET_MS / 2, (p50, p90)
 
-    samples = _samples(port)
+    samples = _samples_counting(port, len(warm) + n)
     estimated = {dict(labels)["batch"]: v for (name, labels), v in samples.items() if name == "decider_estimated_engine_seconds"}
     # Every bucket measured has a positive estimate, and the worker plans with some that fit the budget. Not all of
     # them need to: an estimate is the mean plus four deviations, so a bucket seen only in a few slow cycles of this
