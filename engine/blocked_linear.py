@@ -29,9 +29,10 @@ against each other). Read at each call, so a CUDA graph keeps the setting it was
 def blocked_linear(x: torch.Tensor, weight: torch.Tensor, rows: int = BLOCK_ROWS) -> torch.Tensor:
     """x [..., K] @ weight[N, K]^T -> [..., N] by cuBLAS, as GEMMs of exactly `rows` rows each: the whole blocks in one
     strided batched GEMM (the weight broadcast, not copied), the last partial block zero-padded to `rows` in a batch
-    of one, or, where x's storage runs on to a whole block (`block_padded`), every block in one batched GEMM. Every row goes through a GEMM of the same M wherever it sits, which a single GEMM of all the rows does not
-    give (cuBLAS picks its kernel, split-K among them, by M); whether the batched kernel cuBLAS picks for another
-    batch count sums a row in the same order is the library's, so `blocked_is_invariant` checks it."""
+    of one, or, where x's storage runs on to a whole block (`block_padded`), every block in one batched GEMM. Every
+    row goes through a GEMM of the same M wherever it sits, which a single GEMM of all the rows does not give (cuBLAS
+    picks its kernel, split-K among them, by M); whether the batched kernel cuBLAS picks for another batch count sums
+    a row in the same order is the library's, so `blocked_is_invariant` checks it."""
     K, N = x.shape[-1], weight.shape[0]
     flat = x.reshape(-1, K)                                                            # [M, K]
     if flat.stride(0) != K or flat.stride(-1) != 1:
