@@ -1,8 +1,8 @@
 """The 0.8B model's projections as GEMMs alone, at a step's row counts, against their floors (issue 33: at batch 1 the
 99 GEMMs of a step take 752 us, 7.6 us each, where their FLOPs and weight reads take 2-4 us).
 
-For each weight shape and row count, the microseconds one GEMM takes inside a CUDA graph (20 in a row, replayed, so
-no host launch is timed) by: cuBLAS as the engine calls it (`F.linear`); cuBLAS with bf16 reduced-precision
+For each weight shape and row count, the microseconds one GEMM takes inside a CUDA graph (20 in a row, the median of
+20 replays, so no host launch is timed) by: cuBLAS as the engine calls it (`F.linear`); cuBLAS with bf16 reduced-precision
 reductions forbidden (`torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False`, which rules out
 the split-K kernels that zero their output first); the MLP's down projection in blocks of 256 rows
 (`engine.blocked_linear`); the batch-invariant Triton matmul (`engine.batch_invariant.matmul`, its tile for the
@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.launch_floor import graph_ms  # noqa: E402
+from bench.kernel_probe import gpu_ms  # noqa: E402
+from bench.launch_floor import chain  # noqa: E402
 from engine import batch_invariant as bi  # noqa: E402
 from engine import blocked_linear as blocked  # noqa: E402
 
@@ -62,7 +63,8 @@ def main(argv=None) -> dict:
             x = torch.randn(M, K, device="cuda", generator=gen).to(torch.bfloat16)
             ways = {"cublas": lambda: F.linear(x, w), "cublas_exact": lambda: _exact_mm(x, w),
                     "blocked": lambda: blocked.blocked_linear(x, w), "triton": lambda: bi.matmul(x, w)}
-            times = {way: 1000 * graph_ms(call, args.calls, iters=20) / args.calls for way, call in ways.items()}
+            times = {way: 1000 * gpu_ms(chain(call, args.calls), iters=20, graph=True) / args.calls
+                     for way, call in ways.items()}
             times["floor"] = floor_us(M, N, K)
             result["shapes"].setdefault(name, {})[M] = times
             print(f"| {name} {N}x{K} | {M} | " + " | ".join(f"{times[k]:.1f}" for k in

@@ -2,7 +2,8 @@
 costs before any of them does work (issue 33: batch 1's step is ~330 kernels).
 
 Captures N launches of a one-program Triton kernel that adds 1 to one float (each reads what the one before it wrote),
-with and without programmatic dependent launch, and N tiny cuBLAS GEMMs, and reports the graph replay time per kernel.
+with and without programmatic dependent launch, and N tiny cuBLAS GEMMs, and reports the graph replay time per kernel
+(`bench/kernel_probe.gpu_ms`: the median replay).
 
     python bench/launch_floor.py [--kernels 330] [--iters 50]
 """
@@ -10,10 +11,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.kernel_probe import gpu_ms  # noqa: E402
 
 
 @triton.jit
@@ -24,26 +30,12 @@ def _bump_kernel(X, PDL: tl.constexpr):
     tl.store(X, tl.load(X) + 1.0)
 
 
-def graph_ms(launch, n: int, iters: int) -> float:
-    """Milliseconds per replay of a graph of `n` calls of `launch`, after a warm-up replay."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        launch()                                           # compile and load outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+def chain(launch, n: int):
+    """A function that calls `launch` n times: what one graph captures."""
+    def run():
         for _ in range(n):
             launch()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
+    return run
 
 
 def main(argv=None) -> dict:
@@ -62,7 +54,7 @@ def main(argv=None) -> dict:
     }
     result = {"kernels": args.kernels, "device": torch.cuda.get_device_name(0)}
     for name, launch in chains.items():
-        per_kernel_us = 1000 * graph_ms(launch, args.kernels, args.iters) / args.kernels
+        per_kernel_us = 1000 * gpu_ms(chain(launch, args.kernels), iters=args.iters, graph=True) / args.kernels
         result[name] = per_kernel_us
         print(f"{name}: {per_kernel_us:.2f} us a kernel in a graph of {args.kernels} "
               f"({per_kernel_us * args.kernels / 1000:.3f} ms a replay)", flush=True)
