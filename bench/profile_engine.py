@@ -52,11 +52,17 @@ def main():
                     profile_batch(se, h, texts, args.rows)
 
 
-def profile_batch(se: SchemaEngine, handle, texts: list[str], n_rows: int) -> None:
+def warmed_rows(se: SchemaEngine, handle, texts: list[str]) -> list:
+    """The texts tokenized, after three unprofiled steps on them (compilation, graph captures)."""
     rows = [se.tokenize(handle, s) for s in texts]
     for _ in range(3):
         se.score_rows(handle, rows)
     torch.cuda.synchronize()
+    return rows
+
+
+def profile_batch(se: SchemaEngine, handle, texts: list[str], n_rows: int) -> None:
+    rows = warmed_rows(se, handle, texts)
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
         for _ in range(5):
             se.score_rows(handle, rows)
@@ -66,10 +72,7 @@ def profile_batch(se: SchemaEngine, handle, texts: list[str], n_rows: int) -> No
 
 def timeline_batch(se: SchemaEngine, handle, texts: list[str], n_rows: int, steps: int = 5) -> None:
     """Profile `steps` synchronous steps, then summarize the median one's kernels and gaps."""
-    rows = [se.tokenize(handle, s) for s in texts]
-    for _ in range(3):
-        se.score_rows(handle, rows)
-    torch.cuda.synchronize()
+    rows = warmed_rows(se, handle, texts)
     walls = []
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
