@@ -25,12 +25,15 @@ class Interval:
 
     @property
     def family(self) -> str:
-        """What to group it under: cuBLAS's GEMMs together, copies together, each other kernel by its name."""
+        """What to group it under: cuBLAS's GEMMs together, copies together, memsets together (a GEMM that zeroes its
+        output first shows as one), each other kernel by its name."""
         lowered = self.name.lower()
         if any(marker in lowered for marker in GEMM_MARKERS):
             return "GEMM (cuBLAS)"
-        if lowered.startswith(("memcpy", "memset")):
-            return "copy / memset"
+        if lowered.startswith("memset"):
+            return "memset"
+        if lowered.startswith("memcpy"):
+            return "copy"
         if self.name.startswith("_"):
             return self.name                                    # a Triton kernel: its function's name
         return "torch: " + self.name.split("<")[0].split("(")[0][-40:]

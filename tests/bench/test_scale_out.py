@@ -2,7 +2,10 @@
 one group go 1 -> 3 -> 1 (one joins, another joins, one is SIGTERMed, one SIGKILLed) while states keep arriving;
 every state is visible exactly once, and each rebalance's cost is reported: partitions moved, seconds each partition
 had no owner, states read twice. Incremental rebalancing leaves the partitions that keep their owner owned
-throughout; eager revokes every partition at every join and stop.
+throughout; eager revokes every partition at every join and stop. A worker whose group session expires meanwhile (on
+this 2-core machine the embedded broker has answered nothing for the 6 s session timeout while a starting worker
+loaded its model) loses its whole assignment and joins again: the table reports those partitions as lost, and they
+are the only others an incremental step may leave unowned.
 
 The default run is short; ``-m slow`` runs the same steps at a higher rate with longer dwells. Run with ``-s`` to see
 the table (it is also written to the test's temporary directory as scale-out.md)."""
@@ -50,7 +53,8 @@ def _check(result: dict) -> None:
             assert sorted(rows[step]["unowned_s"]) == list(range(8)), rows[step]   # everyone revokes everything
     else:
         for row in rows.values():
-            assert sorted(row["unowned_s"]) == row["moved"], row   # only the partitions that move are ever unowned
+            # only the partitions that move, or that an expired session lost, are ever unowned
+            assert sorted(row["unowned_s"]) == sorted(set(row["moved"]) | set(row["lost"])), row
     kill = rows["worker 2 SIGKILL"]
     # the killed worker's partitions wait for its session to expire
     assert min(kill["unowned_s"][p] for p in kill["moved"]) >= 3.0, kill
