@@ -143,7 +143,6 @@ def markdown(results: list[dict]) -> str:
             span = f"{max(seconds):.2f} / {sum(seconds) / len(seconds):.2f}" if seconds else "0"
             each = " ".join(f"{p}:{s:.2f}" for p, s in row["unowned_s"].items()) or "-"
             reread = f"<= {row['reread']}" if row["reread_is_bound"] else str(row["reread"])
-            lost = row.get("lost") or []         # results written before the column have none
             lines.append(f"| {result['rebalancing']} | {row['step']} | {len(row['moved'])} {row['moved']} | "
-                         f"{len(seconds)} | {span} | {each} | {reread} | {lost or '-'} |")
+                         f"{len(seconds)} | {span} | {each} | {reread} | {row['lost'] or '-'} |")
     return "\n".join(lines)

@@ -14,7 +14,6 @@ import uuid
 
 import pytest
 from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
-from confluent_kafka.admin import AdminClient, NewTopic
 
 from tests import brokers
 
@@ -23,11 +22,9 @@ pytestmark = pytest.mark.xfail(brokers.selection() == "embedded", strict=True,
 
 
 @pytest.fixture
-def group_topic(kafka_bootstrap):
-    topic, group = f"fence-{uuid.uuid4().hex[:8]}", f"fence-{uuid.uuid4().hex[:8]}"
-    admin = AdminClient({"bootstrap.servers": kafka_bootstrap})
-    admin.create_topics([NewTopic(topic, 2, 1)])[topic].result(30)
-    return kafka_bootstrap, topic, group
+def group_topic(stream):
+    """(bootstrap, a fresh topic of 2 partitions, a fresh group)."""
+    return stream.bootstrap, stream.topics.states, stream.group
 
 
 def _member(bootstrap: str, topic: str, group: str) -> Consumer:
