@@ -9,7 +9,7 @@ run V's, bench/README.md):
 - the loop consumes what is consumable (up to --max-batch), asks the planner whether to close, and closes: the
   schema catch-up and launch take `--launch-ms` of the loop before the batch is queued on the device;
 - the GPU runs batches in order, each `--batch-fixed-ms + --per-row-ms x rows`, rows padded to the engine's graph
-  bucket (`engine.graphs.B_BUCKETS`); scores are read `--collect-ms` later;
+  bucket (`engine.buckets.B_BUCKETS`); scores are read `--collect-ms` later;
 - the loop's wait ends when a state is consumable (nothing in flight), when the oldest cycle in flight is scored, when
   the planner's close time comes, or after `--poll-ms` (in flight); it commits cycles in order (`--commit-ms` of its
   time) and keeps at most two cycles in flight (it waits for the older one's commit after submitting a new one).
@@ -32,7 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.graphs import B_BUCKETS, bucket  # noqa: E402
+from engine.buckets import B_BUCKETS, bucket  # noqa: E402
 from worker.stream.latency_budget import CycleTimes, LatencyBudget  # noqa: E402
 
 

@@ -119,7 +119,7 @@ def probe_rows(M: int, w: torch.Tensor, args, flush) -> dict:
 def engine_choice(w: torch.Tensor) -> dict:
     """What InvariantLinear decides for this shape, at the row counts `engine.kernels.batch_invariant_kernels`
     passes it (the same formula)."""
-    from engine.graphs import B_BUCKETS
+    from engine.buckets import B_BUCKETS
     rows = sorted({r * t for r in B_BUCKETS for t in (1, 10, 32, 64, 128, 184, 256, 512, 1024)})
     started = time.perf_counter()
     linear = bi.InvariantLinear([w], rows)

@@ -169,7 +169,7 @@ def batch_invariant_kernels(table: Kernels, gemm_weights: Sequence[torch.Tensor]
     from engine import batch_invariant as bi      # imports triton
     from engine import blocked_linear as blocked
     from engine.suffix_attention import InvariantSuffixAttention
-    from engine.graphs import B_BUCKETS, TS_BUCKETS
+    from engine.buckets import B_BUCKETS, TS_BUCKETS     # read at the call: bench/variant_ab.py may set them
 
     # the row counts a suffix pass's GEMMs see: batch buckets x suffix lengths, and x answers per row (a power of 2:
     # the read-out, the last layer's MLP and its query and output projections run on the answer slots alone); below

@@ -31,7 +31,8 @@ import torch
 
 from engine.calibration import CONTENT_FREE_STATES, check_calibration, contextual_bias, option_biases
 from engine.errors import InputError
-from engine.graphs import GraphManager, StepShape, batch_buckets
+from engine.buckets import batch_buckets
+from engine.graphs import GraphManager, StepShape
 from engine.label_mass import label_mass
 from engine.model import SuffixContext
 from engine.prefix_bank import PrefixBank

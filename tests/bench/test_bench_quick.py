@@ -77,14 +77,14 @@ def test_variant_ab_quick_times_each_variant_with_its_constants_then_restores_th
     import json
 
     from bench.variant_ab import main as variant_main
-    from engine import graphs
+    from engine import buckets
 
-    before = graphs.B_BUCKETS
+    before = buckets.B_BUCKETS
     out = tmp_path / "ab.json"
     result = variant_main(["--quick", "--batches", "1,3", "--rounds", "2", "--iters", "1",
-                           "--variant", "small-buckets:engine.graphs.B_BUCKETS=(1, 2, 4)", "--out", str(out)])
-    assert graphs.B_BUCKETS is before
-    assert result["variants"] == {"base": [], "small-buckets": ["engine.graphs.B_BUCKETS=(1, 2, 4)"]}
+                           "--variant", "small-buckets:engine.buckets.B_BUCKETS=(1, 2, 4)", "--out", str(out)])
+    assert buckets.B_BUCKETS is before
+    assert result["variants"] == {"base": [], "small-buckets": ["engine.buckets.B_BUCKETS=(1, 2, 4)"]}
     for B in (1, 3):
         row = result["batches"][B]
         assert set(row) == {"base", "small-buckets"}
@@ -94,8 +94,8 @@ def test_variant_ab_quick_times_each_variant_with_its_constants_then_restores_th
     assert json.loads(out.read_text())["rounds"] == 2
 
 
-@pytest.mark.parametrize("spec", ["no-settings", "x:engine.graphs.NO_SUCH=1", "x:engine.graphs.B_BUCKETS=(1,",
-                                  "base:engine.graphs.B_BUCKETS=(1,)", "x:no_such_module.A=1"])
+@pytest.mark.parametrize("spec", ["no-settings", "x:engine.buckets.NO_SUCH=1", "x:engine.buckets.B_BUCKETS=(1,",
+                                  "base:engine.buckets.B_BUCKETS=(1,)", "x:no_such_module.A=1"])
 def test_variant_ab_rejects_a_malformed_variant_in_one_line(spec, capsys):
     from bench.variant_ab import main as variant_main
 
