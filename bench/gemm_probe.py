@@ -5,8 +5,8 @@ For each weight shape and row count, the microseconds one GEMM takes inside a CU
 20 replays, so no host launch is timed) by: cuBLAS as the engine calls it (`F.linear`); cuBLAS with bf16 reduced-precision
 reductions forbidden (`torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False`, which rules out
 the split-K kernels that zero their output first); the MLP's down projection in blocks of 256 rows
-(`engine.blocked_linear`); the batch-invariant Triton matmul (`engine.batch_invariant.matmul`, its tile for the
-shape); and the floor: the larger of the FLOPs at 790 TFLOP/s and the bytes at 4.8 TB/s.
+(`engine.kernels.blocked_linear`); the batch-invariant Triton matmul (`engine.kernels.cuda_deterministic.matmul`, its
+tile for the shape); and the floor: the larger of the FLOPs at 790 TFLOP/s and the bytes at 4.8 TB/s.
 
     python bench/gemm_probe.py [--rows 184,1472,5888,23552] [--out results/X.json]
 """
@@ -23,8 +23,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.kernel_probe import gpu_ms  # noqa: E402
 from bench.launch_floor import chain  # noqa: E402
-from engine import batch_invariant as bi  # noqa: E402
-from engine import blocked_linear as blocked  # noqa: E402
+from engine.kernels import cuda_deterministic as bi  # noqa: E402
+from engine.kernels import blocked_linear as blocked  # noqa: E402
 
 # (name, N, K) of Qwen3.5-0.8B's projections: GDN in|out, MLP gate|up and down, attention q|k|v, o, q|gate, k|v
 SHAPES = [("gdn_in", 8224, 1024), ("gdn_out / attn_o", 1024, 2048), ("mlp_in", 7168, 1024), ("mlp_down", 1024, 3584),

@@ -2,9 +2,10 @@
 
 One kernel family at a time, at the 0.8B shape: a probe state's rows (182 real tokens) are placed at a random
 position among random neighbours, in batches of R rows padded to a length bucket T, and its outputs are compared bit
-for bit with the probe scored alone. Families: the GEMMs (cuBLAS through F.linear, and `engine.batch_invariant
-.matmul`), the suffix attention's two halves (torch's flash op, and `engine.batch_invariant.attention`), and fla's
-chunked delta rule. Then each invariant kernel is timed against what it would replace.
+for bit with the probe scored alone. Families: the GEMMs (cuBLAS through F.linear, and
+`engine.kernels.cuda_deterministic.matmul`), the suffix attention's two halves (torch's flash op, and
+`engine.kernels.cuda_deterministic.attention`), and fla's chunked delta rule. Then each invariant kernel is timed
+against what it would replace.
 
     python bench/invariance_probe.py --out DIR     (writes DIR/invariance_probe.json, prints a table)
 """
@@ -19,7 +20,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from engine import batch_invariant as bi
+from engine.kernels import cuda_deterministic as bi
 
 REAL = 182                                  # the probe state's suffix tokens (128-token state + 10 answer slots)
 PLACEMENTS = [(1, 184), (2, 184), (8, 192), (12, 136 + 48), (32, 184), (40, 256), (64, 184), (128, 184), (128, 264)]
@@ -145,7 +146,7 @@ def attention_invariance(rng: random.Random) -> dict:
 
 
 def delta_rule_invariance(rng: random.Random) -> tuple[dict, str]:
-    from engine.kernels import select_kernels
+    from engine.kernels.table import select_kernels
     delta = select_kernels("cuda").delta_rule
     g = torch.Generator(device=dev).manual_seed(1)
     q = F.normalize(torch.randn(REAL, HK, DK, device=dev, generator=g), dim=-1).to(bf16)

@@ -28,8 +28,8 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))      # this checkout's engine, whatever PYTHONPATH says
 from bench.variant_ab import patched  # noqa: E402
-from engine import causal_conv  # noqa: E402
-from engine import triton_kernels as tk  # noqa: E402
+from engine.kernels import causal_conv  # noqa: E402
+from engine.kernels import fused as tk  # noqa: E402
 
 # Qwen3.5-0.8B: Gated DeltaNet 16 k heads x 128, 16 v heads x 128, conv width 4; attention 8 q heads, 2 kv heads, 256
 HK, DK, HV, DV, KW = 16, 128, 16, 128, 4
@@ -145,7 +145,7 @@ def _delta_rule_inputs(B: int, T: int) -> tuple[torch.Tensor, ...]:
 def probe_delta_rule(B: int, T: int, slots_live: int = 4) -> dict:
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
-    from engine.fla_kernels import delta_rule_indexed
+    from engine.kernels.cuda_fast import delta_rule_indexed
 
     dev = "cuda"
     q, k, v, a, b, A_log, dt_bias = _delta_rule_inputs(B, T)
@@ -162,7 +162,8 @@ def probe_delta_rule(B: int, T: int, slots_live: int = 4) -> dict:
     run = lambda: delta_rule_indexed(q, k, v, a, b, A_log, dt_bias, bank, slots)  # noqa: E731
     for cfg in itertools.product((32, 64), (2, 4), (2, 3, 4)):
         # the sweep is of the separate state kernel
-        settings = [("engine.fla_kernels", "FUSED_OUTPUT", False), ("engine.indexed_delta_rule", "FWD_H_CONFIG", cfg)]
+        settings = [("engine.kernels.cuda_fast", "FUSED_OUTPUT", False),
+                    ("engine.kernels.indexed_delta_rule", "FWD_H_CONFIG", cfg)]
         with patched(settings):
             try:
                 got = run()
@@ -171,7 +172,7 @@ def probe_delta_rule(B: int, T: int, slots_live: int = 4) -> dict:
             except Exception as exc:  # a config the compiler rejects is an answer too
                 out["indexed"].append(dict(config=cfg, error=repr(exc)[:200]))
     for on in (False, True):
-        with patched([("engine.fla_kernels", "FUSED_OUTPUT", on)]):
+        with patched([("engine.kernels.cuda_fast", "FUSED_OUTPUT", on)]):
             got = run()
             out["fused_output" if on else "separate_output"] = dict(
                 ms=round(gpu_ms(run), 4), max_diff=(got.float() - ref.float()).abs().max().item())
@@ -179,7 +180,7 @@ def probe_delta_rule(B: int, T: int, slots_live: int = 4) -> dict:
 
 
 def probe_prefix_attention(B: int, T: int, prefix: int = 400) -> dict:
-    from engine import batch_invariant as bi
+    from engine.kernels import cuda_deterministic as bi
 
     dev, dt = "cuda", torch.bfloat16
     G = HQ // HKV
@@ -200,11 +201,11 @@ def probe_prefix_attention(B: int, T: int, prefix: int = 400) -> dict:
 
 def probe_suffix_attention(B: int, T: int, prefix: int = 400) -> dict:
     """The suffix pass's attention: the split path's three launches (prefix half from the bank, causal half by torch's
-    flash op, their merge with the output gate) against `engine.suffix_attention` at several launch configurations,
-    each with its max |diff| from the split path."""
-    from engine import batch_invariant as bi
-    from engine import suffix_attention as sa
-    from engine.attention import AttentionOut, sdpa_with_lse
+    flash op, their merge with the output gate) against `engine.kernels.suffix_attention` at several launch
+    configurations, each with its max |diff| from the split path."""
+    from engine.kernels import cuda_deterministic as bi
+    from engine.kernels import suffix_attention as sa
+    from engine.kernels.attention import AttentionOut, sdpa_with_lse
 
     dev, dt = "cuda", torch.bfloat16
     G = HQ // HKV
@@ -238,7 +239,8 @@ def probe_suffix_attention(B: int, T: int, prefix: int = 400) -> dict:
     for config in ((64, 64, 8, 2), (128, 64, 8, 2), (128, 32, 8, 2), (128, 32, 8, 3), (64, 32, 4, 2), (32, 64, 4, 2),
                    (16, 64, 4, 2), (16, 32, 2, 2)):
         # FILL_PROGRAMS 0: this launch at every batch size
-        with patched([("engine.suffix_attention", "CONFIG", config), ("engine.suffix_attention", "FILL_PROGRAMS", 0)]):
+        with patched([("engine.kernels.suffix_attention", "CONFIG", config),
+                      ("engine.kernels.suffix_attention", "FILL_PROGRAMS", 0)]):
             try:
                 got = run()
                 row = dict(config=config, ms=round(gpu_ms(run, graph=True), 4), max_diff=(got - ref).abs().max().item())
@@ -259,7 +261,7 @@ def probe_wy(B: int, T: int, prefix: int = 400) -> dict:
     from fla.ops.gated_delta_rule.gate import gdn_gate_chunk_cumsum
     from fla.ops.utils.constant import RCP_LN2
 
-    from engine.fla_kernels import solve_into, w_u_into
+    from engine.kernels.cuda_fast import solve_into, w_u_into
 
     dev, dt = "cuda", torch.bfloat16
 
@@ -293,17 +295,18 @@ def probe_wy(B: int, T: int, prefix: int = 400) -> dict:
 
 def probe_fla_launches(B: int, T: int) -> dict:
     """fla's whole Gated DeltaNet forward (a prefix pass; `full_fast`'s layers) at B rows of T tokens: the launches
-    fla's autotuner picks for the kernels `engine.fla_kernels` pins, and the forward's time autotuned and pinned."""
+    fla's autotuner picks for the kernels `engine.kernels.cuda_fast` pins, and the forward's time autotuned and
+    pinned."""
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
-    from engine import fla_kernels
+    from engine.kernels import cuda_fast
 
     q, k, v, a, b, A_log, dt_bias = _delta_rule_inputs(B, T)
     h0 = torch.randn(B, HV, DK, DV, device="cuda") * 0.1
     run = lambda: chunk_gated_delta_rule(q, k, v, g=a, beta=b, initial_state=h0, output_final_state=True,  # noqa
                                          use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias,
                                          use_beta_sigmoid_in_kernel=True)
-    tuners = [kernel.fn for kernel, _ in fla_kernels.PINNED_LAUNCHES]
+    tuners = [kernel.fn for kernel, _ in cuda_fast.PINNED_LAUNCHES]
     saved = [(t.configs, dict(t.cache)) for t in tuners]
     try:
         for t in tuners:
@@ -311,7 +314,7 @@ def probe_fla_launches(B: int, T: int) -> dict:
         tuned_out = run()[0]
         tuned = {t.base_fn.__name__: [str(c) for c in t.cache.values()] for t in tuners}
         out = {"rows": B, "tokens": T, "tuned": tuned, "tuned_ms": round(gpu_ms(run), 4)}
-        out["pinned"] = fla_kernels.pin_autotuned_launches()
+        out["pinned"] = cuda_fast.pin_autotuned_launches()
         out["pinned_ms"] = round(gpu_ms(run), 4)
         out["max_diff"] = (run()[0].float() - tuned_out.float()).abs().max().item()
     finally:

@@ -3,7 +3,7 @@ swiglu into the GEMM and a smaller tile for few rows save, and whether they keep
 
 For M rows (batch 1 / 8 / 32 / 128 x 184 suffix tokens by default) of a fused gate|up projection output [M, 7168]:
 - time (CUDA events around each launch, the L2 cache flushed before each as the layer's weight is cold in a forward,
-  median of --reps after --warmup): `engine.triton_kernels.swiglu` then `engine.batch_invariant.matmul`, and
+  median of --reps after --warmup): `engine.kernels.fused.swiglu` then `engine.kernels.cuda_deterministic.matmul`, and
   `swiglu_matmul` (this file: the experiment of fusing swiglu into the GEMM's A tiles, which lost at every M and
   is not in the engine), with the large tile (`matmul_config`) and each candidate small tile;
   cuBLAS's F.linear alone and after swiglu, for reference;
@@ -25,14 +25,14 @@ import triton
 import triton.language as tl
 
 from bench.kernel_probe import gpu_ms
-from engine import batch_invariant as bi
-from engine.triton_kernels import swiglu
+from engine.kernels import cuda_deterministic as bi
+from engine.kernels.fused import swiglu
 
 @triton.jit(do_not_specialize=["M"])
 def _swiglu_matmul_kernel(GU, W, Y, M, N, K: tl.constexpr, sgu, sw, sy, BM: tl.constexpr, BN: tl.constexpr,
                           BK: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr):
     # _matmul_kernel with X = swiglu(GU[:, :K], GU[:, K:]) made tile by tile in registers, rounded as
-    # engine.triton_kernels._swiglu_kernel rounds it, so the dot sees the bits the unfused kernels would store
+    # engine.kernels.fused._swiglu_kernel rounds it, so the dot sees the bits the unfused kernels would store
     rm, rn = bi._tile(M, N, BM, BN, GROUP_M)
     rk = tl.arange(0, BK)
     g_ptr = GU + rm[:, None].to(tl.int64) * sgu + rk[None, :]
@@ -55,7 +55,7 @@ def _swiglu_matmul_kernel(GU, W, Y, M, N, K: tl.constexpr, sgu, sw, sy, BM: tl.c
 def swiglu_matmul(gate_up: torch.Tensor, weight: torch.Tensor, config: bi.Config | None = None) -> torch.Tensor:
     """swiglu(gate, up) @ weight[N, I]^T -> [..., N] for gate_up [..., 2I] = gate | up (the fused gate|up
     projection's output), without writing swiglu's [..., I] out: bit-identical to
-    `matmul(engine.triton_kernels.swiglu(gate, up), weight, config)`, so batch-invariant too."""
+    `matmul(engine.kernels.fused.swiglu(gate, up), weight, config)`, so batch-invariant too."""
     K = weight.shape[1]
     N = weight.shape[0]
     if gate_up.shape[-1] != 2 * K:
@@ -77,7 +77,7 @@ def swiglu_matmul(gate_up: torch.Tensor, weight: torch.Tensor, config: bi.Config
 
 N, I = 1024, 3584
 SMALL_TILES = [(64, 64, 4, 4), (64, 128, 4, 4), (64, 32, 4, 4), (32, 64, 4, 4), (64, 64, 4, 3), (32, 32, 4, 4)]
-"""(BM, BN, warps, stages) candidates for `engine.batch_invariant.SMALL_TILE`."""
+"""(BM, BN, warps, stages) candidates for `engine.kernels.cuda_deterministic.SMALL_TILE`."""
 
 
 def name(config: tuple) -> str:
@@ -117,7 +117,7 @@ def probe_rows(M: int, w: torch.Tensor, args, flush) -> dict:
 
 
 def engine_choice(w: torch.Tensor) -> dict:
-    """What InvariantLinear decides for this shape, at the row counts `engine.kernels.batch_invariant_kernels`
+    """What InvariantLinear decides for this shape, at the row counts `engine.kernels.table.batch_invariant_kernels`
     passes it (the same formula)."""
     from engine.buckets import B_BUCKETS
     rows = sorted({r * t for r in B_BUCKETS for t in (1, 10, 32, 64, 128, 184, 256, 512, 1024)})

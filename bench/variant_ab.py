@@ -4,9 +4,9 @@ are timed in turns, round after round. Timing two checkouts in two processes (`b
 1 by +-0.15 ms from one process to the next; in turns, in one process, such drifts fall on every variant alike.
 
     python bench/variant_ab.py --batches 1,32,128 \\
-        --variant "separate:engine.fla_kernels.FUSED_OUTPUT=False" \\
-        --variant "conv-16:engine.causal_conv.CONV_CONFIG=(16, 2)" \\
-        --variant "fused-128:engine.indexed_delta_rule.FUSED_CONFIG=(128, 8, 2)"
+        --variant "separate:engine.kernels.cuda_fast.FUSED_OUTPUT=False" \\
+        --variant "conv-16:engine.kernels.causal_conv.CONV_CONFIG=(16, 2)" \\
+        --variant "fused-128:engine.kernels.indexed_delta_rule.FUSED_CONFIG=(128, 8, 2)"
 
 A variant is NAME:module.ATTR=python literal[;module.ATTR=literal...]; the variant "base" is the code as it is. Each
 round starts at another variant: the first timing after a change of batch size runs slower. Prints per batch size

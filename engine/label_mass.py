@@ -14,9 +14,9 @@ chunk has the same shape (the last is a zero-padded copy whose padding the reduc
 sum is fixed by the vocabulary alone: a row's label mass does not depend on the batch around it. Nothing syncs with
 the host, so a CUDA graph captures it.
 
-On CUDA the kernel table's `vocab_logsumexp` (`engine.vocab_logsumexp`) does the same in one GEMM kernel whose epilogue
-reduces each tile of logits, and a small kernel combining the tiles: two launches instead of 62, the logits never
-written (at batch 128 the chunks write and re-read 636 MB of them). `FUSED` switches it off.
+On CUDA the kernel table's `vocab_logsumexp` (`engine.kernels.vocab_logsumexp`) does the same in one GEMM kernel whose
+epilogue reduces each tile of logits, and a small kernel combining the tiles: two launches instead of 62, the logits
+never written (at batch 128 the chunks write and re-read 636 MB of them). `FUSED` switches it off.
 """
 from __future__ import annotations
 

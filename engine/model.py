@@ -2,9 +2,9 @@
 
 transformers' modules hold the weights (names match the checkpoint: `model.layers.N.linear_attn.in_proj_qkv`, ...) and
 compute embeddings and the RoPE angles; norms (with the residual adds and RoPE fused in), the causal conv, the delta
-rule, SwiGLU and the attention's merge and output gate come from the kernel table `engine.kernels.select_kernels`
-picks (fla's and `engine.triton_kernels`' fused Triton kernels on CUDA, transformers' exact PyTorch formulas
-elsewhere); the attention calls and layouts from `engine.attention`; this file owns the order of
+rule, SwiGLU and the attention's merge and output gate come from the kernel table `engine.kernels.table.select_kernels`
+picks (the fused Triton kernels of fla and `engine.kernels.fused` on CUDA, transformers' exact PyTorch formulas
+elsewhere); the attention calls and layouts from `engine.kernels.attention`; this file owns the order of
 operations, the fused projections and the layer states, so that:
 
 - a *prefix pass* (one prefix, batch 1) returns each layer's state: K/V (after RoPE) for full-attention layers, the
@@ -26,8 +26,8 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from engine.attention import AttentionOut
-from engine.kernels import select_kernels
+from engine.kernels.attention import AttentionOut
+from engine.kernels.table import select_kernels
 
 ANSWER_ROWS_ONLY = True
 """With `layers(..., rows=)`, run the last layer's MLP and norms on those rows alone (False: on every token, then
@@ -216,8 +216,8 @@ class HybridForward:
     """
 
     def __init__(self, causal_lm, deterministic: bool = False, readout_weights: Sequence[torch.Tensor] = ()):
-        """deterministic: batch-invariant kernels (`engine.kernels.select_kernels`); readout_weights: the read-out's
-        matrices (the labels' [MAX_OPTIONS, hidden], a vocabulary chunk of the label mass), whose GEMMs the
+        """deterministic: batch-invariant kernels (`engine.kernels.table.select_kernels`); readout_weights: the
+        read-out's matrices (the labels' [MAX_OPTIONS, hidden], a vocabulary chunk of the label mass), whose GEMMs the
         deterministic check covers too."""
         self.core = causal_lm.model
         self.cfg = causal_lm.config

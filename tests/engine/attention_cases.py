@@ -2,8 +2,8 @@
 
 The probe: L suffix tokens continuing bank entry `slot`, with its answers at `answers` (positions < L). A placement
 (R, T): R rows padded to T >= L, the probe at row r0 (its padding random, like a padded row's), the other rows random,
-each continuing a random bank entry with its own answer count and positions. `engine.suffix_attention`'s kernels take
-these as the forward passes them; a kernel is batch-invariant when the probe's outputs are the same bits in every
+each continuing a random bank entry with its own answer count and positions. `engine.kernels.suffix_attention`'s kernels
+take these as the forward passes them; a kernel is batch-invariant when the probe's outputs are the same bits in every
 placement as alone (T = L, R = 1).
 """
 from __future__ import annotations

@@ -116,7 +116,7 @@ torch.save(se.score(se.prepare(spec["questions"]), spec["texts"]), out)
 
 def test_another_process_gives_the_same_bits(engines, model_and_tok, texts, tmp_path):
     """What a replay relies on, across processes: another process loading the same weights prepares the schema and
-    scores the states with the same bits. Its fla kernels run the launches `fla_kernels.PINNED_LAUNCHES` pins (fla
+    scores the states with the same bits. Its fla kernels run the launches `cuda_fast.PINNED_LAUNCHES` pins (fla
     would time its candidates anew in each process, and the block it picks over the key dimension splits sums)."""
     import json
     import subprocess
@@ -191,7 +191,7 @@ def test_the_deterministic_attention_kernels_give_a_row_the_same_bits_in_any_bat
     launch where the table took one) and among random neighbours (other prefixes and lengths, other answer counts) in
     batches of 2 x 184 to 128 x 264 (the large launch), must give the same bits. The fast table's suffix attention,
     which picks its launch by the batch's size, is measured beside it and only reported."""
-    from engine.suffix_attention import answer_attention, suffix_attention
+    from engine.kernels.suffix_attention import answer_attention, suffix_attention
 
     from .attention_cases import Case, probe_in_placements
 
@@ -219,7 +219,7 @@ def test_the_deterministic_table_runs_one_kernel_attention_and_the_answers_at_ev
     path it takes in a batch); the split path's kernels never."""
     import dataclasses
 
-    from engine.suffix_attention import InvariantSuffixAttention
+    from engine.kernels.suffix_attention import InvariantSuffixAttention
 
     eng = engines[True]
     table = eng.forward.kernels

@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from engine import Engine, SchemaEngine
-from engine import invariant_kernels as inv
+from engine.kernels import cpu_deterministic as inv
 from engine import label_mass as lm
 from engine.label_mass import FullVocabulary
 from engine.reference import score_full_details
-from engine.torch_kernels import torch_row_logsumexp
+from engine.kernels.pytorch import torch_row_logsumexp
 
 from .conftest import make_questions, make_states
 from .test_batch_invariance import scored_in_batches

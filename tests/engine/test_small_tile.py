@@ -1,5 +1,5 @@
-"""engine.batch_invariant's small matmul tile for few rows: used only where it gives the large tile's bits, so a row
-does not depend on its launch's row count whichever tile runs.
+"""engine.kernels.cuda_deterministic's small matmul tile for few rows: used only where it gives the large tile's bits,
+so a row does not depend on its launch's row count whichever tile runs.
 
 Runs on the GPU (`pytest -m gpu`), where it is the real check: whether two tile shapes add a BK step's products in the
 same order is the MMA instructions' business. On a CPU through Triton's interpreter, which checks the kernels'
@@ -16,8 +16,8 @@ from tests.engine.triton_device import require
 
 ON_GPU, DEV = require()
 
-from engine import batch_invariant as bi  # noqa: E402
-from engine import blocked_linear as blocked  # noqa: E402
+from engine.kernels import cuda_deterministic as bi  # noqa: E402
+from engine.kernels import blocked_linear as blocked  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 DTYPE = torch.bfloat16 if ON_GPU else torch.float32

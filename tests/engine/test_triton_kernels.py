@@ -1,4 +1,4 @@
-"""engine.triton_kernels against the PyTorch norms the CPU path uses (transformers' semantics), on strided views like
+"""engine.kernels.fused against the PyTorch norms the CPU path uses (transformers' semantics), on strided views like
 the forward passes them. Runs on the GPU; on a CPU through Triton's interpreter, which Triton reads when it is first
 imported (before this module, by transformers): `TRITON_INTERPRET=1 pytest -m gpu tests/engine/test_triton_kernels.py`
 with triton installed and fla not (where fla imports, transformers' CPU forward dispatches to its GPU kernels)."""
@@ -10,8 +10,8 @@ from tests.engine.triton_device import require
 
 ON_GPU, DEV = require()
 
-from engine.torch_kernels import torch_gated_rms_norm, torch_rms_norm  # noqa: E402
-from engine.triton_kernels import GATED, row_norm  # noqa: E402
+from engine.kernels.pytorch import torch_gated_rms_norm, torch_rms_norm  # noqa: E402
+from engine.kernels.fused import GATED, row_norm  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -64,8 +64,8 @@ def test_conv_qkv_continues_the_prefix_state_and_l2_normalises_q_and_k(dtype, P,
     state as the suffix pass passes it (the bank's states read by slot inside the kernel, or per row: expanded in place
     for one prefix, repeated for several), q and k L2-normalised per head, and the delta rule's b and a copied out of
     the same projection: against the PyTorch conv and transformers' l2norm."""
-    from engine.causal_conv import conv_qkv
-    from engine.torch_kernels import torch_conv_qkv
+    from engine.kernels.causal_conv import conv_qkv
+    from engine.kernels.pytorch import torch_conv_qkv
 
     B, T, Hk, Dk, Hv, Dv, KW = 6, 37, 2, 16, 4, 16, 4
     C = 2 * Hk * Dk + Hv * Dv
@@ -98,8 +98,8 @@ def test_conv_qkv_gives_the_same_bits_at_its_small_grid_launch_and_with_weight_t
     """`CONV_SMALL_CONFIG` (batch 1) and `CONV_CONFIG` at the 0.8B shape (128-wide heads, whose L2 norms sum a row's
     channels across a warp's threads): a row scored alone must get the bits it gets inside a batch. And
     `CONV_WEIGHT_TILE`, which changes only the layout the weights load in, must not change a bit either."""
-    from engine import causal_conv
-    from engine.causal_conv import conv_qkv
+    from engine.kernels import causal_conv
+    from engine.kernels.causal_conv import conv_qkv
 
     B, T, Hk, D, Hv, KW = 1, 40, 16, 128, 16, 4
     C = 2 * Hk * D + Hv * D
@@ -122,7 +122,7 @@ def test_conv_qkv_gives_the_same_bits_at_its_small_grid_launch_and_with_weight_t
 def test_swiglu_on_the_halves_of_the_fused_gate_up_projection(dtype):
     import torch.nn.functional as F
 
-    from engine.triton_kernels import swiglu
+    from engine.kernels.fused import swiglu
 
     gate, up = _fused(2 * 19, [1536, 1536], dtype, seed=9)         # 1536: two column blocks, the second partial
     gate, up = gate.view(2, 19, 1536), up.view(2, 19, 1536)
@@ -131,7 +131,7 @@ def test_swiglu_on_the_halves_of_the_fused_gate_up_projection(dtype):
     # transformers' act_fn(gate) * up; bf16: the interpreter truncates where the GPU rounds, 1 ulp of each rounding
     tol = 1e-5 if dtype == torch.float32 else 2 ** -6
     torch.testing.assert_close(got, F.silu(gate) * up, atol=tol, rtol=tol)
-    # into a given output (the deterministic table's block-padded storage: engine.blocked_linear.block_padded)
+    # into a given output (the deterministic table's block-padded storage: engine.kernels.blocked_linear.block_padded)
     storage = torch.empty(64, 1536, dtype=dtype, device=gate.device)
     into = swiglu(gate, up, out=storage[:38].view(2, 19, 1536))
     assert into.data_ptr() == storage.data_ptr() and torch.equal(into, got)
@@ -147,8 +147,8 @@ def test_rows_that_cannot_merge_are_copied_not_misread():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_add_rms_norm_updates_the_residual_then_normalises_the_rounded_sum(dtype):
-    from engine.torch_kernels import torch_add_rms_norm
-    from engine.triton_kernels import add_rms_norm
+    from engine.kernels.pytorch import torch_add_rms_norm
+    from engine.kernels.fused import add_rms_norm
 
     h, x = (t.contiguous() for t in _fused(3 * 7, [64, 64], dtype, seed=5))
     h, x = h.view(3, 7, 64), x.view(3, 7, 64)
@@ -167,8 +167,8 @@ def test_add_rms_norm_updates_the_residual_then_normalises_the_rounded_sum(dtype
 def test_norms_give_the_same_bits_with_weight_tiles(monkeypatch):
     """`NORM_WEIGHT_TILE` changes only the layout the norm's weights load in: the residual add + RMS norm of 1,024-wide
     rows (4 a program, as the 0.8B model's) and the gated norm of 128-wide heads, bf16, must keep every bit."""
-    from engine import triton_kernels
-    from engine.triton_kernels import add_rms_norm
+    from engine.kernels import fused
+    from engine.kernels.fused import add_rms_norm
 
     h, x = (t.contiguous() for t in _fused(2 * 9, [1024, 1024], torch.bfloat16, seed=11))
     w = torch.rand(1024, device=DEV) + 0.5
@@ -176,7 +176,7 @@ def test_norms_give_the_same_bits_with_weight_tiles(monkeypatch):
     w_head = torch.rand(128, device=DEV) + 0.5
     outs = []
     for tile in (False, True):
-        monkeypatch.setattr(triton_kernels, "NORM_WEIGHT_TILE", tile)
+        monkeypatch.setattr(fused, "NORM_WEIGHT_TILE", tile)
         normed, summed = add_rms_norm(h.clone(), x, w, 1e-6)
         outs.append((normed, summed, row_norm(heads, w_head, 1e-6, GATED, gate)))
     assert all(torch.equal(a, b) for a, b in zip(*outs))
@@ -186,8 +186,8 @@ def test_norms_give_the_same_bits_with_weight_tiles(monkeypatch):
 def test_qk_norm_rope_matches_transformers_apply_rotary_pos_emb(dtype):
     """The attention's q (a strided half of the gated q projection) and k (a slice of the fused q|k|v output) with
     partial rotary (8 of 32 columns, as Qwen3.5), written as [B, H, T, D]."""
-    from engine.torch_kernels import torch_qk_norm_rope
-    from engine.triton_kernels import rms_norm_rope
+    from engine.kernels.pytorch import torch_qk_norm_rope
+    from engine.kernels.fused import rms_norm_rope
 
     B, T, Hq, Hkv, D, rot = 2, 7, 4, 2, 32, 8
     qg, k, _v = _fused(B * T, [Hq * 2 * D, Hkv * D, Hkv * D], dtype, seed=7)
@@ -215,11 +215,11 @@ def test_the_forward_with_these_kernels_matches_the_oracle(tiny_dir, answer_quer
     import dataclasses
 
     from engine import Engine, SchemaEngine, model
-    from engine.kernels import torch_kernels
+    from engine.kernels.table import torch_kernels
     from engine.reference import score_full
-    from engine.suffix_attention import answer_attention, suffix_attention
-    from engine.causal_conv import conv_qkv
-    from engine.triton_kernels import GATED, add_rms_norm, gate_attention, rms_norm_rope, row_norm, swiglu
+    from engine.kernels.suffix_attention import answer_attention, suffix_attention
+    from engine.kernels.causal_conv import conv_qkv
+    from engine.kernels.fused import GATED, add_rms_norm, gate_attention, rms_norm_rope, row_norm, swiglu
 
     from .conftest import make_questions, make_states
 
@@ -256,9 +256,9 @@ def _counted(fn, calls: list):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("P", [1, 3])
 def test_gate_attention_merges_prefix_and_suffix_halves_like_the_torch_path(dtype, P):
-    from engine.torch_kernels import torch_gate_attention
-    from engine.attention import AttentionOut
-    from engine.triton_kernels import gate_attention
+    from engine.kernels.pytorch import torch_gate_attention
+    from engine.kernels.attention import AttentionOut
+    from engine.kernels.fused import gate_attention
 
     R, Hkv, G, T, D = 2, 2, 2, 5, 16
     B, Hq = R * P, Hkv * G
@@ -282,7 +282,7 @@ def test_gate_attention_merges_prefix_and_suffix_halves_like_the_torch_path(dtyp
 def test_indexed_attention_reads_each_rows_prefix_from_the_bank(dtype):
     """The prefix half for rows of many schemas: query entry z attends to bank entry kv_index[z], only up to its own
     length, and its result does not depend on the other rows."""
-    from engine.batch_invariant import indexed_attention
+    from engine.kernels.cuda_deterministic import indexed_attention
 
     g = torch.Generator().manual_seed(7)
     S, Hkv, N, D, B, GT = 5, 2, 300, 64, 9, 3 * 41
@@ -330,7 +330,7 @@ def _wy_inputs(B, K, dtype, seed, T=70, H=2, HV=4, V=64, S=4):
     """Random inputs of the delta rule's state kernel, on the CPU: q, k [B, T, H, K] (L2-normalised), the WY
     representation w [B, T, HV, K] and u [B, T, HV, V], the chunked log2 decay [B, T, HV] (a cumulative sum of
     negative steps restarting every chunk; T = 70: a last chunk cut short) and a bank of S float32 states."""
-    from engine.indexed_delta_rule import CHUNK
+    from engine.kernels.indexed_delta_rule import CHUNK
 
     g = torch.Generator().manual_seed(seed)
     q, k = (torch.nn.functional.normalize(torch.randn(B, T, H, K, generator=g), dim=-1).to(dtype) for _ in range(2))
@@ -350,7 +350,7 @@ def test_chunk_states_indexed_starts_each_row_from_its_bank_entry(K, dtype):
     """The delta rule's state kernel for a suffix pass: row b starts from prefix bank entry index[b], read in place
     (rows sharing an entry, entries no row reads), grouped value heads, a last chunk cut short; against the
     recurrence in PyTorch, and bit for bit against the same kernel given each row's state copied out."""
-    from engine.indexed_delta_rule import CHUNK, chunk_states_indexed
+    from engine.kernels.indexed_delta_rule import CHUNK, chunk_states_indexed
 
     B = 3
     _, k, w, u, decay, bank = _wy_inputs(B, K, dtype, seed=11)
@@ -374,7 +374,7 @@ def test_delta_rule_indexed_is_flas_delta_rule_from_the_copied_states(monkeypatc
     pytest.importorskip("fla")
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
-    from engine import fla_kernels
+    from engine.kernels import cuda_fast
 
     g = torch.Generator().manual_seed(12)
     B, T, H, HV, K, V, S = 5, 184, 16, 16, 128, 128, 3
@@ -395,7 +395,7 @@ def test_delta_rule_indexed_is_flas_delta_rule_from_the_copied_states(monkeypatc
     def indexed(fused_output, wy_launch):
         monkeypatch.setattr(fla_kernels, "FUSED_OUTPUT", fused_output)
         monkeypatch.setattr(fla_kernels, "WY_LAUNCH", wy_launch)
-        return fla_kernels.delta_rule_indexed(q, k, v, a, b, A_log, dt_bias, bank, index)
+        return cuda_fast.delta_rule_indexed(q, k, v, a, b, A_log, dt_bias, bank, index)
 
     # fla's WY kernels through its entry point and its output kernel: the same arithmetic in the same order as fla's
     # whole forward, at whatever launches its autotuners hold (the state kernel's launch does not change a column's
@@ -404,8 +404,8 @@ def test_delta_rule_indexed_is_flas_delta_rule_from_the_copied_states(monkeypatc
     assert torch.equal(got, want), f"max |diff| {(got.float() - want.float()).abs().max().item():.3g}"
     # fused, the output's sums over the key dimension run in 64-wide steps (fla's output kernel may take 128 at once);
     # the fixed WY launches may split K K^T's sums otherwise than the launch fla's autotuner holds
-    for name, fused_output, wy_launch in (("fused", True, None), ("fixed WY", False, fla_kernels.WY_LAUNCH),
-                                          ("as run", True, fla_kernels.WY_LAUNCH)):
+    for name, fused_output, wy_launch in (("fused", True, None), ("fixed WY", False, cuda_fast.WY_LAUNCH),
+                                          ("as run", True, cuda_fast.WY_LAUNCH)):
         other = indexed(fused_output, wy_launch)
         print(f"{name} against fla: max |diff| {(other.float() - want.float()).abs().max():.3g}")
         torch.testing.assert_close(other.float(), want.float(), atol=2e-2, rtol=2e-2)
@@ -414,7 +414,7 @@ def test_delta_rule_indexed_is_flas_delta_rule_from_the_copied_states(monkeypatc
 def test_decay_and_beta_are_flas_gate_cumsum_and_sigmoid_in_one_kernel():
     """`delta_rule_inputs.decay_and_beta` against the formulas (a last chunk cut short, several heads and rows), and
     on a GPU with fla bit for bit against fla's two kernels it replaces."""
-    from engine.delta_rule_inputs import decay_and_beta
+    from engine.kernels.delta_rule_inputs import decay_and_beta
 
     g = torch.Generator().manual_seed(21)
     B, T, H, chunk, scale = 2, 150, 3, 64, 1.4426950408889634
@@ -429,7 +429,7 @@ def test_decay_and_beta_are_flas_gate_cumsum_and_sigmoid_in_one_kernel():
     if torch.cuda.is_available() and _has_fla():
         from fla.ops.common.gate import fused_beta_sigmoid
         from fla.ops.gated_delta_rule.gate import gdn_gate_chunk_cumsum
-        from engine.kernels import fla_kernels
+        from engine.kernels.table import fla_kernels
         fla_kernels()           # fla's gate kernel pinned to its first launch, as the engine runs it
         on = lambda t: t.to(DEV)  # noqa: E731
         assert torch.equal(decay, gdn_gate_chunk_cumsum(g=on(a), A_log=on(A_log), chunk_size=chunk, scale=scale,
@@ -442,7 +442,7 @@ def test_merged_solve_inverts_each_chunks_decayed_kkt(T):
     """`delta_rule_inputs.solve_into` (fla's fused K K^T + solve, its four substitutions in one loop) against the
     inverse computed in PyTorch, chunk by chunk, grouped value heads, the last chunk cut short (40 tokens: the fourth
     diagonal block has no token at all); on a GPU with fla, bit for bit against fla's kernel at the same launches."""
-    from engine.delta_rule_inputs import solve_into
+    from engine.kernels.delta_rule_inputs import solve_into
 
     g = torch.Generator().manual_seed(23)
     B, H, HV, K, chunk = 2, 2, 4, 128, 64
@@ -464,11 +464,11 @@ def test_merged_solve_inverts_each_chunks_decayed_kkt(T):
         tol = 1e-4 if dtype == torch.float32 else 3e-2
         torch.testing.assert_close(got, want, atol=tol, rtol=tol)
     if torch.cuda.is_available() and _has_fla():
-        from engine import fla_kernels
-        for launch in (fla_kernels.WY_LAUNCH[0], fla_kernels.WY_SMALL_LAUNCH[0]):
+        from engine.kernels import cuda_fast
+        for launch in (cuda_fast.WY_LAUNCH[0], cuda_fast.WY_SMALL_LAUNCH[0]):
             ours, theirs = torch.zeros_like(A), torch.zeros_like(A)
             solve_into(ours, k.to(DEV, dtype), decay.to(DEV), beta.to(DEV), chunk, launch)
-            fla_kernels.solve_into(theirs, k.to(DEV, dtype), decay.to(DEV), beta.to(DEV), launch)
+            cuda_fast.solve_into(theirs, k.to(DEV, dtype), decay.to(DEV), beta.to(DEV), launch)
             assert torch.equal(ours, theirs), launch
 
 
@@ -484,7 +484,7 @@ def test_w_u_reads_only_the_lower_triangle_of_the_solved_matrix():
     """`delta_rule_inputs.w_u_into` with NaN above each chunk's diagonal of A (memory the solve never writes) gives
     w and u of the lower triangle (grouped value heads, a last chunk cut short); on a GPU with fla, the bits of fla's
     w/u kernel given the zero-filled A at the same launch."""
-    from engine.delta_rule_inputs import w_u_into
+    from engine.kernels.delta_rule_inputs import w_u_into
 
     g = torch.Generator().manual_seed(22)
     B, T, H, HV, K, V, chunk = 2, 100, 2, 4, 32, 16, 64
@@ -516,15 +516,15 @@ def test_w_u_reads_only_the_lower_triangle_of_the_solved_matrix():
     torch.testing.assert_close(w.cpu().float(), want_w, atol=tol, rtol=tol)
     torch.testing.assert_close(u.cpu().float(), want_u, atol=tol, rtol=tol)
     if torch.cuda.is_available() and _has_fla():
-        from engine import fla_kernels
+        from engine.kernels import cuda_fast
         fla_w, fla_u = torch.empty_like(w), torch.empty_like(u)
-        fla_kernels.w_u_into(fla_w, fla_u, k_, v_, beta_, zeroed_, decay_, (4, 3))
+        cuda_fast.w_u_into(fla_w, fla_u, k_, v_, beta_, zeroed_, decay_, (4, 3))
         assert torch.equal(w, fla_w) and torch.equal(u, fla_u)
 
 
 @pytest.mark.parametrize("rows", [1, 8], ids=["small-grid", "large-grid"])
 def test_fixed_wy_launches_give_flas_w_and_u(rows):
-    """`fla_kernels.WY_LAUNCH` / `WY_SMALL_LAUNCH` (batch 1 starts 48 solve programs, batch 8 384) against fla's
+    """`cuda_fast.WY_LAUNCH` / `WY_SMALL_LAUNCH` (batch 1 starts 48 solve programs, batch 8 384) against fla's
     `chunk_gated_delta_rule_fwd_intra` (autotuned, or pinned if an engine was built); and the same bits from one call
     to the next."""
     pytest.importorskip("fla")
@@ -532,7 +532,7 @@ def test_fixed_wy_launches_give_flas_w_and_u(rows):
     from fla.ops.gated_delta_rule.gate import gdn_gate_chunk_cumsum
     from fla.ops.utils.constant import RCP_LN2
 
-    from engine import fla_kernels
+    from engine.kernels import cuda_fast
 
     g = torch.Generator().manual_seed(5)
     T, H, HV, K, V = 184, 16, 16, 128, 128
@@ -543,26 +543,26 @@ def test_fixed_wy_launches_give_flas_w_and_u(rows):
     decay = gdn_gate_chunk_cumsum(g=a, A_log=torch.randn(HV, generator=g).to(DEV), chunk_size=64, scale=RCP_LN2,
                                   dt_bias=torch.randn(HV, generator=g).to(DEV))
     want_w, want_u, _ = chunk_gated_delta_rule_fwd_intra(k=k, v=v, g=decay, beta=beta, chunk_size=64)
-    w, u = fla_kernels._wy_representation(k, v, decay, beta)
+    w, u = cuda_fast._wy_representation(k, v, decay, beta)
     for got, want in ((w, want_w), (u, want_u)):
         torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
-    again = fla_kernels._wy_representation(k, v, decay, beta)
+    again = cuda_fast._wy_representation(k, v, decay, beta)
     assert torch.equal(again[0], w) and torch.equal(again[1], u)
 
 
 def test_flas_autotuned_kernels_run_one_pinned_launch_untimed():
-    """`fla_kernels.pin_autotuned_launches`: each autotuned fla kernel on the engine's paths keeps one candidate, the
+    """`cuda_fast.pin_autotuned_launches`: each autotuned fla kernel on the engine's paths keeps one candidate, the
     one asked for where fla offers it, and fla's whole forward then runs without timing any (what makes two
     processes compute a prefix with the same bits)."""
     pytest.importorskip("fla")
-    from engine import fla_kernels
+    from engine.kernels import cuda_fast
 
-    launches = fla_kernels.pin_autotuned_launches()
-    assert launches == fla_kernels.pin_autotuned_launches()            # idempotent
-    for kernel, settings in fla_kernels.PINNED_LAUNCHES:
+    launches = cuda_fast.pin_autotuned_launches()
+    assert launches == cuda_fast.pin_autotuned_launches()            # idempotent
+    for kernel, settings in cuda_fast.PINNED_LAUNCHES:
         (config,) = kernel.fn.configs
         assert launches[kernel.fn.base_fn.__name__] == str(config)
-        candidates = fla_kernels._CANDIDATES[kernel]
+        candidates = cuda_fast._CANDIDATES[kernel]
         offered = [c for c in candidates if all((getattr(c, key) if key.startswith("num_") else c.kwargs.get(key))
                                                 == value for key, value in settings.items())]
         # the launch asked for where fla offers it on this device, else fla's first candidate
@@ -579,7 +579,7 @@ def test_flas_autotuned_kernels_run_one_pinned_launch_untimed():
     chunk_gated_delta_rule(q, k, v, g=a, beta=b, output_final_state=True, use_gate_in_kernel=True,
                            A_log=torch.randn(8, device=DEV), dt_bias=torch.randn(8, device=DEV),
                            use_beta_sigmoid_in_kernel=True)
-    assert all(not kernel.fn.cache for kernel, _ in fla_kernels.PINNED_LAUNCHES)
+    assert all(not kernel.fn.cache for kernel, _ in cuda_fast.PINNED_LAUNCHES)
 
 
 def _chunk_outputs_reference(q, k, h, v_new, g, scale, chunk):
@@ -609,7 +609,7 @@ def _chunk_outputs_reference(q, k, h, v_new, g, scale, chunk):
 def test_chunk_outputs_indexed_fuses_the_state_and_output_kernels(K, dtype):
     """The delta rule's fused state-and-output kernel: the output of the state kernel followed by fla's output
     kernel (written out in PyTorch), rows starting from their bank entries."""
-    from engine.indexed_delta_rule import CHUNK, chunk_outputs_indexed, chunk_states_indexed
+    from engine.kernels.indexed_delta_rule import CHUNK, chunk_outputs_indexed, chunk_states_indexed
 
     q, k, w, u, decay, bank = _wy_inputs(3, K, dtype, seed=13)
     index = torch.tensor([3, 0, 3])
@@ -669,7 +669,7 @@ def test_suffix_attention_is_one_softmax_over_the_rows_prefix_and_causal_suffix(
     prefix's length and its own suffix keys up to its position (key blocks crossing both the prefix's end and the
     causal diagonal), gated; strided suffix values and gate as the forward passes them. A row's output is the same
     bits whatever rows share its launch."""
-    from engine import suffix_attention as sa
+    from engine.kernels import suffix_attention as sa
 
     monkeypatch.setattr(sa, "FILL_PROGRAMS", 0 if config == "large" else 10 ** 9)
     q, k, v, bank_k, bank_v, lengths, slots, gate = _suffix_attention_inputs(dtype, seed=17)
@@ -692,7 +692,7 @@ def test_answer_attention_is_the_suffix_attention_at_the_answer_rows(dtype):
     one with none, the step's padding answers pointing at token 0) against bank entry slots[b]'s prefix keys and its
     own suffix keys up to its position, gated: the whole-row reference at those tokens, and zero at the padding. A
     row's answers get the same bits whatever rows share the launch."""
-    from engine import suffix_attention as sa
+    from engine.kernels import suffix_attention as sa
 
     q_all, k, v, bank_k, bank_v, lengths, slots, gate_all = _suffix_attention_inputs(dtype, seed=23)
     B, Hq, T, D = q_all.shape
@@ -726,7 +726,7 @@ def test_suffix_and_answer_attention_give_a_row_the_same_bits_in_any_batch(launc
     answers' attention are the same bits alone (R = 1, T = its length) and placed among random neighbours (other
     prefixes of other lengths, other answer counts and positions, random padding) in batches of other sizes padded
     to other lengths; and they agree with the reference."""
-    from engine import suffix_attention as sa
+    from engine.kernels import suffix_attention as sa
 
     from .attention_cases import Case, answer_args, probe_in_placements
 
@@ -755,8 +755,8 @@ def test_the_invariant_suffix_attention_takes_the_small_launch_only_where_it_giv
     """`InvariantSuffixAttention` runs `CONFIG` at every batch size unless the check on the device
     (`suffix_configs_agree`) shows a small launch giving its bits; then that one where the large launch gives too few
     programs, as the fast table does. Without heads (no check possible) the large launch always."""
-    from engine import batch_invariant as bi
-    from engine import suffix_attention as sa
+    from engine.kernels import cuda_deterministic as bi
+    from engine.kernels import suffix_attention as sa
 
     from .attention_cases import Case
 
@@ -785,8 +785,8 @@ def test_suffix_configs_agree_compares_two_launches_on_the_device():
     """The load-time check runs (in the interpreter: numpy's tile products may or may not round alike, so only its
     type is asserted; on the GPU its answer is what the deterministic table logs), and refuses a key block that
     differs."""
-    from engine import batch_invariant as bi
-    from engine import suffix_attention as sa
+    from engine.kernels import cuda_deterministic as bi
+    from engine.kernels import suffix_attention as sa
 
     assert isinstance(sa.suffix_configs_agree((4, 2, 32), torch.float32, DEV, sa.CONFIG, sa.SMALL_CONFIG), bool)
     assert not sa.suffix_configs_agree((4, 2, 32), torch.float32, DEV, sa.CONFIG, (16, 32, 4, 2))
@@ -816,9 +816,9 @@ def test_the_deterministic_forward_with_triton_attention_scores_a_state_the_same
     import random
 
     from engine import Engine, SchemaEngine
-    from engine.suffix_attention import InvariantSuffixAttention
+    from engine.kernels.suffix_attention import InvariantSuffixAttention
     from engine.reference import score_full
-    from engine.suffix_attention import answer_attention
+    from engine.kernels.suffix_attention import answer_attention
     from engine.testing import write_tiny_model
 
     from .conftest import make_questions, make_states
@@ -863,8 +863,8 @@ def test_row_logsumexp_is_each_rows_own_whatever_the_rows_beside_it(dtype, n_col
     """The label mass's log-sum-exp (`engine.label_mass`): torch's value, columns past n_cols ignored (the last vocabulary
     chunk's padding, filled here with values that would dominate), the same bits for a row alone and among others, and
     written into a strided column of a table."""
-    from engine.torch_kernels import torch_row_logsumexp
-    from engine.triton_kernels import row_logsumexp
+    from engine.kernels.pytorch import torch_row_logsumexp
+    from engine.kernels.fused import row_logsumexp
 
     g = torch.Generator().manual_seed(n_cols)
     x = (torch.randn(37, n_cols + 64, generator=g) * 4).to(DEV, dtype)

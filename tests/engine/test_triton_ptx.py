@@ -15,8 +15,8 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from engine import causal_conv  # noqa: E402
-from engine import triton_kernels as tk  # noqa: E402
+from engine.kernels import causal_conv  # noqa: E402
+from engine.kernels import fused as tk  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -124,7 +124,7 @@ def test_swiglu_kernel_loads_and_stores_in_16_byte_vectors():
 def test_suffix_attention_kernel_loads_queries_keys_values_and_gate_in_16_byte_vectors():
     # the 0.8B shape at batch 128: q, k [B, H, 184, 256] contiguous, v and the gate strided views of the fused q|k|v
     # projection (5120 wide), the bank's K/V [S, 2, 512, 256]
-    from engine import suffix_attention as sa
+    from engine.kernels import suffix_attention as sa
 
     names = ["T", "sq_b", "sq_h", "sq_t", "sk_b", "sk_h", "sk_t", "sv_b", "sv_h", "sv_t", "skp_s", "skp_h", "skp_n",
              "svp_s", "svp_h", "svp_n", "g_token", "g_head"]
@@ -144,7 +144,7 @@ def test_suffix_attention_kernel_loads_queries_keys_values_and_gate_in_16_byte_v
 def test_answer_attention_kernel_loads_queries_keys_values_and_gate_in_16_byte_vectors():
     # the last layer at batch 128: q [S, 8, 1, 256] after RoPE, the gate a strided view of the answer rows' q|gate
     # projection (4096 wide), k and v as in the suffix attention
-    from engine import suffix_attention as sa
+    from engine.kernels import suffix_attention as sa
 
     names = ["T", "sq_s", "sq_h", "sk_b", "sk_h", "sk_t", "sv_b", "sv_h", "sv_t", "skp_s", "skp_h", "skp_n", "svp_s",
              "svp_h", "svp_n", "g_s", "g_h"]
@@ -161,9 +161,9 @@ def test_answer_attention_kernel_loads_queries_keys_values_and_gate_in_16_byte_v
     assert _scalar_bf16_loads(ptx) == 0 and "ld.global.v4.b32" in ptx
 
 def _vocab_logsumexp_launches() -> list[tuple]:
-    """(kernel, signature, constants, ints, warps, stages) of `engine.vocab_logsumexp`'s two kernels as launched for
-    Qwen3.5's vocabulary (248,320 x 1,024 bf16) at 1,280 rows."""
-    from engine import vocab_logsumexp as vl
+    """(kernel, signature, constants, ints, warps, stages) of `engine.kernels.vocab_logsumexp`'s two kernels as launched
+    for Qwen3.5's vocabulary (248,320 x 1,024 bf16) at 1,280 rows."""
+    from engine.kernels import vocab_logsumexp as vl
 
     BM, BN, BK, warps, stages = vl.vocab_config(248_320, 1024)
     blocks = 248_320 // BN
@@ -203,10 +203,10 @@ def _waits_before_touching_memory(ptx: str) -> bool:
 
 
 def test_kernels_under_pdl_wait_for_the_kernel_ahead_before_touching_memory():
-    """`engine.triton_kernels.PDL`: each kernel family of a scoring step, compiled as launched with it on, waits at
+    """`engine.kernels.pdl.PDL`: each kernel family of a scoring step, compiled as launched with it on, waits at
     its start; with it off (the default) no `griddepcontrol` instruction is compiled in."""
-    from engine import delta_rule_inputs as dri
-    from engine import indexed_delta_rule as idr
+    from engine.kernels import delta_rule_inputs as dri
+    from engine.kernels import indexed_delta_rule as idr
 
     swiglu = ({"G": "*bf16", "U": "*bf16", "Y": "*bf16", "n_rows": "i32", "g_row": "i32", "u_row": "i32",
                "D": "constexpr", "BLOCK": "constexpr", "PDL": "constexpr"},

@@ -1,5 +1,5 @@
-"""engine.vocab_logsumexp: the label mass's full-vocabulary log-sum-exp in one GEMM kernel (the logits reduced in its
-epilogue, never written), then one kernel combining each row's vocabulary blocks.
+"""engine.kernels.vocab_logsumexp: the label mass's full-vocabulary log-sum-exp in one GEMM kernel (the logits reduced
+in its epilogue, never written), then one kernel combining each row's vocabulary blocks.
 
 It is torch's log-sum-exp of the float32 logits (columns past the valid vocabulary ignored), and a row's result is the
 same bits alone, among other rows at any row count and at any position (one tile at every row count, no split over
@@ -15,7 +15,7 @@ from tests.engine.triton_device import require
 
 ON_GPU, DEV = require()
 
-from engine import vocab_logsumexp as vl  # noqa: E402
+from engine.kernels import vocab_logsumexp as vl  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 DTYPES = [torch.float32, torch.bfloat16] if ON_GPU else [torch.float32]

@@ -3,7 +3,7 @@ channels, continuing a prefix's conv state read from the prefix bank by index, w
 contiguous tensors with the delta rule's b and a (what fla's delta rule reads without copying).
 
 Its launch configuration is fixed (no autotuning) and it reproduces transformers' rounding steps, like the kernels of
-`engine.triton_kernels`, whose notes on strides and alignment apply here too.
+`engine.kernels.fused`, whose notes on strides and alignment apply here too.
 """
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.triton_kernels import await_previous_kernel, pdl_launch, per_column
+from engine.kernels.fused import per_column
+from engine.kernels.pdl import await_previous_kernel, pdl_launch
 
 CONV_CONFIG = (8, 2)
 """`conv_qkv`'s launch: (tokens per program, warps); one program takes one head's channels. Read at each call, so
@@ -39,7 +40,7 @@ converted through shared memory: 7 conversions and 13 barriers a program; the ti
 its own channels, which L1 holds). The same arithmetic in the same order: the same bits
 (`tests/engine/test_triton_kernels.py`). At (4, 1), batch 1's launch, one warp converts without barriers. On the H200
 alone it was no faster (run BK: 60.17 against 59.91 ms at batch 128 over 4 rounds); with
-`engine.triton_kernels.NORM_WEIGHT_TILE` and `engine.model.ANSWER_QUERIES`, the three together were the fastest
+`engine.kernels.fused.NORM_WEIGHT_TILE` and `engine.model.ANSWER_QUERIES`, the three together were the fastest
 variant at batch 128 in both runs that timed them (run BK: 59.10 against base 59.91, answers alone 59.67; run BL:
 59.09 against 59.97, answers with the norm tiles 59.24), within the spread at batches 1 and 32: on, as the
 configuration timed best. Read at each call, so `bench/variant_ab.py` can time it either way."""

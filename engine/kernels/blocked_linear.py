@@ -4,8 +4,8 @@ cuBLAS picks its kernel (split-K among them) by the row count M, so one GEMM of 
 order that depends on the batch. Cut into blocks of a fixed row count, run as one strided batched GEMM (the last
 partial block padded), each row meets the same GEMM shape wherever it sits; whether the batched kernel cuBLAS picks for
 another number of blocks sums a row in the same order is the library's, so `blocked_is_invariant` checks it on the
-device, and `engine.batch_invariant.InvariantLinear` takes this path only for the weight shapes where it holds (the
-MLP's down projection at the 0.8B shape, where the Triton matmul ran 1.3-1.5x slower).
+device, and `engine.kernels.cuda_deterministic.InvariantLinear` takes this path only for the weight shapes where it
+holds (the MLP's down projection at the 0.8B shape, where the Triton matmul ran 1.3-1.5x slower).
 """
 from __future__ import annotations
 
@@ -73,7 +73,7 @@ def block_padded(shape: torch.Size, dtype: torch.dtype, device: torch.device, ro
 
 
 def block_padded_output(producer: Callable) -> Callable:
-    """`producer(a, b, out=...)` (e.g. `engine.triton_kernels.swiglu`) writing into `block_padded` storage of a's
+    """`producer(a, b, out=...)` (e.g. `engine.kernels.fused.swiglu`) writing into `block_padded` storage of a's
     shape and dtype."""
     def padded(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         if not PADDING_IN_PLACE:

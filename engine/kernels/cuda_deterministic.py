@@ -11,8 +11,8 @@ layers by up to 1e-2 in a probability. These kernels fix the order by constructi
 - `attention`: each query row reads the keys in blocks of a fixed size from the first, never split: the row's
   running max, sum and output see the same values in the same order whatever the batch, and masked (causal or
   padded) keys add exact zeros;
-- `InvariantSuffixAttention`: the one-kernel suffix attention (`engine.suffix_attention`), which reads keys the same
-  way, at launch configurations the device shows to give a row the same bits.
+- `InvariantSuffixAttention`: the one-kernel suffix attention (`engine.kernels.suffix_attention`), which reads keys the
+  same way, at launch configurations the device shows to give a row the same bits.
 """
 from __future__ import annotations
 
@@ -22,8 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.blocked_linear import blocked_is_invariant, blocked_linear
-from engine.triton_kernels import await_previous_kernel, pdl_launch
+from engine.kernels.blocked_linear import blocked_is_invariant, blocked_linear
+from engine.kernels.pdl import await_previous_kernel, pdl_launch
 
 
 @triton.jit
@@ -57,7 +57,7 @@ def tile_dot(X, W, rm, rn, M, N, K: tl.constexpr, sx, sw, BM: tl.constexpr, BN: 
              PRECISION: tl.constexpr):
     """The float32 [BM, BN] tile X[rm] @ W[rn]^T (rows past M and columns past N read as 0), the whole of K in BK
     steps in order: every element the same dot product, in the same order, whatever M. Shared by the kernels whose
-    invariance rests on it (`_matmul_kernel`, `engine.vocab_logsumexp`)."""
+    invariance rests on it (`_matmul_kernel`, `engine.kernels.vocab_logsumexp`)."""
     rk = tl.arange(0, BK)
     x_ptr = X + rm[:, None].to(tl.int64) * sx + rk[None, :]
     w_ptr = W + rn[None, :].to(tl.int64) * sw + rk[:, None]                     # [BK, BN]: a tile of W^T

@@ -8,10 +8,10 @@ then reduces each row's table in one fixed tree. The chunked path (`FullVocabula
 the table's `linear`, each written as a [S, 8192] block of logits and reduced by `Kernels.row_logsumexp`: 62 launches)
 remains for the CPU and with `engine.label_mass.FUSED` off.
 
-Batch-invariant by construction, as `engine.batch_invariant.matmul` is: the tile (BM, BN, BK), warps and stages are
-functions of the weight's shape alone (`vocab_config`), never of the row count S; K is never split; a row's logit is
-the same dot product in the same BK steps whatever the rows beside it, its block's max and sum take the same tree over
-the same BN columns, and its blocks are combined in one order. So the fast table uses it too.
+Batch-invariant by construction, as `engine.kernels.cuda_deterministic.matmul` is: the tile (BM, BN, BK), warps and
+stages are functions of the weight's shape alone (`vocab_config`), never of the row count S; K is never split; a row's
+logit is the same dot product in the same BK steps whatever the rows beside it, its block's max and sum take the same
+tree over the same BN columns, and its blocks are combined in one order. So the fast table uses it too.
 
 Arithmetic at Qwen3.5's vocabulary (V = 248,320, hidden 1,024, bf16; W is 508.6 MB), `CONFIG` (128, 256; BK 64):
 970 vocabulary blocks, ceil(S / 128) x 970 programs, the row block varying fastest (the programs of one vocabulary
@@ -26,7 +26,7 @@ block run side by side and read its W tile from HBM once, then from L2). The MMA
                                               path, then writes and re-reads 636 MB of bf16 logits)
 
 (64, 128) would halve the MMA work at S <= 64 (32.5 GFLOP), which hides under the W read either way, and double the
-L2 traffic at 1,280 rows (15.3 GB): (128, 256) is `engine.batch_invariant.matmul_config`'s large tile.
+L2 traffic at 1,280 rows (15.3 GB): (128, 256) is `engine.kernels.cuda_deterministic.matmul_config`'s large tile.
 The combine kernel reads S x 976 float32 (5 MB at 1,280 rows). Nothing syncs with the host: a CUDA graph captures both.
 These are estimates from the H200's peaks, not timings. Compiled for sm_90 by Triton 3.6
 (tests/engine/test_triton_ptx.py): wgmma fed by cp.async, 144 KB of shared memory (one program per SM), 185 registers,
@@ -38,14 +38,14 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.batch_invariant import tile_dot
-from engine.triton_kernels import await_previous_kernel, pdl_launch
+from engine.kernels.cuda_deterministic import tile_dot
+from engine.kernels.pdl import await_previous_kernel, pdl_launch
 
 CONFIG = (128, 256, 8, 3)
 """(BM, BN, warps, stages) of the fused kernel at every row count (BK from the hidden size: `vocab_config`). Read at
 each call, so a CUDA graph keeps the tile it was captured with and `bench/variant_ab.py` can time another in the same
-process (e.g. "tile-64:engine.vocab_logsumexp.CONFIG=(64, 128, 4, 4)"); any one tile is batch-invariant, two tiles
-need not give the same bits."""
+process (e.g. "tile-64:engine.kernels.vocab_logsumexp.CONFIG=(64, 128, 4, 4)"); any one tile is batch-invariant, two
+tiles need not give the same bits."""
 
 TABLE_ALIGN = 16
 """The partial table's row width is the vocabulary block count rounded up to this (a function of V alone): rows start

@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 from transformers.models.qwen3_5.modeling_qwen3_5 import l2norm
 
-from engine.attention import AttentionOut
-from engine.torch_kernels import _chunk_gated_delta_rule, by_index, torch_gate_attention, torch_rms_norm
+from engine.kernels.attention import AttentionOut
+from engine.kernels.pytorch import _chunk_gated_delta_rule, by_index, torch_gate_attention, torch_rms_norm
 
 ROW_BLOCK = 64
 """Rows per GEMM block: a fixed M, so every row goes through one kernel and one blocking whatever the batch."""

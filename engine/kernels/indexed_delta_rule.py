@@ -1,5 +1,5 @@
 """The state kernel of fla's chunked Gated DeltaNet forward for a suffix pass whose rows start from prefix states
-read by index (`engine.fla_kernels.delta_rule_indexed` runs the rest of fla's forward around it).
+read by index (`engine.kernels.cuda_fast.delta_rule_indexed` runs the rest of fla's forward around it).
 
 fla's `chunk_gated_delta_rule` takes one initial state per row, and its `input_guard` makes it contiguous: a batch of
 rows continuing the same prefix first copies that prefix's [Hv, Dk, Dv] float32 state once per row (64 KiB per head,
@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.triton_kernels import await_previous_kernel, pdl_launch
+from engine.kernels.pdl import await_previous_kernel, pdl_launch
 
 CHUNK = 64
 """Tokens per chunk, fla's default for the Gated Delta Rule."""

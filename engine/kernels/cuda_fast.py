@@ -1,11 +1,11 @@
-"""The CUDA kernels (`engine.kernels.fla_kernels` is their table): fla's Triton kernels for the Gated DeltaNet
+"""The CUDA kernels (`engine.kernels.table.fla_kernels` is their table): fla's Triton kernels for the Gated DeltaNet
 recurrence (a prefix pass runs fla's whole forward, with the decay gate and beta's sigmoid computed inside it; a suffix
-pass's rows start from prefix states read from the bank by index, `engine.indexed_delta_rule`, and its decay, beta and
-WY matrix come from `engine.delta_rule_inputs`, fla's kernels in fewer launches) and, from `engine.triton_kernels`
-and `engine.causal_conv` (fixed launch configuration: no per-shape autotuning, 16-byte loads), SwiGLU, the causal
-conv fused with the q/k L2 norms (continuing the prefix's conv state in place: no per-row concatenation of the
-prefix's conv inputs, no copies of q, k, v), the RMS/gated norms, the residual adds fused into them, q/k norm + RoPE,
-and the attention's merge with its output gate.
+pass's rows start from prefix states read from the bank by index, `engine.kernels.indexed_delta_rule`, and its decay,
+beta and WY matrix come from `engine.kernels.delta_rule_inputs`, fla's kernels in fewer launches) and, from
+`engine.kernels.fused` and `engine.kernels.causal_conv` (fixed launch configuration: no per-shape autotuning, 16-byte
+loads), SwiGLU, the causal conv fused with the q/k L2 norms (continuing the prefix's conv state in place: no per-row
+concatenation of the prefix's conv inputs, no copies of q, k, v), the RMS/gated norms, the residual adds fused into
+them, q/k norm + RoPE, and the attention's merge with its output gate.
 
 Importing this module imports fla and triton: ImportError where they are not installed.
 """
@@ -24,12 +24,12 @@ from fla.ops.gated_delta_rule.gate import gdn_gate_chunk_cumsum, gdn_gate_chunk_
 from fla.ops.utils.constant import RCP_LN2
 from torch.nn.functional import linear
 
-from engine import delta_rule_inputs
-from engine.delta_rule_inputs import decay_and_beta
-from engine.indexed_delta_rule import CHUNK, chunk_outputs_indexed, chunk_states_indexed
-from engine.torch_kernels import by_index
-from engine.causal_conv import conv_qkv
-from engine.triton_kernels import GATED, add_rms_norm, gate_attention, rms_norm_rope, row_norm, swiglu
+from engine.kernels import delta_rule_inputs
+from engine.kernels.delta_rule_inputs import decay_and_beta
+from engine.kernels.indexed_delta_rule import CHUNK, chunk_outputs_indexed, chunk_states_indexed
+from engine.kernels.pytorch import by_index
+from engine.kernels.causal_conv import conv_qkv
+from engine.kernels.fused import GATED, add_rms_norm, gate_attention, rms_norm_rope, row_norm, swiglu
 
 __all__ = ["delta_rule", "delta_rule_indexed", "conv_qkv", "row_norm", "gated_rms_norm", "swiglu",
            "add_rms_norm", "qk_norm_rope", "gate_attention", "linear"]
@@ -48,18 +48,18 @@ def delta_rule(q, k, v, a, b, A_log, dt_bias, initial_state, output_final_state,
 
 FUSED_INPUTS = True
 """Whether a suffix pass makes the delta rule's decay and beta in one kernel and leaves the solve's matrix unfilled
-above its diagonal (`engine.delta_rule_inputs`): two launches a layer fewer than fla's forward, and no 48 MB zero-fill
-a layer at batch 128 (False: fla's kernels; read at each call, for `bench/variant_ab.py`). The same bits as fla's
-kernels (`tests/engine/test_triton_kernels.py`). On the H200 in one process (run AS) batch 128 ran in 59.92 ms against
-60.52, batch 32 in 15.47 against 15.59."""
+above its diagonal (`engine.kernels.delta_rule_inputs`): two launches a layer fewer than fla's forward, and no 48 MB
+zero-fill a layer at batch 128 (False: fla's kernels; read at each call, for `bench/variant_ab.py`). The same bits as
+fla's kernels (`tests/engine/test_triton_kernels.py`). On the H200 in one process (run AS) batch 128 ran in 59.92 ms
+against 60.52, batch 32 in 15.47 against 15.59."""
 
 MERGED_SOLVE = True
-"""Whether a suffix pass solves for the WY matrix with `engine.delta_rule_inputs.solve_into` (fla's kernel with its
-four forward substitutions in one loop) rather than fla's kernel (read at each call, for `bench/variant_ab.py`). The
-same bits as fla's at both of `WY_LAUNCH`'s launches (`tests/engine/test_triton_kernels.py`). On the H200 in one
-process (run AU, a noisy run: rounds of one variant spread by up to 0.35 ms at batch 1) batch 1 ran in 2.184 ms
-against 2.428, batch 8 in 5.355 against 5.436 and batch 128 in 60.66 against 61.18; at 2 warps for large grids it
-was slower (61.76 ms at batch 128)."""
+"""Whether a suffix pass solves for the WY matrix with `engine.kernels.delta_rule_inputs.solve_into` (fla's kernel with
+its four forward substitutions in one loop) rather than fla's kernel (read at each call, for `bench/variant_ab.py`). The
+same bits as fla's at both of `WY_LAUNCH`'s launches (`tests/engine/test_triton_kernels.py`). On the H200 in one process
+(run AU, a noisy run: rounds of one variant spread by up to 0.35 ms at batch 1) batch 1 ran in 2.184 ms against 2.428,
+batch 8 in 5.355 against 5.436 and batch 128 in 60.66 against 61.18; at 2 warps for large grids it was slower (61.76 ms
+at batch 128)."""
 
 FUSED_OUTPUT = True
 """Whether a suffix pass's delta rule computes its output in the state kernel's pass (`chunk_outputs_indexed`) rather

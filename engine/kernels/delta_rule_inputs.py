@@ -1,5 +1,5 @@
 """A suffix pass's delta-rule inputs in fewer launches than fla's forward makes them
-(`engine.fla_kernels.delta_rule_indexed` calls these when `engine.fla_kernels.FUSED_INPUTS` is on):
+(`engine.kernels.cuda_fast.delta_rule_indexed` calls these when `engine.kernels.cuda_fast.FUSED_INPUTS` is on):
 
 - `decay_and_beta`: beta = sigmoid(b) and the chunk-local cumulative log2 decay g in one kernel, where fla launches
   `fused_beta_sigmoid` and `gdn_gate_chunk_cumsum` (two kernels a layer);
@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.triton_kernels import await_previous_kernel, pdl_launch
+from engine.kernels.pdl import await_previous_kernel, pdl_launch
 
 try:   # fla's softplus: inline PTX on NVIDIA GPUs, so that the decay has the bits of fla's own gate kernel
     from fla.ops.utils.softplus import softplus as _softplus
@@ -34,7 +34,7 @@ except ImportError:
         return tl.where(x < 20.0, tl.math.log(1 + tl.math.exp(x)), x)
 
 DECAY_WARPS = 1
-"""Warps of `decay_and_beta`: fla's first candidate for its gate kernel, the one `engine.fla_kernels` pins."""
+"""Warps of `decay_and_beta`: fla's first candidate for its gate kernel, the one `engine.kernels.cuda_fast` pins."""
 
 
 @triton.jit(do_not_specialize=["T"])

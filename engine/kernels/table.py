@@ -1,16 +1,16 @@
 """The kernel table behind the forward (`Kernels`) and its choice, once per engine (`select_kernels`).
 
-On CUDA with flash-linear-attention (fla) installed: `engine.fla_kernels` (fla's Gated DeltaNet recurrence and the
-fused Triton kernels of `engine.triton_kernels`). Elsewhere: `engine.torch_kernels`, PyTorch code that computes
+On CUDA with flash-linear-attention (fla) installed: `engine.kernels.cuda_fast` (fla's Gated DeltaNet recurrence and the
+fused Triton kernels of `engine.kernels.fused`). Elsewhere: `engine.kernels.pytorch`, PyTorch code that computes
 exactly what transformers' modules compute (what CPU tests run). Deterministic (batch-invariant) scoring on the CPU:
-`engine.invariant_kernels`.
+`engine.kernels.cpu_deterministic`.
 
 Deterministic on CUDA: the same table with the GEMMs of cuBLAS where a check at load shows them batch-invariant for
-this model's shapes, else `engine.batch_invariant.matmul`; the one-kernel suffix attention at launches that give a row
-the same bits at every batch size (`engine.suffix_attention.InvariantSuffixAttention`), and the answers' attention as it
-is (one launch at every size); the forward then takes no path by the batch's size (`Kernels.batch_invariant`). Every
-other CUDA kernel here (the label mass's fused vocabulary log-sum-exp among them) computes a row from that row alone in
-a fixed order (checked by `bench/invariance_probe.py` and the GPU tests).
+this model's shapes, else `engine.kernels.cuda_deterministic.matmul`; the one-kernel suffix attention at launches that
+give a row the same bits at every batch size (`engine.kernels.suffix_attention.InvariantSuffixAttention`), and the
+answers' attention as it is (one launch at every size); the forward then takes no path by the batch's size
+(`Kernels.batch_invariant`). Every other CUDA kernel here (the label mass's fused vocabulary log-sum-exp among them)
+computes a row from that row alone in a fixed order (checked by `bench/invariance_probe.py` and the GPU tests).
 """
 from __future__ import annotations
 
@@ -23,9 +23,9 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from engine import invariant_kernels as inv_k
-from engine import torch_kernels as torch_k
-from engine.attention import sdpa_with_lse
+from engine.kernels import cpu_deterministic as inv_k
+from engine.kernels import pytorch as torch_k
+from engine.kernels.attention import sdpa_with_lse
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +51,8 @@ class Kernels:
     qk_norm_rope(q [B, T, Hq, D], k [B, T, Hkv, D], q_weight, k_weight, cos, sin, eps, q_cos=None, q_sin=None) ->
         (q, k) as [B, H, T, D]: the attention's per-head RMSNorms, then transformers' `apply_rotary_pos_emb`; with
         q_cos, q_sin, q is rotated by those (q of other rows than k's: [S, 1, Hq, D] at the answer rows);
-    gate_attention(engine.attention.AttentionOut, gate [B, T, Hq, D]) -> [B, T, Hq * D]: the merge of a prefix/suffix
-        split attention (if any), then transformers' sigmoid output gate;
+    gate_attention(engine.kernels.attention.AttentionOut, gate [B, T, Hq, D]) -> [B, T, Hq * D]: the merge of a
+        prefix/suffix split attention (if any), then transformers' sigmoid output gate;
     linear(x [..., K], weight [N, K]) -> [..., N]: every projection (bias-free), the label read-out included;
     add_linear(h [..., N] contiguous, x [..., K], weight [N, K]) -> h + x @ weight^T, written into h, the sum rounded
         once (the projection's epilogue adds the residual); None: the table keeps transformers' two roundings, and
@@ -74,9 +74,9 @@ class Kernels:
         [S] float32 view, when given): the full vocabulary's log-sum-exp behind the label mass (`engine.label_mass`);
         in a batch-invariant table a row's sum takes one order whatever the rows beside it;
     vocab_logsumexp(x [S, K], weight [V, K], n_valid) -> [S] float32: log(sum(exp(x @ weight[:n_valid]^T))) per row in
-        one GEMM kernel, the logits never written (`engine.vocab_logsumexp`, batch-invariant by construction, so in
-        both CUDA tables); None: `engine.label_mass.FullVocabulary` reads the vocabulary in chunks through `linear` and
-        `row_logsumexp`;
+        one GEMM kernel, the logits never written (`engine.kernels.vocab_logsumexp`, batch-invariant by construction, so
+        in both CUDA tables); None: `engine.label_mass.FullVocabulary` reads the vocabulary in chunks through `linear`
+        and `row_logsumexp`;
     attend_by_request: the suffix pass runs attention one row at a time on its own lengths (eager only: a graph
         cannot capture per-batch lengths), for tables whose attention kernel depends on the batch's padded length;
     batch_invariant: a row's result does not depend on the batch around it (its size, the row's position, its
@@ -109,7 +109,7 @@ def select_kernels(device_type: str, deterministic: bool = False, gemm_weights: 
     depend on the batch around it (its size, the row's position, its neighbours, the padded length): on CUDA
     `batch_invariant_kernels` (`gemm_weights` are the weights whose cuBLAS GEMMs it checks, `attention_heads` the
     full-attention layers' (query heads, kv heads, head dim), at which it checks the suffix attention's launches), on
-    the CPU `engine.invariant_kernels`."""
+    the CPU `engine.kernels.cpu_deterministic`."""
     if device_type == "cuda":
         try:
             table = fla_kernels()
@@ -122,14 +122,14 @@ def select_kernels(device_type: str, deterministic: bool = False, gemm_weights: 
 
 
 def torch_kernels() -> Kernels:
-    """`engine.torch_kernels`: transformers' PyTorch formulas (any device)."""
+    """`engine.kernels.pytorch`: transformers' PyTorch formulas (any device)."""
     t = torch_k
     return Kernels("torch", t.torch_delta_rule, t.torch_conv_qkv, t.torch_rms_norm, t.torch_gated_rms_norm,
                    t.torch_swiglu, t.torch_add_rms_norm, t.torch_qk_norm_rope, t.torch_gate_attention, t.torch_linear)
 
 
 def invariant_kernels() -> Kernels:
-    """`engine.invariant_kernels`: the PyTorch table made batch-invariant (blocked GEMMs, exp-based activations,
+    """`engine.kernels.cpu_deterministic`: the PyTorch table made batch-invariant (blocked GEMMs, exp-based activations,
     attention by request)."""
     i = inv_k
     return Kernels("torch-invariant", i.delta_rule, i.conv_qkv, i.rms_norm, i.gated_rms_norm, i.swiglu,
@@ -138,17 +138,17 @@ def invariant_kernels() -> Kernels:
 
 
 def fla_kernels() -> Kernels:
-    """`engine.fla_kernels` (CUDA only): ImportError where fla or triton is not installed."""
-    from engine import batch_invariant as bi
-    from engine import fla_kernels as f      # imports fla and triton, which CPU machines may lack
-    from engine.suffix_attention import answer_attention, suffix_attention
-    from engine.triton_kernels import row_logsumexp
-    from engine.vocab_logsumexp import vocab_logsumexp
+    """`engine.kernels.cuda_fast` (CUDA only): ImportError where fla or triton is not installed."""
+    from engine.kernels import cuda_deterministic as bi
+    from engine.kernels import cuda_fast as f      # imports fla and triton, which CPU machines may lack
+    from engine.kernels.suffix_attention import answer_attention, suffix_attention
+    from engine.kernels.fused import row_logsumexp
+    from engine.kernels.vocab_logsumexp import vocab_logsumexp
     log.info("fla's autotuned kernels pinned to one launch each (the same in every process): %s",
              f.pin_autotuned_launches())
     # the prefix half, where the attention is split (`engine.model.FUSED_ATTENTION` off), by the Triton
     # kernel that reads the prefix bank by index (torch's flash op takes no index; on the H200 the Triton kernel
-    # also ran a shared prefix faster than flash did: engine.batch_invariant)
+    # also ran a shared prefix faster than flash did: engine.kernels.cuda_deterministic)
     return Kernels("fla", f.delta_rule, f.conv_qkv, f.row_norm, f.gated_rms_norm, f.swiglu, f.add_rms_norm,
                    f.qk_norm_rope, f.gate_attention, f.linear, add_linear=torch_k.torch_add_linear,
                    indexed_attention=bi.indexed_attention, suffix_attention=suffix_attention,
@@ -163,12 +163,12 @@ def batch_invariant_kernels(table: Kernels, gemm_weights: Sequence[torch.Tensor]
     `attention_heads` None, the large launch at every size); the answers' attention is the fast table's kernel as it
     is, so with `engine.model.ANSWER_QUERIES` the last layer's queries run at the answer rows at every batch size
     (their projections through `InvariantLinear` like every other), and so is `vocab_logsumexp` (one tile at every row
-    count by construction: `engine.vocab_logsumexp`). Not taken: `add_linear` (cuBLAS's GEMM with the
+    count by construction: `engine.kernels.vocab_logsumexp`). Not taken: `add_linear` (cuBLAS's GEMM with the
     residual in its epilogue, a kernel family whose row-count invariance is not checked; `engine.model.FUSED_RESIDUAL`
     is off in the fast table too: it gained nothing on the H200)."""
-    from engine import batch_invariant as bi      # imports triton
-    from engine import blocked_linear as blocked
-    from engine.suffix_attention import InvariantSuffixAttention
+    from engine.kernels import cuda_deterministic as bi      # imports triton
+    from engine.kernels import blocked_linear as blocked
+    from engine.kernels.suffix_attention import InvariantSuffixAttention
     from engine.buckets import B_BUCKETS, TS_BUCKETS     # read at the call: bench/variant_ab.py may set them
 
     # the row counts a suffix pass's GEMMs see: batch buckets x suffix lengths, and x answers per row (a power of 2:

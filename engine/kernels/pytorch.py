@@ -1,6 +1,6 @@
 """The PyTorch kernels: exactly what transformers' Qwen3.5 modules compute, in their order of rounding.
 
-What the CPU path (tests, the demo) runs (`engine.kernels.torch_kernels` is their table), and the reference the
+What the CPU path (tests, the demo) runs (`engine.kernels.table.torch_kernels` is their table), and the reference the
 Triton kernels are tested against.
 """
 from __future__ import annotations
@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from transformers.models.qwen3_5.modeling_qwen3_5 import apply_rotary_pos_emb, l2norm, torch_chunk_gated_delta_rule
 
-from engine.attention import AttentionOut, row_major
+from engine.kernels.attention import AttentionOut, row_major
 
 # transformers wraps its reference function to dispatch to fla whenever fla imports, whatever the device; the CPU
 # path needs the PyTorch original underneath.
@@ -73,7 +73,7 @@ def torch_qk_norm_rope(q, k, q_weight, k_weight, cos, sin, eps, q_cos=None, q_si
 
 
 def torch_gate_attention(a: AttentionOut, gate: torch.Tensor, sigmoid=torch.sigmoid) -> torch.Tensor:
-    """sigmoid: the batch-invariant table passes its own (`engine.invariant_kernels.sigmoid`)."""
+    """sigmoid: the batch-invariant table passes its own (`engine.kernels.cpu_deterministic.sigmoid`)."""
     o = a.o
     B, Hq, T, D = o.shape
     if a.o_pre is not None:

@@ -3,10 +3,10 @@ from the prefix bank by slot, then against its own causal suffix keys, under one
 sigmoid output gate applied before the store.
 
 It replaces three launches of the split path (`engine.model.SuffixContext.attend`: the prefix half by
-`engine.batch_invariant.indexed_attention`, the causal half by torch's flash op, their log-sum-exp merge and the
-gate by `engine.triton_kernels.gate_attention`): neither half is written out and read back, and the G query heads
-of a kv head share every key tile a program loads. One softmax over all the keys is also what transformers computes:
-the split path rounds each half to the model's dtype before merging them.
+`engine.kernels.cuda_deterministic.indexed_attention`, the causal half by torch's flash op, their log-sum-exp merge and
+the gate by `engine.kernels.fused.gate_attention`): neither half is written out and read back, and the G query heads of
+a kv head share every key tile a program loads. One softmax over all the keys is also what transformers computes: the
+split path rounds each half to the model's dtype before merging them.
 
 A program takes BM query rows of one (row, kv head), ordered (position, query head of the group), so a block spans
 BM / G consecutive positions and its causal bound is its last position. Keys are read in blocks of BN from the
@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.triton_kernels import await_previous_kernel, pdl_launch
+from engine.kernels.pdl import await_previous_kernel, pdl_launch
 
 CONFIG = (128, 64, 8, 2)
 """(query rows, keys, warps, stages) of a launch with enough programs to fill the GPU. Read at each call, so
@@ -232,17 +232,18 @@ def answer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bank_k: 
 # ---- the batch-invariant table's launches -------------------------------------------------------------------------
 SUFFIX_SMALL_CANDIDATES = ((16, 64, 4, 2), (64, 64, 4, 2))
 """Launches `InvariantSuffixAttention` may take where the large one gives too few programs, in order of preference:
-`engine.suffix_attention.SMALL_CONFIG` (the fast table's, 0.025 against 0.038 ms at batch 1 on the H200), then a
-64-row block (one warp group: the MMA instruction of the large launch's 64-row halves)."""
+`engine.kernels.suffix_attention.SMALL_CONFIG` (the fast table's, 0.025 against 0.038 ms at batch 1 on the H200),
+then a 64-row block (one warp group: the MMA instruction of the large launch's 64-row halves)."""
 
 
 def suffix_configs_agree(heads: tuple[int, int, int], dtype: torch.dtype, device, large, small, seed: int = 0) -> bool:
-    """Whether `engine.suffix_attention.suffix_attention` gives every query the same bits at the `small` launch as at
-    the `large` one, for random inputs at the model's head shape (heads: (query heads, kv heads, head dim)): rows of
-    two suffix lengths after prefixes of unequal lengths, keys crossing the prefix's end and the causal diagonal.
+    """Whether `engine.kernels.suffix_attention.suffix_attention` gives every query the same bits at the `small` launch
+    as at the `large` one, for random inputs at the model's head shape (heads: (query heads, kv heads, head dim)):
+    rows of two suffix lengths after prefixes of unequal lengths, keys crossing the prefix's end and the causal
+    diagonal.
     A row's keys are read in the same blocks at both; whether the MMA instruction and register layout each block
     height and warp count compile to add a row's products and its softmax sum in the same order is the hardware's,
-    so it is checked on the device, as `engine.batch_invariant.small_tile_is_identical` checks the matmul's tiles."""
+    so it is checked on the device, as `cuda_deterministic.small_tile_is_identical` checks the matmul's tiles."""
     if large[1] != small[1]:
         return False                          # another key block: another summation order by construction
     Hq, Hkv, D = heads
@@ -265,11 +266,11 @@ def suffix_configs_agree(heads: tuple[int, int, int], dtype: torch.dtype, device
 
 
 class InvariantSuffixAttention:
-    """`Kernels.suffix_attention` whose result for a row does not depend on the batch: `engine.suffix_attention`'s
-    kernel, which computes a query from its own row alone at any one launch configuration, with the large launch
-    (`CONFIG`) at every size, and the small one where the large gives too few programs (batch 1 to ~20 at the 0.8B
-    shape) only where `suffix_configs_agree` holds on the device for one of `SUFFIX_SMALL_CANDIDATES`. The launches are
-    fixed at construction: a later change of the module's constants does not reach this table."""
+    """`Kernels.suffix_attention` whose result for a row does not depend on the batch: this module's kernel, which
+    computes a query from its own row alone at any one launch configuration, with the large launch (`CONFIG`) at every
+    size, and the small one where the large gives too few programs (batch 1 to ~20 at the 0.8B shape) only where
+    `suffix_configs_agree` holds on the device for one of `SUFFIX_SMALL_CANDIDATES`. The launches are fixed at
+    construction: a later change of the module's constants does not reach this table."""
 
     def __init__(self, heads: tuple[int, int, int] | None, dtype: torch.dtype, device):
         self.large = CONFIG

@@ -5,7 +5,7 @@
 - `gate_attention`: the log-sum-exp merge of the prefix and suffix halves of the attention and the output gate.
 - `swiglu`: the MLP's silu(gate) * up over the two halves of the fused gate|up projection (fla's kernel addresses
   them flat, so it loads and stores 2 bytes at a time).
-- The Gated DeltaNet's causal conv (`conv_qkv`) is `engine.causal_conv`'s, on the helpers here.
+- The Gated DeltaNet's causal conv (`conv_qkv`) is `engine.kernels.causal_conv`'s, on the helpers here.
 - `row_logsumexp`: the log-sum-exp of each row (the full vocabulary's logits at the answer slots, for their label
   mass: `engine.label_mass`), one program a row reading it in blocks of one size from the first, so a row's sum is
   the same whatever the rows beside it (batch-invariant by construction).
@@ -30,39 +30,14 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels.pdl import await_previous_kernel, pdl_launch
+
 RMS, GATED = 0, 1
 
-PDL = False
-"""Programmatic dependent launch (Hopper and later) for the Triton kernels of a scoring step: a kernel may start while
-the one before it finishes, each of its programs waiting first (`griddepcontrol.wait`) until that kernel's writes are
-visible, then letting the next kernel launch. Meant to hide part of the gap between kernels: at batch 1 a step's ~380
-kernels take 1.87 ms on the H200 and its graph replays in 2.2 (runs AN, AX). Off: on the H200 CUDA graphs capture it
-and it gives the same bits (`tests/engine/test_gpu.py -k pdl`, run AW), but it saved nothing in whole steps timed in
-one process (`bench/variant_ab.py`, run AW): 2.232 against 2.215 ms at batch 1, 5.008 against 4.971 at 8, 60.435
-against 60.419 at 128; with the workers' deterministic table 2.881 against 2.900, 5.024 against 5.083, 62.107 against
-61.939. A step's chains of Triton kernels are short: cuBLAS's GEMMs, between them, launch without the attribute.
-Read when a kernel is launched, so a CUDA graph keeps the setting it was captured under."""
-
-
-def pdl_launch() -> dict:
-    """The launch arguments that turn on `PDL` for a kernel taking `PDL: tl.constexpr = False` and calling
-    `await_previous_kernel(PDL)` first: none while it is off, so the kernels compile as they would without it."""
-    return {"PDL": True, "launch_pdl": True} if PDL else {}
-
-
-@triton.jit
-def await_previous_kernel(PDL: tl.constexpr):
-    # before the program's first load or store: under PDL the kernel ahead may still be writing this kernel's inputs,
-    # or reading what it is about to overwrite
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-
-
 NORM_WEIGHT_TILE = True
-"""`engine.causal_conv.CONV_WEIGHT_TILE` for the norms' weights (`row_norm`). Compiled as launched for the 1,024-wide
-residual norm (4 rows a program, 4 warps): 2 barriers a program instead of 4 (the other 2 sum a row across its 4
-warps); for the gated norm of 128-wide heads: none instead of 1. Same bits. On the H200: 59.84 against 59.91 ms at
+"""`engine.kernels.causal_conv.CONV_WEIGHT_TILE` for the norms' weights (`row_norm`). Compiled as launched for the
+1,024-wide residual norm (4 rows a program, 4 warps): 2 barriers a program instead of 4 (the other 2 sum a row across
+its 4 warps); for the gated norm of 128-wide heads: none instead of 1. Same bits. On the H200: 59.84 against 59.91 ms at
 batch 128 alone (run BK), 59.24 against 59.39 with `engine.model.ANSWER_QUERIES` (run BL, 8 rounds); on with
 `CONV_WEIGHT_TILE` (its docstring gives the three together)."""
 
@@ -256,7 +231,7 @@ def _gate_attention_kernel(O, LSE, OP, LSEP, GATE, Y, n_rows, T, Hq, G, P, s_b, 
 
 
 def gate_attention(a, gate: torch.Tensor) -> torch.Tensor:
-    """`engine.attention.AttentionOut` and the output gate [B, T, Hq, D] (a strided view) -> [B, T, Hq * D]: the
+    """`engine.kernels.attention.AttentionOut` and the output gate [B, T, Hq, D] (a strided view) -> [B, T, Hq * D]: the
     log-sum-exp merge of the prefix and suffix halves (when split), then o * sigmoid(gate), in one pass with
     transformers' rounding (no row-major copies of the prefix half, no transposed copy of the output)."""
     o = a.o
