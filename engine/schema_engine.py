@@ -46,7 +46,7 @@ LABEL_MASS_BY_DEFAULT = True
 """Whether a schema's records carry the label mass when neither it (`prepare(..., label_mass=)`) nor the
 SchemaEngine says: a step computes it when any of its rows' schemas wants it (the vocabulary's log-sum-exp at every
 answer slot of the step). On by default while it costs at most 3% at batch 128 on the H200 (issue 34; bench/README.md
-has the timing). Read when a SchemaEngine is made, so `bench/variant_ab.py` can set it per variant."""
+has the timing). Read when a SchemaEngine is made, so `bench/probes/variant_ab.py` can set it per variant."""
 
 
 class TokenizedState(NamedTuple):

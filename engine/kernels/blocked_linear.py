@@ -23,7 +23,7 @@ PADDING_IN_PLACE = True
 (`block_padded`; the deterministic table's SwiGLU writes such storage), running every block in one batched GEMM, rather
 than zero-padding a copy of the last block for a GEMM of its own. The same bits (`blocked_is_invariant` checks the two
 against each other). Read at each call, so a CUDA graph keeps the setting it was captured under and
-`bench/variant_ab.py` can time both in one process."""
+`bench/probes/variant_ab.py` can time both in one process."""
 
 
 def blocked_linear(x: torch.Tensor, weight: torch.Tensor, rows: int = BLOCK_ROWS) -> torch.Tensor:

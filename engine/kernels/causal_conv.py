@@ -16,8 +16,8 @@ from engine.kernels.pdl import await_previous_kernel, pdl_launch
 
 CONV_CONFIG = (8, 2)
 """`conv_qkv`'s launch: (tokens per program, warps); one program takes one head's channels. Read at each call, so
-`bench/variant_ab.py` can time others in one process. (8, 2) was the fastest of 20 configurations on the H200 for
-32 x 144 tokens of the 0.8B shape (bench/kernel_probe.py: 0.097 ms against 0.130 ms for 32 tokens x 4 warps; a copy
+`bench/probes/variant_ab.py` can time others in one process. (8, 2) was the fastest of 20 configurations on the H200 for
+32 x 144 tokens of the 0.8B shape (bench/probes/kernel_probe.py: 0.097 ms against 0.130 ms for 32 tokens x 4 warps; a copy
 of the same bytes takes 0.074 ms). In whole steps at batches 32 and 128 (run AD, `variant_ab.py`), (16, 2), (16, 4),
 (32, 4), (4, 1) and (8, 1) were all slower. With the bank's conv states time-major, (8, 1) ran the kernel alone
 faster at batch 128 (0.280 ms against 0.297 to 0.313, `kernel_probe.py --only conv`, run AR) but whole batch-128 steps
@@ -43,7 +43,7 @@ alone it was no faster (run BK: 60.17 against 59.91 ms at batch 128 over 4 round
 `engine.kernels.fused.NORM_WEIGHT_TILE` and `engine.model.ANSWER_QUERIES`, the three together were the fastest
 variant at batch 128 in both runs that timed them (run BK: 59.10 against base 59.91, answers alone 59.67; run BL:
 59.09 against 59.97, answers with the norm tiles 59.24), within the spread at batches 1 and 32: on, as the
-configuration timed best. Read at each call, so `bench/variant_ab.py` can time it either way."""
+configuration timed best. Read at each call, so `bench/probes/variant_ab.py` can time it either way."""
 
 
 @triton.jit(do_not_specialize=["T"])

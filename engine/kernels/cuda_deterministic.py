@@ -263,7 +263,7 @@ def small_tile_is_identical(weight: torch.Tensor, row_counts: list[int], small: 
 BLOCKED_CUBLAS = True
 """Whether `InvariantLinear` runs the shapes it found batch-invariant as `blocked_linear` that way (False: the Triton
 matmul, as before it had the choice). Read at each call, so a CUDA graph keeps the setting it was captured under and
-`bench/variant_ab.py` can time both in one process."""
+`bench/probes/variant_ab.py` can time both in one process."""
 
 CUBLAS_FLOOR_MIN = 0
 """A floor under the floors `InvariantLinear` found (each found floor is checked for every row count from it up, so a
@@ -285,7 +285,7 @@ class InvariantLinear:
 
     (Fusing the MLP's swiglu into the down projection's A tiles was tried and kept the bits, but ran slower than the
     two kernels at every row count on the H200, 0.069 against 0.025 ms at 184 rows and 0.74 against 0.44 at 23,552:
-    bench/results/2026-11-30-nvidia-h200-run-m-mlp-probe.json.)"""
+    run M of `bench/probes/mlp_probe.py`, bench/README.md.)"""
 
     MIN_ROWS = (128, 256, 1024, 4096)
 

@@ -63,7 +63,7 @@ at batch 128)."""
 
 FUSED_OUTPUT = True
 """Whether a suffix pass's delta rule computes its output in the state kernel's pass (`chunk_outputs_indexed`) rather
-than by fla's output kernel over stored states (read at each call: `bench/variant_ab.py` can time both)."""
+than by fla's output kernel over stored states (read at each call: `bench/probes/variant_ab.py` can time both)."""
 
 
 def delta_rule_indexed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
@@ -92,9 +92,9 @@ WY_LAUNCH: tuple[tuple[int, int], tuple[int, int]] | None = ((64, 1), (4, 3))
 (warps, stages) of w/u); None: through fla's entry point, at the launches its autotuner holds (one each once
 `pin_autotuned_launches` ran). Autotuned, fla's key holds neither the batch nor the length, so it keeps, for every
 batch, the launch it timed best at the process's first call (a prefix pass). On the H200 (run AL in bench/README.md:
-`bench/kernel_probe.py --only wy`, batch 128, 184 tokens) the solve took 0.145 ms a layer at this launch against
-0.246 at the (64, 2) fla had tuned, and whole batch-128 steps 60.5 ms against 65.6 (`bench/variant_ab.py`). Read at
-each call, for `bench/variant_ab.py`."""
+`bench/probes/kernel_probe.py --only wy`, batch 128, 184 tokens) the solve took 0.145 ms a layer at this launch against
+0.246 at the (64, 2) fla had tuned, and whole batch-128 steps 60.5 ms against 65.6 (`bench/probes/variant_ab.py`). Read at
+each call, for `bench/probes/variant_ab.py`."""
 
 WY_SMALL_LAUNCH: tuple[tuple[int, int], tuple[int, int]] = ((64, 2), (2, 4))
 """The launch where the solve would start fewer than `WY_FILL_PROGRAMS` programs (batch 1: 3 chunks x 16 heads): with
@@ -161,7 +161,7 @@ first call of a process, and the block over the key dimension (BK) splits the ke
 then compute a schema's prefix, and every answer read from it, with different bits, and a replay would not reproduce
 the live records (DESIGN.md, determinism). Pinned, every process runs the same launches, and none is timed. The
 settings are the launches fla's autotuner picked on the H200 at 32 rows of 582 tokens (`full_fast`'s shape;
-`bench/kernel_probe.py --only fla_launches`, run AQ); the state kernel's BV splits no sum (its first candidate, BV
+`bench/probes/kernel_probe.py --only fla_launches`, run AQ); the state kernel's BV splits no sum (its first candidate, BV
 32, gave the same bits there)."""
 
 

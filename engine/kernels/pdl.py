@@ -12,7 +12,7 @@ the one before it finishes, each of its programs waiting first (`griddepcontrol.
 visible, then letting the next kernel launch. Meant to hide part of the gap between kernels: at batch 1 a step's ~380
 kernels take 1.87 ms on the H200 and its graph replays in 2.2 (runs AN, AX). Off: on the H200 CUDA graphs capture it
 and it gives the same bits (`tests/engine/test_gpu.py -k pdl`, run AW), but it saved nothing in whole steps timed in
-one process (`bench/variant_ab.py`, run AW): 2.232 against 2.215 ms at batch 1, 5.008 against 4.971 at 8, 60.435
+one process (`bench/probes/variant_ab.py`, run AW): 2.232 against 2.215 ms at batch 1, 5.008 against 4.971 at 8, 60.435
 against 60.419 at 128; with the workers' deterministic table 2.881 against 2.900, 5.024 against 5.083, 62.107 against
 61.939. A step's chains of Triton kernels are short: cuBLAS's GEMMs, between them, launch without the attribute.
 Read when a kernel is launched, so a CUDA graph keeps the setting it was captured under."""

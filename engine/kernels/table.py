@@ -10,7 +10,7 @@ this model's shapes, else `engine.kernels.cuda_deterministic.matmul`; the one-ke
 give a row the same bits at every batch size (`engine.kernels.suffix_attention.InvariantSuffixAttention`), and the
 answers' attention as it is (one launch at every size); the forward then takes no path by the batch's size
 (`Kernels.batch_invariant`). Every other CUDA kernel here (the label mass's fused vocabulary log-sum-exp among them)
-computes a row from that row alone in a fixed order (checked by `bench/invariance_probe.py` and the GPU tests).
+computes a row from that row alone in a fixed order (checked by `bench/probes/invariance_probe.py` and the GPU tests).
 """
 from __future__ import annotations
 
@@ -169,7 +169,7 @@ def batch_invariant_kernels(table: Kernels, gemm_weights: Sequence[torch.Tensor]
     from engine.kernels import cuda_deterministic as bi      # imports triton
     from engine.kernels import blocked_linear as blocked
     from engine.kernels.suffix_attention import InvariantSuffixAttention
-    from engine.buckets import B_BUCKETS, TS_BUCKETS     # read at the call: bench/variant_ab.py may set them
+    from engine.buckets import B_BUCKETS, TS_BUCKETS     # read at the call: bench/probes/variant_ab.py may set them
 
     # the row counts a suffix pass's GEMMs see: batch buckets x suffix lengths, and x answers per row (a power of 2:
     # the read-out, the last layer's MLP and its query and output projections run on the answer slots alone); below

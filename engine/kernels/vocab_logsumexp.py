@@ -43,7 +43,7 @@ from engine.kernels.pdl import await_previous_kernel, pdl_launch
 
 CONFIG = (128, 256, 8, 3)
 """(BM, BN, warps, stages) of the fused kernel at every row count (BK from the hidden size: `vocab_config`). Read at
-each call, so a CUDA graph keeps the tile it was captured with and `bench/variant_ab.py` can time another in the same
+each call, so a CUDA graph keeps the tile it was captured with and `bench/probes/variant_ab.py` can time another in the same
 process (e.g. "tile-64:engine.kernels.vocab_logsumexp.CONFIG=(64, 128, 4, 4)"); any one tile is batch-invariant, two
 tiles need not give the same bits."""
 

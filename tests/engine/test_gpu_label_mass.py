@@ -20,7 +20,7 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
-from bench.engine_bench import QWEN35_08B, questions, states  # noqa: E402
+from bench.workload import QWEN35_08B, questions, states  # noqa: E402
 from engine.reference import score_full_details  # noqa: E402
 
 BATCHES = (2, 7, 32)
