@@ -193,7 +193,7 @@ def test_the_deterministic_attention_kernels_give_a_row_the_same_bits_in_any_bat
     which picks its launch by the batch's size, is measured beside it and only reported."""
     from engine.kernels.suffix_attention import answer_attention, suffix_attention
 
-    from .attention_cases import Case, probe_in_placements
+    from .kernels.attention_cases import Case, probe_in_placements
 
     table = engines[True].forward.kernels
     case = Case((8, 2, 256), (400, 37, 129, 512, 300), 512, torch.bfloat16, "cuda", seed=11)

@@ -53,7 +53,7 @@ def test_the_vocabulary_in_chunks_gives_torchs_logsumexp(eng):
 
 
 def test_a_tables_fused_logsumexp_takes_the_whole_weight_unless_switched_off(eng, det_se, monkeypatch):
-    """`Kernels.vocab_logsumexp` (CUDA's one-kernel log-sum-exp: tests/engine/test_vocab_logsumexp.py) gets the
+    """`Kernels.vocab_logsumexp` (CUDA's one-kernel log-sum-exp: tests/engine/kernels/test_vocab_logsumexp.py) gets the
     unpadded weight and its row count; with `FUSED` off, or on the CPU's tables (which have none), the chunks run."""
     weight = eng.model.lm_head.weight.detach()
     x = torch.randn(5, weight.shape[1], generator=torch.Generator().manual_seed(1))

@@ -3,7 +3,7 @@ so a row does not depend on its launch's row count whichever tile runs.
 
 Runs on the GPU (`pytest -m gpu`), where it is the real check: whether two tile shapes add a BK step's products in the
 same order is the MMA instructions' business. On a CPU through Triton's interpreter, which checks the kernels'
-addressing and masking (its dot is numpy's): `TRITON_INTERPRET=1 pytest -m gpu tests/engine/test_small_tile.py` with
+addressing and masking (its dot is numpy's): `TRITON_INTERPRET=1 pytest -m gpu tests/engine/kernels/test_small_tile.py` with
 triton installed and fla not. bfloat16 only on the GPU: the large tile's float32 operands exceed the H200's shared
 memory (the engine's float32 CUDA path runs cuBLAS, not this kernel).
 """
@@ -12,7 +12,7 @@ import random
 import pytest
 import torch
 
-from tests.engine.triton_device import require
+from tests.engine.kernels.triton_device import require
 
 ON_GPU, DEV = require()
 
@@ -37,7 +37,7 @@ INTERPRETED_TILES_DIFFER = "the interpreter's tl.dot (numpy's matmul) summed the
 
 def test_the_small_tile_check_reports_the_devices_answer():
     """On the GPU the check is the hardware's answer (printed; the H200 gave the large tile's bits for the down
-    projection: bench/mlp_probe.py); in the interpreter it is the host BLAS's."""
+    projection: bench/probes/mlp_probe.py); in the interpreter it is the host BLAS's."""
     weight = _rows_and_weight(1)[1]
     small = bi.small_tile_config(N, K)
     same = bi.small_tile_is_identical(weight, [1, 37, 184, bi.SMALL_TILE_ROWS - 1], small)

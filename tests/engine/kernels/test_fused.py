@@ -6,7 +6,7 @@ with triton installed and fla not (where fla imports, transformers' CPU forward 
 import pytest
 import torch
 
-from tests.engine.triton_device import require
+from tests.engine.kernels.triton_device import require
 
 ON_GPU, DEV = require()
 
@@ -221,7 +221,7 @@ def test_the_forward_with_these_kernels_matches_the_oracle(tiny_dir, answer_quer
     from engine.kernels.causal_conv import conv_qkv
     from engine.kernels.fused import GATED, add_rms_norm, gate_attention, rms_norm_rope, row_norm, swiglu
 
-    from .conftest import make_questions, make_states
+    from ..conftest import make_questions, make_states
 
     monkeypatch.setattr(model, "ANSWER_QUERIES", answer_queries)
     eng = Engine.load(tiny_dir, device=DEV, dtype="float32")
@@ -393,8 +393,8 @@ def test_delta_rule_indexed_is_flas_delta_rule_from_the_copied_states(monkeypatc
                                      use_beta_sigmoid_in_kernel=True)
 
     def indexed(fused_output, wy_launch):
-        monkeypatch.setattr(fla_kernels, "FUSED_OUTPUT", fused_output)
-        monkeypatch.setattr(fla_kernels, "WY_LAUNCH", wy_launch)
+        monkeypatch.setattr(cuda_fast, "FUSED_OUTPUT", fused_output)
+        monkeypatch.setattr(cuda_fast, "WY_LAUNCH", wy_launch)
         return cuda_fast.delta_rule_indexed(q, k, v, a, b, A_log, dt_bias, bank, index)
 
     # fla's WY kernels through its entry point and its output kernel: the same arithmetic in the same order as fla's
@@ -821,7 +821,7 @@ def test_the_deterministic_forward_with_triton_attention_scores_a_state_the_same
     from engine.kernels.suffix_attention import answer_attention
     from engine.testing import write_tiny_model
 
-    from .conftest import make_questions, make_states
+    from ..conftest import make_questions, make_states
 
     eng = Engine.load(write_tiny_model(tmp_path / "tiny8", seed=3, num_hidden_layers=8), device=DEV, dtype="float32",
                       deterministic=True)

@@ -1,7 +1,7 @@
 """engine.kernels.blocked_linear on the CPU: a partial last block's padding read in place where its input's storage runs
 on to a whole block (the deterministic table's SwiGLU writes such storage), the same numbers as a zero-padded copy, and
 nothing of the padding reaching a real row. (Whether cuBLAS sums a row in the same order in every batched GEMM is the
-GPU's question: tests/engine/test_small_tile.py.)"""
+GPU's question: tests/engine/kernels/test_small_tile.py.)"""
 import pytest
 import torch
 

@@ -2,7 +2,7 @@
 show by name: that rows of bf16 strided views load 16 bytes at a time. A stride listed in `do_not_specialize`
 hides its alignment from Triton, which then loads 2 bytes at a time (this happened: every kernel here did, and
 fla's SwiGLU, which addresses its halves as flat offsets, still does). Needs triton (with its bundled ptxas), not a
-GPU: `pytest -m gpu tests/engine/test_triton_ptx.py`."""
+GPU: `pytest -m gpu tests/engine/kernels/test_triton_ptx.py`."""
 import os
 import re
 
