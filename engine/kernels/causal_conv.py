@@ -29,16 +29,16 @@ latency-bound, and smaller programs spread it over more of the SMs. Whole batch-
 against 2.461 at (8, 2) (run AD); with the delta rule's small launch too, 2.184 against 2.238 (run AU, the order of the
 variants rotated each round). Differences of this size are near the run-to-run spread at batch 1. Every launch here
 splits a row's channels over a warp's threads alike, so the L2 norms sum in the same order and the launches give the
-same bits (`tests/engine/test_triton_kernels.py` checks the two launches; `bench/kernel_probe.py --only conv` reports
+same bits (`tests/engine/kernels/test_causal_conv.py` checks the two launches; `bench/probes/kernel_probe.py --only conv` reports
 every launch's)."""
 CONV_FILL_PROGRAMS = 2048
 CONV_WEIGHT_TILE = True
 """Whether `conv_qkv` loads each tap's weights as a [tokens, channels] tile in its inputs' layout (True) or as a
 vector broadcast over the tokens (False). Compiled for sm_90 by Triton 3.6 as launched at (8, 2), each vector load is
 converted through shared memory: 7 conversions and 13 barriers a program; the tile load leaves none of either
-(`tests/engine/test_triton_ptx.py`), for 30 global load instructions instead of 23 (each thread loads the weights of
+(`tests/engine/kernels/test_triton_ptx.py`), for 30 global load instructions instead of 23 (each thread loads the weights of
 its own channels, which L1 holds). The same arithmetic in the same order: the same bits
-(`tests/engine/test_triton_kernels.py`). At (4, 1), batch 1's launch, one warp converts without barriers. On the H200
+(`tests/engine/kernels/test_causal_conv.py`). At (4, 1), batch 1's launch, one warp converts without barriers. On the H200
 alone it was no faster (run BK: 60.17 against 59.91 ms at batch 128 over 4 rounds); with
 `engine.kernels.fused.NORM_WEIGHT_TILE` and `engine.model.ANSWER_QUERIES`, the three together were the fastest
 variant at batch 128 in both runs that timed them (run BK: 59.10 against base 59.91, answers alone 59.67; run BL:

@@ -49,14 +49,14 @@ def delta_rule(q, k, v, a, b, A_log, dt_bias, initial_state, output_final_state,
 FUSED_INPUTS = True
 """Whether a suffix pass makes the delta rule's decay and beta in one kernel and leaves the solve's matrix unfilled
 above its diagonal (`engine.kernels.delta_rule_inputs`): two launches a layer fewer than fla's forward, and no 48 MB
-zero-fill a layer at batch 128 (False: fla's kernels; read at each call, for `bench/variant_ab.py`). The same bits as
-fla's kernels (`tests/engine/test_triton_kernels.py`). On the H200 in one process (run AS) batch 128 ran in 59.92 ms
+zero-fill a layer at batch 128 (False: fla's kernels; read at each call, for `bench/probes/variant_ab.py`). The same bits as
+fla's kernels (`tests/engine/kernels/test_delta_rule.py`). On the H200 in one process (run AS) batch 128 ran in 59.92 ms
 against 60.52, batch 32 in 15.47 against 15.59."""
 
 MERGED_SOLVE = True
 """Whether a suffix pass solves for the WY matrix with `engine.kernels.delta_rule_inputs.solve_into` (fla's kernel with
-its four forward substitutions in one loop) rather than fla's kernel (read at each call, for `bench/variant_ab.py`). The
-same bits as fla's at both of `WY_LAUNCH`'s launches (`tests/engine/test_triton_kernels.py`). On the H200 in one process
+its four forward substitutions in one loop) rather than fla's kernel (read at each call, for `bench/probes/variant_ab.py`). The
+same bits as fla's at both of `WY_LAUNCH`'s launches (`tests/engine/kernels/test_delta_rule.py`). On the H200 in one process
 (run AU, a noisy run: rounds of one variant spread by up to 0.35 ms at batch 1) batch 1 ran in 2.184 ms against 2.428,
 batch 8 in 5.355 against 5.436 and batch 128 in 60.66 against 61.18; at 2 warps for large grids it was slower (61.76 ms
 at batch 128)."""

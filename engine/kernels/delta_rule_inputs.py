@@ -13,7 +13,7 @@
 
 The arithmetic is fla's, in fla's order: the sigmoid, fla's `softplus` and `exp`, the same scan over a chunk's 64 decays
 at fla's pinned launch (1 warp: the scan's tree follows the warps), the same dots and reductions. On the GPU the suffix
-pass's delta rule is checked against fla's own forward bit for bit (`tests/engine/test_triton_kernels.py`).
+pass's delta rule is checked against fla's own forward bit for bit (`tests/engine/kernels/test_delta_rule.py`).
 
 Triton's interpreter runs these on a CPU: without fla installed, `softplus` is the formula fla itself uses off
 NVIDIA GPUs.

@@ -13,7 +13,7 @@
 Counts (rows, heads, tokens) are never specialised on; the strides of the bf16 tensors are: Triton then knows
 they are multiples of 16 (they are, for every layer shape here) and loads 16 bytes at a time. Unspecialised, it
 cannot prove a row's alignment and loads 2 bytes at a time (the PTX shows `ld.global.b16` instead of
-`ld.global.v4.b32`: tests/engine/test_triton_ptx.py); a stride's divisibility takes one of two values, so it costs at most a second compile.
+`ld.global.v4.b32`: tests/engine/kernels/test_triton_ptx.py); a stride's divisibility takes one of two values, so it costs at most a second compile.
 
 Why not fla's norm kernels: they autotune and specialise on the number of row blocks (`NB`), so every new
 (batch bucket, length bucket) shape compiles and benchmarks them afresh: seconds per new shape, a multi-second

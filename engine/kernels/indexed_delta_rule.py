@@ -11,10 +11,10 @@ The kernel is fla 0.6.0's `chunk_gated_delta_rule_fwd_kernel_h_blockdim64` (MIT 
 Yu Zhang, Zhiyuan Li and contributors) cut down to this engine's case: key heads of up to 128, a scalar decay per
 head, no final state (suffix passes do not keep one), equal-length rows. The changes are the initial state's address
 and the chunk count, a compile-time constant here. Its arithmetic is fla's in the same order: on the H200 its output
-was fla's bit for bit (`tests/engine/test_triton_kernels.py`). Its launch configuration is fixed (`FWD_H_CONFIG`)
+was fla's bit for bit (`tests/engine/kernels/test_delta_rule.py`). Its launch configuration is fixed (`FWD_H_CONFIG`)
 rather than autotuned.
 
-It does not import fla, so Triton's interpreter runs it on a CPU (`tests/engine/test_triton_kernels.py`); fla's own
+It does not import fla, so Triton's interpreter runs it on a CPU (`tests/engine/kernels/test_delta_rule.py`); fla's own
 `exp2` is `tl.math.exp2` unless FLA_USE_FAST_OPS=1.
 """
 from __future__ import annotations
@@ -31,7 +31,7 @@ CHUNK = 64
 FWD_H_CONFIG = (64, 4, 2)
 """(value columns per program, warps, stages) of the state kernel, one of fla's autotuning candidates. The value
 columns a program holds do not change how a column is summed: other candidates give the same bits
-(`tests/engine/test_triton_kernels.py`). On the H200 (`bench/variant_ab.py`) (64, 2, 4) ran batches 4 to 32 slower,
+(`tests/engine/kernels/test_delta_rule.py`). On the H200 (`bench/probes/variant_ab.py`) (64, 2, 4) ran batches 4 to 32 slower,
 and 32 columns (twice the programs) for batches 1 and 2 were no faster."""
 
 
@@ -128,8 +128,8 @@ def _fwd_h_indexed_kernel(k, v, w, v_new, g, h, h0, h0_index, T, NT: tl.constexp
 
 FUSED_CONFIG = (64, 4, 2)
 """(value columns per program, warps, stages) of the fused state-and-output kernel. The columns a program holds do not
-change a column's sums: other configurations give the same bits (`tests/engine/test_triton_kernels.py`). On the H200
-in one process (`bench/variant_ab.py`, run AD) (64, 4, 2) ran batch 32 in 16.6 ms and batch 128 in 63.6 ms against
+change a column's sums: other configurations give the same bits (`tests/engine/kernels/test_delta_rule.py`). On the H200
+in one process (`bench/probes/variant_ab.py`, run AD) (64, 4, 2) ran batch 32 in 16.6 ms and batch 128 in 63.6 ms against
 (32, 4, 2)'s 17.2 and 65.7; (64, 8, 2), (32, 2, 2), (32, 8, 2) and (16, 2, 2) were slower at both."""
 
 

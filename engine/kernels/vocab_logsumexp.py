@@ -29,7 +29,7 @@ block run side by side and read its W tile from HBM once, then from L2). The MMA
 L2 traffic at 1,280 rows (15.3 GB): (128, 256) is `engine.kernels.cuda_deterministic.matmul_config`'s large tile.
 The combine kernel reads S x 976 float32 (5 MB at 1,280 rows). Nothing syncs with the host: a CUDA graph captures both.
 These are estimates from the H200's peaks, not timings. Compiled for sm_90 by Triton 3.6
-(tests/engine/test_triton_ptx.py): wgmma fed by cp.async, 144 KB of shared memory (one program per SM), 185 registers,
+(tests/engine/kernels/test_triton_ptx.py): wgmma fed by cp.async, 144 KB of shared memory (one program per SM), 185 registers,
 no spills. The row count is never specialised on (`do_not_specialize`): one compiled kernel for 1 row and for 1,300.
 """
 from __future__ import annotations
