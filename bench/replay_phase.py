@@ -45,7 +45,8 @@ def compare_probabilities(live: dict, replayed: dict) -> dict:
 
 
 def replay_phase(args, bootstrap, model_dir, live_name: str, logs) -> dict:
-    """Replay a live phase's states at full batches into new topics; its rate and its agreement with the live records."""
+    """Replay a live phase's states at full batches into new topics; its rate and its agreement with the live
+    records."""
     live = Topics(states=f"{live_name}.states", schemas=f"{live_name}.schemas",
                   probabilities=f"{live_name}.probabilities", dead_letter=f"{live_name}.dead-letter")
     out = Topics(states=live.states, schemas=live.schemas, probabilities=f"{live_name}.replay.probabilities",

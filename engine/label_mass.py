@@ -33,8 +33,8 @@ launches (31 chunks for 248,320 tokens) at the cost of that check's memory."""
 
 FUSED = True
 """Whether `FullVocabulary.logsumexp` takes the kernel table's `vocab_logsumexp` where it has one (False: the chunks,
-as before it). Read at each call, so a CUDA graph keeps the path it was captured with and `bench/probes/variant_ab.py` can
-time both in one process ("chunked:engine.label_mass.FUSED=False")."""
+as before it). Read at each call, so a CUDA graph keeps the path it was captured with and `bench/probes/variant_ab.py`
+can time both in one process ("chunked:engine.label_mass.FUSED=False")."""
 
 
 class FullVocabulary:

@@ -31,8 +31,8 @@ from engine.kernels.table import select_kernels
 
 ANSWER_ROWS_ONLY = True
 """With `layers(..., rows=)`, run the last layer's MLP and norms on those rows alone (False: on every token, then
-select, as before; kept so that `bench/probes/variant_ab.py` can time the two in one process). Read when a step is traced,
-so a CUDA graph keeps the setting it was captured under."""
+select, as before; kept so that `bench/probes/variant_ab.py` can time the two in one process). Read when a step is
+traced, so a CUDA graph keeps the setting it was captured under."""
 FUSED_ATTENTION = True
 """Whether a suffix pass takes the kernel table's one-kernel attention (`Kernels.suffix_attention`) where it has one
 (False: the split path; read when a step is traced, like `ANSWER_ROWS_ONLY`)."""
@@ -60,10 +60,10 @@ like `ANSWER_ROWS_ONLY`."""
 ANSWER_QUERIES_MIN_ROWS = 2
 """`ANSWER_QUERIES` only in steps of at least this many rows: `answer_attention` runs one program per (row, kv head),
 so at batch 1 two programs walk the row's ~600 keys where the whole-row kernel spreads them over 92. On the H200
-(`bench/probes/variant_ab.py`, 4 rounds, run BQ): batch 1 2.178 ms at 2 against 2.264 at 1 (the answers' kernel took 52 us
-of the step, the whole row's 23); batch 8 5.077 against 5.139 and batch 32 15.59 against 15.52, within the spread;
-16 no better than 2. Not in a batch-invariant table (`Kernels.batch_invariant`): a row scored alone would take
-another path than in a batch, and get other bits."""
+(`bench/probes/variant_ab.py`, 4 rounds, run BQ): batch 1 2.178 ms at 2 against 2.264 at 1 (the answers' kernel took 52
+us of the step, the whole row's 23); batch 8 5.077 against 5.139 and batch 32 15.59 against 15.52, within the spread; 16
+no better than 2. Not in a batch-invariant table (`Kernels.batch_invariant`): a row scored alone would take another path
+than in a batch, and get other bits."""
 
 
 @dataclass

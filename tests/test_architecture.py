@@ -243,7 +243,8 @@ def test_the_wing_check_catches_an_import_up_the_engines_and_benchs_layers(tmp_p
         "engine/kernels/__init__.py": "",
         "engine/kernels/table.py": "from engine.kernels import fused\n\ndef select_kernels():\n    pass\n",
         "engine/kernels/fused.py": "def rows():\n    from engine.graphs import GraphManager\n",
-        "engine/kernels/cuda_fast.py": "from engine import SchemaEngine\nfrom engine.kernels.table import select_kernels\n",
+        "engine/kernels/cuda_fast.py": ("from engine import SchemaEngine\n"
+                                        "from engine.kernels.table import select_kernels\n"),
         "engine/kernels/cuda_deterministic.py": "from engine.buckets import B_BUCKETS\n",
         "bench/__init__.py": "",
         "bench/stream_bench.py": "from bench.probes.kernel_probe import gpu_ms\n",

@@ -7,8 +7,8 @@ One model build serves every batch size (building the 0.8B-shaped model takes ab
 format of `bench/probes/variant_ab.py`) is profiled after the code as it is, with its settings held while it runs.
 
 --timeline (with --graphs, as users' steps run): instead of the table, where one step's wall time goes on the device,
-from the kernels' own start and end times (`bench/probes/step_timeline.py`): kernels against the gaps between them, by kernel
-family, and which transitions the gaps sit at.
+from the kernels' own start and end times (`bench/probes/step_timeline.py`): kernels against the gaps between them, by
+kernel family, and which transitions the gaps sit at.
 """
 from __future__ import annotations
 

@@ -17,9 +17,9 @@ from engine.kernels.pdl import await_previous_kernel, pdl_launch
 CONV_CONFIG = (8, 2)
 """`conv_qkv`'s launch: (tokens per program, warps); one program takes one head's channels. Read at each call, so
 `bench/probes/variant_ab.py` can time others in one process. (8, 2) was the fastest of 20 configurations on the H200 for
-32 x 144 tokens of the 0.8B shape (bench/probes/kernel_probe.py: 0.097 ms against 0.130 ms for 32 tokens x 4 warps; a copy
-of the same bytes takes 0.074 ms). In whole steps at batches 32 and 128 (run AD, `variant_ab.py`), (16, 2), (16, 4),
-(32, 4), (4, 1) and (8, 1) were all slower. With the bank's conv states time-major, (8, 1) ran the kernel alone
+32 x 144 tokens of the 0.8B shape (bench/probes/kernel_probe.py: 0.097 ms against 0.130 ms for 32 tokens x 4 warps; a
+copy of the same bytes takes 0.074 ms). In whole steps at batches 32 and 128 (run AD, `variant_ab.py`), (16, 2), (16,
+4), (32, 4), (4, 1) and (8, 1) were all slower. With the bank's conv states time-major, (8, 1) ran the kernel alone
 faster at batch 128 (0.280 ms against 0.297 to 0.313, `kernel_probe.py --only conv`, run AR) but whole batch-128 steps
 slower (60.75 ms against 59.92, run AS)."""
 
@@ -29,21 +29,21 @@ latency-bound, and smaller programs spread it over more of the SMs. Whole batch-
 against 2.461 at (8, 2) (run AD); with the delta rule's small launch too, 2.184 against 2.238 (run AU, the order of the
 variants rotated each round). Differences of this size are near the run-to-run spread at batch 1. Every launch here
 splits a row's channels over a warp's threads alike, so the L2 norms sum in the same order and the launches give the
-same bits (`tests/engine/kernels/test_causal_conv.py` checks the two launches; `bench/probes/kernel_probe.py --only conv` reports
-every launch's)."""
+same bits (`tests/engine/kernels/test_causal_conv.py` checks the two launches; `bench/probes/kernel_probe.py --only
+conv` reports every launch's)."""
 CONV_FILL_PROGRAMS = 2048
 CONV_WEIGHT_TILE = True
 """Whether `conv_qkv` loads each tap's weights as a [tokens, channels] tile in its inputs' layout (True) or as a
 vector broadcast over the tokens (False). Compiled for sm_90 by Triton 3.6 as launched at (8, 2), each vector load is
 converted through shared memory: 7 conversions and 13 barriers a program; the tile load leaves none of either
-(`tests/engine/kernels/test_triton_ptx.py`), for 30 global load instructions instead of 23 (each thread loads the weights of
-its own channels, which L1 holds). The same arithmetic in the same order: the same bits
-(`tests/engine/kernels/test_causal_conv.py`). At (4, 1), batch 1's launch, one warp converts without barriers. On the H200
-alone it was no faster (run BK: 60.17 against 59.91 ms at batch 128 over 4 rounds); with
-`engine.kernels.fused.NORM_WEIGHT_TILE` and `engine.model.ANSWER_QUERIES`, the three together were the fastest
-variant at batch 128 in both runs that timed them (run BK: 59.10 against base 59.91, answers alone 59.67; run BL:
-59.09 against 59.97, answers with the norm tiles 59.24), within the spread at batches 1 and 32: on, as the
-configuration timed best. Read at each call, so `bench/probes/variant_ab.py` can time it either way."""
+(`tests/engine/kernels/test_triton_ptx.py`), for 30 global load instructions instead of 23 (each thread loads the
+weights of its own channels, which L1 holds). The same arithmetic in the same order: the same bits
+(`tests/engine/kernels/test_causal_conv.py`). At (4, 1), batch 1's launch, one warp converts without barriers. On the
+H200 alone it was no faster (run BK: 60.17 against 59.91 ms at batch 128 over 4 rounds); with
+`engine.kernels.fused.NORM_WEIGHT_TILE` and `engine.model.ANSWER_QUERIES`, the three together were the fastest variant
+at batch 128 in both runs that timed them (run BK: 59.10 against base 59.91, answers alone 59.67; run BL: 59.09 against
+59.97, answers with the norm tiles 59.24), within the spread at batches 1 and 32: on, as the configuration timed best.
+Read at each call, so `bench/probes/variant_ab.py` can time it either way."""
 
 
 @triton.jit(do_not_specialize=["T"])

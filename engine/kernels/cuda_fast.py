@@ -49,17 +49,17 @@ def delta_rule(q, k, v, a, b, A_log, dt_bias, initial_state, output_final_state,
 FUSED_INPUTS = True
 """Whether a suffix pass makes the delta rule's decay and beta in one kernel and leaves the solve's matrix unfilled
 above its diagonal (`engine.kernels.delta_rule_inputs`): two launches a layer fewer than fla's forward, and no 48 MB
-zero-fill a layer at batch 128 (False: fla's kernels; read at each call, for `bench/probes/variant_ab.py`). The same bits as
-fla's kernels (`tests/engine/kernels/test_delta_rule.py`). On the H200 in one process (run AS) batch 128 ran in 59.92 ms
-against 60.52, batch 32 in 15.47 against 15.59."""
+zero-fill a layer at batch 128 (False: fla's kernels; read at each call, for `bench/probes/variant_ab.py`). The same
+bits as fla's kernels (`tests/engine/kernels/test_delta_rule.py`). On the H200 in one process (run AS) batch 128 ran in
+59.92 ms against 60.52, batch 32 in 15.47 against 15.59."""
 
 MERGED_SOLVE = True
 """Whether a suffix pass solves for the WY matrix with `engine.kernels.delta_rule_inputs.solve_into` (fla's kernel with
-its four forward substitutions in one loop) rather than fla's kernel (read at each call, for `bench/probes/variant_ab.py`). The
-same bits as fla's at both of `WY_LAUNCH`'s launches (`tests/engine/kernels/test_delta_rule.py`). On the H200 in one process
-(run AU, a noisy run: rounds of one variant spread by up to 0.35 ms at batch 1) batch 1 ran in 2.184 ms against 2.428,
-batch 8 in 5.355 against 5.436 and batch 128 in 60.66 against 61.18; at 2 warps for large grids it was slower (61.76 ms
-at batch 128)."""
+its four forward substitutions in one loop) rather than fla's kernel (read at each call, for
+`bench/probes/variant_ab.py`). The same bits as fla's at both of `WY_LAUNCH`'s launches
+(`tests/engine/kernels/test_delta_rule.py`). On the H200 in one process (run AU, a noisy run: rounds of one variant
+spread by up to 0.35 ms at batch 1) batch 1 ran in 2.184 ms against 2.428, batch 8 in 5.355 against 5.436 and batch 128
+in 60.66 against 61.18; at 2 warps for large grids it was slower (61.76 ms at batch 128)."""
 
 FUSED_OUTPUT = True
 """Whether a suffix pass's delta rule computes its output in the state kernel's pass (`chunk_outputs_indexed`) rather
@@ -93,8 +93,8 @@ WY_LAUNCH: tuple[tuple[int, int], tuple[int, int]] | None = ((64, 1), (4, 3))
 `pin_autotuned_launches` ran). Autotuned, fla's key holds neither the batch nor the length, so it keeps, for every
 batch, the launch it timed best at the process's first call (a prefix pass). On the H200 (run AL in bench/README.md:
 `bench/probes/kernel_probe.py --only wy`, batch 128, 184 tokens) the solve took 0.145 ms a layer at this launch against
-0.246 at the (64, 2) fla had tuned, and whole batch-128 steps 60.5 ms against 65.6 (`bench/probes/variant_ab.py`). Read at
-each call, for `bench/probes/variant_ab.py`."""
+0.246 at the (64, 2) fla had tuned, and whole batch-128 steps 60.5 ms against 65.6 (`bench/probes/variant_ab.py`). Read
+at each call, for `bench/probes/variant_ab.py`."""
 
 WY_SMALL_LAUNCH: tuple[tuple[int, int], tuple[int, int]] = ((64, 2), (2, 4))
 """The launch where the solve would start fewer than `WY_FILL_PROGRAMS` programs (batch 1: 3 chunks x 16 heads): with
@@ -161,8 +161,8 @@ first call of a process, and the block over the key dimension (BK) splits the ke
 then compute a schema's prefix, and every answer read from it, with different bits, and a replay would not reproduce
 the live records (DESIGN.md, determinism). Pinned, every process runs the same launches, and none is timed. The
 settings are the launches fla's autotuner picked on the H200 at 32 rows of 582 tokens (`full_fast`'s shape;
-`bench/probes/kernel_probe.py --only fla_launches`, run AQ); the state kernel's BV splits no sum (its first candidate, BV
-32, gave the same bits there)."""
+`bench/probes/kernel_probe.py --only fla_launches`, run AQ); the state kernel's BV splits no sum (its first candidate,
+BV 32, gave the same bits there)."""
 
 
 _CANDIDATES: dict = {}      # kernel -> fla's candidate launches, as its autotuner held them before pinning

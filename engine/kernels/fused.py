@@ -13,7 +13,8 @@
 Counts (rows, heads, tokens) are never specialised on; the strides of the bf16 tensors are: Triton then knows
 they are multiples of 16 (they are, for every layer shape here) and loads 16 bytes at a time. Unspecialised, it
 cannot prove a row's alignment and loads 2 bytes at a time (the PTX shows `ld.global.b16` instead of
-`ld.global.v4.b32`: tests/engine/kernels/test_triton_ptx.py); a stride's divisibility takes one of two values, so it costs at most a second compile.
+`ld.global.v4.b32`: tests/engine/kernels/test_triton_ptx.py); a stride's divisibility takes one of two values, so it
+costs at most a second compile.
 
 Why not fla's norm kernels: they autotune and specialise on the number of row blocks (`NB`), so every new
 (batch bucket, length bucket) shape compiles and benchmarks them afresh: seconds per new shape, a multi-second
@@ -44,13 +45,13 @@ batch 128 alone (run BK), 59.24 against 59.39 with `engine.model.ANSWER_QUERIES`
 _BLOCK_ELEMENTS = 1024
 """Elements a `row_norm` program takes: one row of the 1,024-wide residual norms, 8 heads of the 128-wide gated norm.
 With 4 warps, a row's sum of squares is split over the threads alike at 1 and at 4 rows a program (4,096 elements, the
-setting before): the same bits (`bench/probes/variant_ab.py --deterministic`, run CF: diff 0 at every batch size), and 4 times
-the programs for batch 1's 184 rows. On the H200 (run CF, 4 rounds, p50 ms): batch 1 2.650 against 2.725, batch 8
+setting before): the same bits (`bench/probes/variant_ab.py --deterministic`, run CF: diff 0 at every batch size), and 4
+times the programs for batch 1's 184 rows. On the H200 (run CF, 4 rounds, p50 ms): batch 1 2.650 against 2.725, batch 8
 5.169 against 5.335 (faster in each round), 128 60.700 against 60.907 (within the spread); 8,192 was slower at every
 size, and so were 2 warps (which also changed the bits) and 8 (no faster)."""
 NORM_WARPS = 4
-"""Warps of a `row_norm` program. It and `_BLOCK_ELEMENTS` are read at each call (so `bench/probes/variant_ab.py` can time
-other launches in one process); both fix how a row's sum of squares is split over threads, so they are constants of
+"""Warps of a `row_norm` program. It and `_BLOCK_ELEMENTS` are read at each call (so `bench/probes/variant_ab.py` can
+time other launches in one process); both fix how a row's sum of squares is split over threads, so they are constants of
 the process, never chosen by the row count."""
 
 

@@ -31,8 +31,8 @@ CHUNK = 64
 FWD_H_CONFIG = (64, 4, 2)
 """(value columns per program, warps, stages) of the state kernel, one of fla's autotuning candidates. The value
 columns a program holds do not change how a column is summed: other candidates give the same bits
-(`tests/engine/kernels/test_delta_rule.py`). On the H200 (`bench/probes/variant_ab.py`) (64, 2, 4) ran batches 4 to 32 slower,
-and 32 columns (twice the programs) for batches 1 and 2 were no faster."""
+(`tests/engine/kernels/test_delta_rule.py`). On the H200 (`bench/probes/variant_ab.py`) (64, 2, 4) ran batches 4 to 32
+slower, and 32 columns (twice the programs) for batches 1 and 2 were no faster."""
 
 
 @triton.jit
@@ -129,8 +129,8 @@ def _fwd_h_indexed_kernel(k, v, w, v_new, g, h, h0, h0_index, T, NT: tl.constexp
 FUSED_CONFIG = (64, 4, 2)
 """(value columns per program, warps, stages) of the fused state-and-output kernel. The columns a program holds do not
 change a column's sums: other configurations give the same bits (`tests/engine/kernels/test_delta_rule.py`). On the H200
-in one process (`bench/probes/variant_ab.py`, run AD) (64, 4, 2) ran batch 32 in 16.6 ms and batch 128 in 63.6 ms against
-(32, 4, 2)'s 17.2 and 65.7; (64, 8, 2), (32, 2, 2), (32, 8, 2) and (16, 2, 2) were slower at both."""
+in one process (`bench/probes/variant_ab.py`, run AD) (64, 4, 2) ran batch 32 in 16.6 ms and batch 128 in 63.6 ms
+against (32, 4, 2)'s 17.2 and 65.7; (64, 8, 2), (32, 2, 2), (32, 8, 2) and (16, 2, 2) were slower at both."""
 
 
 FUSED_SMALL_CONFIG = (16, 2, 2)

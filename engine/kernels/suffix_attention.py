@@ -31,10 +31,10 @@ from engine.kernels.pdl import await_previous_kernel, pdl_launch
 
 CONFIG = (128, 64, 8, 2)
 """(query rows, keys, warps, stages) of a launch with enough programs to fill the GPU. Read at each call, so
-`bench/probes/variant_ab.py` can time others in one process. On the H200 at 128 rows of 184 tokens after a 400-token prefix
-(the 0.8B shape, `bench/probes/kernel_probe.py --only suffix`, CUDA-graph replays): 0.423 ms, against 0.535 ms for the split
-path's three launches and 0.679 ms for 64 query rows; 128 rows x 64 keys x 3 stages needs more shared memory than
-the H200 has."""
+`bench/probes/variant_ab.py` can time others in one process. On the H200 at 128 rows of 184 tokens after a 400-token
+prefix (the 0.8B shape, `bench/probes/kernel_probe.py --only suffix`, CUDA-graph replays): 0.423 ms, against 0.535 ms
+for the split path's three launches and 0.679 ms for 64 query rows; 128 rows x 64 keys x 3 stages needs more shared
+memory than the H200 has."""
 SMALL_CONFIG = (16, 64, 4, 2)
 """The launch where `CONFIG` would give fewer programs than `FILL_PROGRAMS` (batch 1: 2 kv heads x 6 blocks of 128
 rows for 4 query heads x 184 positions, on 132 SMs). At batch 1 on the H200: 0.025 ms, against 0.064 ms split and

@@ -29,8 +29,9 @@ block run side by side and read its W tile from HBM once, then from L2). The MMA
 L2 traffic at 1,280 rows (15.3 GB): (128, 256) is `engine.kernels.cuda_deterministic.matmul_config`'s large tile.
 The combine kernel reads S x 976 float32 (5 MB at 1,280 rows). Nothing syncs with the host: a CUDA graph captures both.
 These are estimates from the H200's peaks, not timings. Compiled for sm_90 by Triton 3.6
-(tests/engine/kernels/test_triton_ptx.py): wgmma fed by cp.async, 144 KB of shared memory (one program per SM), 185 registers,
-no spills. The row count is never specialised on (`do_not_specialize`): one compiled kernel for 1 row and for 1,300.
+(tests/engine/kernels/test_triton_ptx.py): wgmma fed by cp.async, 144 KB of shared memory (one program per SM), 185
+registers, no spills. The row count is never specialised on (`do_not_specialize`): one compiled kernel for 1 row and for
+1,300.
 """
 from __future__ import annotations
 
@@ -43,9 +44,9 @@ from engine.kernels.pdl import await_previous_kernel, pdl_launch
 
 CONFIG = (128, 256, 8, 3)
 """(BM, BN, warps, stages) of the fused kernel at every row count (BK from the hidden size: `vocab_config`). Read at
-each call, so a CUDA graph keeps the tile it was captured with and `bench/probes/variant_ab.py` can time another in the same
-process (e.g. "tile-64:engine.kernels.vocab_logsumexp.CONFIG=(64, 128, 4, 4)"); any one tile is batch-invariant, two
-tiles need not give the same bits."""
+each call, so a CUDA graph keeps the tile it was captured with and `bench/probes/variant_ab.py` can time another in the
+same process (e.g. "tile-64:engine.kernels.vocab_logsumexp.CONFIG=(64, 128, 4, 4)"); any one tile is batch-invariant,
+two tiles need not give the same bits."""
 
 TABLE_ALIGN = 16
 """The partial table's row width is the vocabulary block count rounded up to this (a function of V alone): rows start

@@ -142,9 +142,9 @@ def test_another_process_gives_the_same_bits(engines, model_and_tok, texts, tmp_
 
 
 def test_each_kernel_family_on_its_own():
-    """One test per source of batch dependence found on the H200 (`bench/probes/invariance_probe.py`): a probe's rows among
-    random neighbours in batches of 1 x 184 to 128 x 264 rows, compared bit for bit with the probe alone. The Triton
-    GEMM, the Triton attention (both halves) and fla's delta rule must be invariant; torch's flash attention is
+    """One test per source of batch dependence found on the H200 (`bench/probes/invariance_probe.py`): a probe's rows
+    among random neighbours in batches of 1 x 184 to 128 x 264 rows, compared bit for bit with the probe alone. The
+    Triton GEMM, the Triton attention (both halves) and fla's delta rule must be invariant; torch's flash attention is
     reported (it is what deterministic mode replaces)."""
     import random as _random
 
@@ -182,7 +182,8 @@ def test_many_schemas_in_one_batch_score_as_alone_and_share_graphs(engines, mode
 
 
 PLACEMENTS = [(2, 184), (8, 192), (12, 184), (32, 184), (40, 256), (64, 184), (128, 184), (128, 264)]
-"""Batches (rows, padded length) a probe row of 182 tokens is placed in, as `bench/probes/invariance_probe.py` places it."""
+"""Batches (rows, padded length) a probe row of 182 tokens is placed in, as `bench/probes/invariance_probe.py` places
+it."""
 
 
 def test_the_deterministic_attention_kernels_give_a_row_the_same_bits_in_any_batch(engines):

@@ -155,9 +155,9 @@ def test_gate_attention_merges_prefix_and_suffix_halves_like_the_torch_path(dtyp
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n_cols", [5, 1024, 2560, 8192])
 def test_row_logsumexp_is_each_rows_own_whatever_the_rows_beside_it(dtype, n_cols):
-    """The label mass's log-sum-exp (`engine.label_mass`): torch's value, columns past n_cols ignored (the last vocabulary
-    chunk's padding, filled here with values that would dominate), the same bits for a row alone and among others, and
-    written into a strided column of a table."""
+    """The label mass's log-sum-exp (`engine.label_mass`): torch's value, columns past n_cols ignored (the last
+    vocabulary chunk's padding, filled here with values that would dominate), the same bits for a row alone and among
+    others, and written into a strided column of a table."""
     from engine.kernels.pytorch import torch_row_logsumexp
     from engine.kernels.fused import row_logsumexp
 

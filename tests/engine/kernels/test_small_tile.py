@@ -3,8 +3,8 @@ so a row does not depend on its launch's row count whichever tile runs.
 
 Runs on the GPU (`pytest -m gpu`), where it is the real check: whether two tile shapes add a BK step's products in the
 same order is the MMA instructions' business. On a CPU through Triton's interpreter, which checks the kernels'
-addressing and masking (its dot is numpy's): `TRITON_INTERPRET=1 pytest -m gpu tests/engine/kernels/test_small_tile.py` with
-triton installed and fla not. bfloat16 only on the GPU: the large tile's float32 operands exceed the H200's shared
+addressing and masking (its dot is numpy's): `TRITON_INTERPRET=1 pytest -m gpu tests/engine/kernels/test_small_tile.py`
+with triton installed and fla not. bfloat16 only on the GPU: the large tile's float32 operands exceed the H200's shared
 memory (the engine's float32 CUDA path runs cuBLAS, not this kernel).
 """
 import random

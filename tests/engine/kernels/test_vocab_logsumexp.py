@@ -4,8 +4,9 @@ in its epilogue, never written), then one kernel combining each row's vocabulary
 It is torch's log-sum-exp of the float32 logits (columns past the valid vocabulary ignored), and a row's result is the
 same bits alone, among other rows at any row count and at any position (one tile at every row count, no split over
 K). Runs on the GPU (`pytest -m gpu`); on a CPU through Triton's interpreter, whose dot is numpy's (float32 only:
-the interpreter's bfloat16 dot is not): `TRITON_INTERPRET=1 pytest -m gpu tests/engine/kernels/test_vocab_logsumexp.py` with
-triton installed and fla not. The whole engine's label mass with it on CUDA: tests/engine/test_gpu_label_mass.py."""
+the interpreter's bfloat16 dot is not): `TRITON_INTERPRET=1 pytest -m gpu tests/engine/kernels/test_vocab_logsumexp.py`
+with triton installed and fla not. The whole engine's label mass with it on CUDA:
+tests/engine/test_gpu_label_mass.py."""
 import random
 
 import pytest
@@ -57,7 +58,8 @@ def test_vocabulary_rows_past_n_valid_are_ignored():
 
 
 def test_another_tile_computes_the_same_values(monkeypatch):
-    """`CONFIG` is read at each call (`bench/probes/variant_ab.py` times other tiles): a smaller one agrees to rounding."""
+    """`CONFIG` is read at each call (`bench/probes/variant_ab.py` times other tiles): a smaller one agrees to
+    rounding."""
     x, w = _inputs(37, DTYPES[-1], seed=2)
     default = vl.vocab_logsumexp(x, w)
     monkeypatch.setattr(vl, "CONFIG", (64, 128, 4, 4))
