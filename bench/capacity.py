@@ -5,11 +5,11 @@
     python bench/stream_bench.py --capacity --quick                  # CPU, tiny model (the tests run it)
     python bench/capacity.py --plot bench/results/X-capacity.json    # the PNG again, from a result (needs matplotlib)
 
-The run measures the full-load throughput first (`stream_bench.throughput_phase`, the workers reaching the broker
+The run measures the full-load throughput first (`stream_phases.throughput_phase`, the workers reaching the broker
 through the proxy when there is a delay), then for each budget B starts workers with `--latency-budget-ms B
 --max-wait-ms B` and offers states at fractions of that throughput, ascending (--capacity-loads, default 30% to 95%),
 --capacity-samples windows per load (default 2), each --latency-warmup-seconds unmeasured then --latency-seconds
-measured (`stream_bench.latency_window`). A load holds when every sample has p99 event -> visible <= B and at most 1%
+measured (`stream_phases.latency_window`). A load holds when every sample has p99 event -> visible <= B and at most 1%
 of its states over B; B's capacity is the highest load held with every lower measured load held too, as a fraction of
 the full-load throughput, and a budget stops climbing at its first load that does not hold.
 
@@ -31,6 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.stream_phases import exactly_once, latency_window, running_stream, throughput_phase  # noqa: E402
 from worker.devbroker.embedded_broker import free_port  # noqa: E402
 from worker.ops.ports import port_open  # noqa: E402
 
@@ -98,7 +99,6 @@ def _sample_summary(window: dict) -> dict:
 def budget_curve(args, bootstrap: str, model_dir, schema_file, texts, logs, budget_ms: int, full_rate: float,
                  loads: list[float]) -> dict:
     """Offer each of ``loads`` (fractions of ``full_rate``) to workers run with ``budget_ms``, until one does not hold."""
-    from bench.stream_bench import exactly_once, latency_window, running_stream
     points, ids = [], []
     with running_stream(args, bootstrap, model_dir, schema_file, texts, logs, f"cap{budget_ms}", budget_ms,
                         budget_ms) as (stream, reader, warm_ids):
@@ -153,7 +153,6 @@ def fresh_broker(args, logs: Path, name: str):
 
 def capacity_run(args, env: dict, engine_rate: float, model_dir, schema_file, texts, logs: Path) -> dict:
     """The whole capacity measurement (see the module's docstring), each phase on a broker of its own."""
-    from bench.stream_bench import throughput_phase
     grid = sorted(args.capacity_loads)
     with fresh_broker(args, logs, "tput") as (broker, proxy_stats):
         full = throughput_phase(args, broker.bootstrap, model_dir, schema_file, texts, logs)

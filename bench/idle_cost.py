@@ -8,7 +8,7 @@ A variant is ``NAME@BROKER``: NAME picks client settings (``VARIANTS``, ``WORKER
 (noida-db, which answers an empty Fetch at once) or ``mock`` (librdkafka's mock cluster, which holds it for the
 request's max wait, as Kafka does); a bare NAME takes --broker. Every variant gets its own broker process, so the
 broker's CPU is attributable, and all variants run at the same time (side by side), so a loaded machine slows them
-alike. CPU = utime + stime deltas of every thread in
+alike. CPU = utime + stime deltas of every thread (``bench/thread_cpu.py``) in
 ``/proc/PID/task/*/stat`` over the window, as a fraction of one core, summed by thread name (``rdk:broker1`` is
 librdkafka's thread for broker 1, ``rdk:main`` its main thread, ``python`` the interpreter's own thread, ...).
 
@@ -42,12 +42,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.thread_cpu import measure, summary  # noqa: E402
 from worker.config import Topics  # noqa: E402
 from worker.devbroker.embedded_broker import EmbeddedBroker, free_port  # noqa: E402
 from worker.kafka_clients import create_topics  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-TICK = os.sysconf("SC_CLK_TCK")
 
 # Overrides of the consumers' librdkafka settings, per variant name.
 VARIANTS: dict[str, dict] = {
@@ -55,46 +55,6 @@ VARIANTS: dict[str, dict] = {
     "wait500": {"fetch.wait.max.ms": 500, "fetch.min.bytes": 1},    # a long wait, return on the first byte
     "reader": {"fetch.wait.max.ms": 50},                            # the schema table reader's wait
 }
-
-
-# ---------------------------------------------------------------------------------------------------------------- CPU
-
-def thread_ticks(pid: int) -> dict[int, tuple[str, int]]:
-    """tid -> (thread name, utime + stime in clock ticks) for every thread of ``pid`` now."""
-    out = {}
-    try:
-        tids = os.listdir(f"/proc/{pid}/task")
-    except FileNotFoundError:
-        return out
-    for tid in tids:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                stat = f.read()
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-        name = stat[stat.index("(") + 1:stat.rindex(")")]
-        fields = stat[stat.rindex(")") + 2:].split()
-        out[int(tid)] = (name, int(fields[11]) + int(fields[12]))  # utime, stime (fields 14, 15 of stat)
-    return out
-
-
-def cpu_by_thread(before: dict, after: dict, seconds: float) -> dict[str, float]:
-    """Core fractions per thread name between two ``thread_ticks`` readings (threads alive at the end)."""
-    out: dict[str, float] = {}
-    for tid, (name, ticks) in after.items():
-        start = before.get(tid, (name, 0))[1] if tid in before else 0
-        out[name] = out.get(name, 0.0) + (ticks - start) / TICK / seconds
-    return out
-
-
-def measure(pids: dict[str, int], window_s: float) -> dict[str, dict[str, float]]:
-    """Core fractions per thread name of each named process over ``window_s`` (all sampled in the same window)."""
-    before = {key: thread_ticks(pid) for key, pid in pids.items()}
-    t0 = time.monotonic()
-    time.sleep(window_s)
-    seconds = time.monotonic() - t0
-    after = {key: thread_ticks(pid) for key, pid in pids.items()}
-    return {key: cpu_by_thread(before[key], after[key], seconds) for key in pids}
 
 
 # ------------------------------------------------------------------------------------------------- a bare consumer
@@ -234,14 +194,6 @@ def start_variants(labels: list[str], logs: Path, default_kind: str) -> list[Var
     time.sleep(3)  # past the group join and the first fetches
     return variants
 
-
-def summary(cpu: dict[str, float]) -> dict[str, float]:
-    """Total plus the threads that matter, rounded."""
-    out = {"total": round(sum(cpu.values()), 4)}
-    for name, frac in sorted(cpu.items(), key=lambda kv: -kv[1]):
-        if frac >= 0.0005:
-            out[name] = round(out.get(name, 0) + frac, 4)
-    return out
 
 
 def consumers(args, logs: Path) -> dict:

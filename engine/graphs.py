@@ -1,10 +1,10 @@
 """The graph manager: CUDA graphs of a scoring step, one per (key, batch bucket, length bucket), in one memory pool.
 
-Like vLLM's `cudagraph_utils.py`, `GraphManager` owns the bucket tables and picks the padded shape a batch runs at
-(`shape`), warms up and captures (largest first, so smaller graphs reuse the pool's blocks: `warmup_order`), copies
-inputs into a graph's static buffers, replays and slices the static output (`run`), and counts captures, replays and
-eager steps (`stats`). Its callers build inputs at the shape it picked, on the host (pinned, so that each is one
-asynchronous copy straight into its static buffer) or on the device, and say what one step computes.
+Like vLLM's `cudagraph_utils.py`, `GraphManager` holds the bucket tables (`engine.buckets`) and picks the padded
+shape a batch runs at (`shape`), warms up and captures (largest first, so smaller graphs reuse the pool's blocks:
+`warmup_order`), copies inputs into a graph's static buffers, replays and slices the static output (`run`), and counts
+captures, replays and eager steps (`stats`). Its callers build inputs at the shape it picked, on the host (pinned, so
+that each is one asynchronous copy straight into its static buffer) or on the device, and say what one step computes.
 """
 from __future__ import annotations
 
@@ -13,27 +13,7 @@ from typing import Callable, Iterable
 
 import torch
 
-TS_BUCKETS = (*range(32, 257, 8), *range(288, 1025, 32), 1280, 1536, 2048)
-"""Suffix lengths graphs are captured for: steps of 8 tokens where states usually fall (a 182-token suffix runs as
-184, not 192: padding is wasted compute), coarser above; longer suffixes run eagerly."""
-B_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 28, 32, 40, 48, 56, 64, 80, 96, 112, 128)
-"""Requests per graph; larger batches are split into chunks of the largest. A padded row costs as much as a real one
-(on the H200, 0.8B shape: ~2.4 ms per batch plus ~0.5 ms per row), and a stream's batches take whatever size its
-rate and its deadlines give: under --latency-budget-ms at half load they hold 4 to 10 states, where a padded row
-is a tenth of the batch's time, so every size up to 8 has its graph, and above it at most 20% of a graph's rows are
-padding (33 states in 40), where powers of two would run a stream's batch of ~19 states as 32 rows."""
-
-
-def bucket(n: int, buckets: tuple[int, ...]) -> int | None:
-    """The smallest bucket >= n, or None past the largest."""
-    return next((b for b in buckets if b >= n), None)
-
-
-def batch_buckets(max_batch: int) -> list[int]:
-    """The batch buckets that batches of up to `max_batch` states run in (what a warm-up should capture)."""
-    if max_batch > B_BUCKETS[-1]:
-        return list(B_BUCKETS)            # larger batches run as chunks of the largest bucket plus a remainder
-    return [b for b in B_BUCKETS if b <= bucket(max_batch, B_BUCKETS)]
+from engine import buckets
 
 
 @dataclass(frozen=True)
@@ -73,8 +53,8 @@ class GraphManager:
     it) takes a fresh handle.
     """
 
-    def __init__(self, enabled: bool, batch_sizes: tuple[int, ...] = B_BUCKETS,
-                 token_lengths: tuple[int, ...] = TS_BUCKETS, device: torch.device | str | None = None):
+    def __init__(self, enabled: bool, batch_sizes: tuple[int, ...] = buckets.B_BUCKETS,
+                 token_lengths: tuple[int, ...] = buckets.TS_BUCKETS, device: torch.device | str | None = None):
         self.enabled = enabled
         self.device = None if device is None else torch.device(device)
         self.batch_sizes, self.token_lengths = batch_sizes, token_lengths
@@ -89,7 +69,7 @@ class GraphManager:
 
     def shape(self, n: int, tmax: int) -> StepShape:
         """The shape a batch of n requests, the longest tmax tokens, runs at: its buckets if a graph can serve it."""
-        R, T = bucket(n, self.batch_sizes), bucket(tmax, self.token_lengths)
+        R, T = buckets.bucket(n, self.batch_sizes), buckets.bucket(tmax, self.token_lengths)
         if self.enabled and R is not None and T is not None:
             return StepShape(R, T, graphed=True)
         return StepShape(n, tmax, graphed=False)

@@ -14,9 +14,9 @@ chunk has the same shape (the last is a zero-padded copy whose padding the reduc
 sum is fixed by the vocabulary alone: a row's label mass does not depend on the batch around it. Nothing syncs with
 the host, so a CUDA graph captures it.
 
-On CUDA the kernel table's `vocab_logsumexp` (`engine.vocab_logsumexp`) does the same in one GEMM kernel whose epilogue
-reduces each tile of logits, and a small kernel combining the tiles: two launches instead of 62, the logits never
-written (at batch 128 the chunks write and re-read 636 MB of them). `FUSED` switches it off.
+On CUDA the kernel table's `vocab_logsumexp` (`engine.kernels.vocab_logsumexp`) does the same in one GEMM kernel whose
+epilogue reduces each tile of logits, and a small kernel combining the tiles: two launches instead of 62, the logits
+never written (at batch 128 the chunks write and re-read 636 MB of them). `FUSED` switches it off.
 """
 from __future__ import annotations
 
@@ -33,8 +33,8 @@ launches (31 chunks for 248,320 tokens) at the cost of that check's memory."""
 
 FUSED = True
 """Whether `FullVocabulary.logsumexp` takes the kernel table's `vocab_logsumexp` where it has one (False: the chunks,
-as before it). Read at each call, so a CUDA graph keeps the path it was captured with and `bench/variant_ab.py` can
-time both in one process ("chunked:engine.label_mass.FUSED=False")."""
+as before it). Read at each call, so a CUDA graph keeps the path it was captured with and `bench/probes/variant_ab.py`
+can time both in one process ("chunked:engine.label_mass.FUSED=False")."""
 
 
 class FullVocabulary:

@@ -63,9 +63,9 @@ class Engine:
 
         dtype: "float32" | "bfloat16" | "float16"; default float32 on CPU, bfloat16 on CUDA.
         deterministic: a state's probabilities are bit-identical whatever its batch size, position, neighbours and
-        length bucket, so a replay reproduces live records exactly (`engine.kernels.batch_invariant_kernels` on CUDA,
-        `engine.invariant_kernels` on the CPU). None: `DETERMINISTIC_BY_DEFAULT` for the device, on where it costs
-        at most 5% throughput.
+        length bucket, so a replay reproduces live records exactly (`engine.kernels.table.batch_invariant_kernels` on
+        CUDA, `engine.kernels.cpu_deterministic` on the CPU). None: `DETERMINISTIC_BY_DEFAULT` for the device, on where
+        it costs at most 5% throughput.
         Raises ModelLoadError (a ValueError) naming what is missing or unsupported.
         """
         from transformers import AutoTokenizer

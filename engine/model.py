@@ -2,9 +2,9 @@
 
 transformers' modules hold the weights (names match the checkpoint: `model.layers.N.linear_attn.in_proj_qkv`, ...) and
 compute embeddings and the RoPE angles; norms (with the residual adds and RoPE fused in), the causal conv, the delta
-rule, SwiGLU and the attention's merge and output gate come from the kernel table `engine.kernels.select_kernels`
-picks (fla's and `engine.triton_kernels`' fused Triton kernels on CUDA, transformers' exact PyTorch formulas
-elsewhere); the attention calls and layouts from `engine.attention`; this file owns the order of
+rule, SwiGLU and the attention's merge and output gate come from the kernel table `engine.kernels.table.select_kernels`
+picks (the fused Triton kernels of fla and `engine.kernels.fused` on CUDA, transformers' exact PyTorch formulas
+elsewhere); the attention calls and layouts from `engine.kernels.attention`; this file owns the order of
 operations, the fused projections and the layer states, so that:
 
 - a *prefix pass* (one prefix, batch 1) returns each layer's state: K/V (after RoPE) for full-attention layers, the
@@ -26,13 +26,13 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from engine.attention import AttentionOut
-from engine.kernels import select_kernels
+from engine.kernels.attention import AttentionOut
+from engine.kernels.table import select_kernels
 
 ANSWER_ROWS_ONLY = True
 """With `layers(..., rows=)`, run the last layer's MLP and norms on those rows alone (False: on every token, then
-select, as before; kept so that `bench/variant_ab.py` can time the two in one process). Read when a step is traced,
-so a CUDA graph keeps the setting it was captured under."""
+select, as before; kept so that `bench/probes/variant_ab.py` can time the two in one process). Read when a step is
+traced, so a CUDA graph keeps the setting it was captured under."""
 FUSED_ATTENTION = True
 """Whether a suffix pass takes the kernel table's one-kernel attention (`Kernels.suffix_attention`) where it has one
 (False: the split path; read when a step is traced, like `ANSWER_ROWS_ONLY`)."""
@@ -41,7 +41,7 @@ FUSED_RESIDUAL = False
 cuBLAS adds the residual in its epilogue, in place), the norms after them then reading the residual alone: at batch
 128 each of the 48 adds a step reads and writes 96 MB fewer (about 1 ms of a 60 ms step on the H200, from bytes). The
 sum is rounded once, where transformers rounds the projection, then the sum: not the bits of the path without it, and
-so never in a deterministic table. Off: on the H200 it saved nothing (run BC, `bench/variant_ab.py --variant
+so never in a deterministic table. Off: on the H200 it saved nothing (run BC, `bench/probes/variant_ab.py --variant
 "residual:engine.model.FUSED_RESIDUAL=True"`: 59.55 against 59.58 ms at batch 128, 2.40 against 2.43 at batch 1, within
 the rounds' spread), though it matches the oracle as the default path does (`tests/engine/test_gpu.py -k residual`).
 Read when a step is traced, like `ANSWER_ROWS_ONLY`."""
@@ -53,17 +53,17 @@ batch 128 that leaves out, from the FLOP counts and run AX's profile, about 0.27
 its 5,120 columns), 0.4 ms of attention and 0.13 ms of the output projection, of a 60 ms step. Not the bits of the
 path without it (the projections of fewer rows round as the GEMM does for that row count, the attention runs another
 launch). The deterministic table takes it at every batch size (`Kernels.batch_invariant`), its projections through
-the invariant linear. On the H200 (`bench/variant_ab.py --variant
+the invariant linear. On the H200 (`bench/probes/variant_ab.py --variant
 "answers:engine.model.ANSWER_QUERIES=True"`, batch 128): 59.39 against 59.97 ms, faster in each of 8 rounds (run BL),
 the same probabilities as without it; at batch 1 and 32 within the rounds' spread (run BK). Read when a step is traced,
 like `ANSWER_ROWS_ONLY`."""
 ANSWER_QUERIES_MIN_ROWS = 2
 """`ANSWER_QUERIES` only in steps of at least this many rows: `answer_attention` runs one program per (row, kv head),
 so at batch 1 two programs walk the row's ~600 keys where the whole-row kernel spreads them over 92. On the H200
-(`bench/variant_ab.py`, 4 rounds, run BQ): batch 1 2.178 ms at 2 against 2.264 at 1 (the answers' kernel took 52 us
-of the step, the whole row's 23); batch 8 5.077 against 5.139 and batch 32 15.59 against 15.52, within the spread;
-16 no better than 2. Not in a batch-invariant table (`Kernels.batch_invariant`): a row scored alone would take
-another path than in a batch, and get other bits."""
+(`bench/probes/variant_ab.py`, 4 rounds, run BQ): batch 1 2.178 ms at 2 against 2.264 at 1 (the answers' kernel took 52
+us of the step, the whole row's 23); batch 8 5.077 against 5.139 and batch 32 15.59 against 15.52, within the spread; 16
+no better than 2. Not in a batch-invariant table (`Kernels.batch_invariant`): a row scored alone would take another path
+than in a batch, and get other bits."""
 
 
 @dataclass
@@ -216,8 +216,8 @@ class HybridForward:
     """
 
     def __init__(self, causal_lm, deterministic: bool = False, readout_weights: Sequence[torch.Tensor] = ()):
-        """deterministic: batch-invariant kernels (`engine.kernels.select_kernels`); readout_weights: the read-out's
-        matrices (the labels' [MAX_OPTIONS, hidden], a vocabulary chunk of the label mass), whose GEMMs the
+        """deterministic: batch-invariant kernels (`engine.kernels.table.select_kernels`); readout_weights: the
+        read-out's matrices (the labels' [MAX_OPTIONS, hidden], a vocabulary chunk of the label mass), whose GEMMs the
         deterministic check covers too."""
         self.core = causal_lm.model
         self.cfg = causal_lm.config

@@ -26,7 +26,7 @@ crosses a step."""
 FIRST_SLOTS = 8
 CONV_TIME_MAJOR = True
 """Conv states stored time-major (`_resized`); False: channel-major, as before. Read when the bank grows, so
-`bench/variant_ab.py` can time both (each variant's engine has its own bank)."""
+`bench/probes/variant_ab.py` can time both (each variant's engine has its own bank)."""
 
 
 class PrefixBank:

@@ -31,7 +31,8 @@ import torch
 
 from engine.calibration import CONTENT_FREE_STATES, check_calibration, contextual_bias, option_biases
 from engine.errors import InputError
-from engine.graphs import GraphManager, StepShape, batch_buckets
+from engine.buckets import batch_buckets
+from engine.graphs import GraphManager, StepShape
 from engine.label_mass import label_mass
 from engine.model import SuffixContext
 from engine.prefix_bank import PrefixBank
@@ -45,7 +46,7 @@ LABEL_MASS_BY_DEFAULT = True
 """Whether a schema's records carry the label mass when neither it (`prepare(..., label_mass=)`) nor the
 SchemaEngine says: a step computes it when any of its rows' schemas wants it (the vocabulary's log-sum-exp at every
 answer slot of the step). On by default while it costs at most 3% at batch 128 on the H200 (issue 34; bench/README.md
-has the timing). Read when a SchemaEngine is made, so `bench/variant_ab.py` can set it per variant."""
+has the timing). Read when a SchemaEngine is made, so `bench/probes/variant_ab.py` can set it per variant."""
 
 
 class TokenizedState(NamedTuple):

@@ -1,19 +1,27 @@
 """The layering, checked on the source with ``ast`` (imports inside functions count too):
 - ``engine/`` imports nothing of Kafka, the worker or the Avro contracts;
-- ``worker/``'s wings import one way: a module imports from its own wing or a lower one (``WORKER_LAYERS``);
-- no import cycle among the project's modules (``engine``, ``worker``, ``schemas``), a name a package re-exports
-  counting as an import of the module that defines it;
-- no production module is longer than ``MAX_MODULE_LINES``;
+- each layered package's wings import one way: a module imports from its own wing or a lower one (``LAYERS``):
+  ``worker/``'s wings (``WORKER_LAYERS``); ``engine/``'s kernel wing below the model, prompt, prefix bank, graphs and
+  scoring, with the bucket sizes below both and the kernel table on top of the wing (``ENGINE_LAYERS``); ``bench/``'s
+  benchmarks below its probes (``BENCH_LAYERS``);
+- nothing outside the engine reaches into its kernel wing;
+- no import cycle among the project's modules (``engine``, ``worker``, ``schemas``, ``bench``, ``tests``), a name a
+  package re-exports counting as an import of the module that defines it;
+- no module (production, benchmark or test) is longer than ``MAX_MODULE_LINES``;
 - no production module reads a test-only environment variable (a key naming TEST, FAULT or INJECT)."""
 
 from __future__ import annotations
 
 import ast
+import functools
 import re
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("engine", "worker", "schemas")
+"""The production packages."""
+EVERY_PACKAGE = (*PACKAGES, "bench", "tests")
+"""Every package of the repository's Python: the production ones, the benchmarks and the tests."""
 TEST_ONLY_ENV = re.compile(r"TEST|FAULT|INJECT", re.IGNORECASE)
 MAX_MODULE_LINES = 400
 
@@ -31,9 +39,28 @@ WORKER_LAYERS = (
 )
 """``worker/``'s wings and top-level modules, bottom to top (a module or a package and everything in it)."""
 
+ENGINE_LAYERS = (
+    "engine.errors",         # the error types every wing raises
+    "engine.buckets",        # the bucket sizes: the graph manager captures them, the kernel table checks GEMMs at them
+    "engine.kernels",        # the kernel wing: one module per table and per kernel family
+    "engine.kernels.table",  # the kernel table and its selector: the wing's one way in from above
+    "engine",                # the model, prompt, prefix bank, graphs and scoring, and the package's API
+)
+"""``engine/``'s wings, bottom to top; a module belongs to the longest that names it (``engine.kernels.table`` is not
+in ``engine.kernels``'s wing, ``engine.model`` is in ``engine``'s)."""
+
+BENCH_LAYERS = (
+    "bench",                 # the benchmarks a user runs, and the helpers they share
+    "bench.probes",          # one-off probes of the workshop: they may use the benchmarks' helpers, never the reverse
+)
+"""``bench/``'s wings, bottom to top."""
+
+LAYERS = {"worker": WORKER_LAYERS, "engine": ENGINE_LAYERS, "bench": BENCH_LAYERS}
+"""The layered packages and their wings."""
+
 
 def _modules(root: Path = REPO, packages: tuple[str, ...] = PACKAGES) -> dict[str, Path]:
-    """Every module of the production packages under ``root``, by dotted name."""
+    """Every module of ``packages`` (the production ones unless told) under ``root``, by dotted name."""
     found = {}
     for package in packages:
         for path in sorted((root / package).rglob("*.py")):
@@ -43,6 +70,7 @@ def _modules(root: Path = REPO, packages: tuple[str, ...] = PACKAGES) -> dict[st
 
 
 MODULES = _modules()
+EVERY_MODULE = _modules(packages=EVERY_PACKAGE)
 
 
 def _absolute(node: ast.ImportFrom, package: str) -> str:
@@ -53,7 +81,8 @@ def _absolute(node: ast.ImportFrom, package: str) -> str:
     return ".".join(anchor + ([node.module] if node.module else []))
 
 
-def _imported(name: str, path: Path, top_level_only: bool = False) -> list[tuple[str, str | None, str]]:
+@functools.lru_cache(maxsize=None)
+def _imported(name: str, path: Path, top_level_only: bool = False) -> tuple[tuple[str, str | None, str], ...]:
     """What module ``name`` (at ``path``) imports, wherever the statement is (``top_level_only``: only at the
     top of the module): ``(module, None, bound)`` for ``import module`` and ``(module, imported, bound)`` for
     ``from module import imported``, with the name each binds."""
@@ -66,7 +95,7 @@ def _imported(name: str, path: Path, top_level_only: bool = False) -> list[tuple
         elif isinstance(node, ast.ImportFrom):
             base = _absolute(node, package)
             found.extend((base, alias.name, alias.asname or alias.name) for alias in node.names)
-    return found
+    return tuple(found)     # parsed once per module: the checks ask for the same modules' imports again and again
 
 
 def _imports(name: str, path: Path) -> set[str]:
@@ -125,18 +154,24 @@ def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
 
 
 def _layer(module: str) -> int | None:
-    """The index in ``WORKER_LAYERS`` of the layer ``module`` belongs to; None outside them (``worker`` itself)."""
-    return next((i for i, layer in enumerate(WORKER_LAYERS) if module == layer or module.startswith(layer + ".")), None)
+    """The index in its package's ``LAYERS`` of the wing ``module`` belongs to (the longest that names it); None
+    outside them (``worker`` itself, a package without wings)."""
+    layers = LAYERS.get(module.partition(".")[0], ())
+    named = [i for i, layer in enumerate(layers) if module == layer or module.startswith(layer + ".")]
+    return max(named, key=lambda i: len(layers[i])) if named else None
 
 
 def _back_edges(edges: dict[str, set[str]]) -> list[str]:
-    """Imports from one worker layer to a higher one."""
+    """Imports from one wing of a layered package to a higher wing of the same package."""
     return sorted(f"{module} -> {target}" for module, targets in edges.items() for target in targets
-                  if _layer(module) is not None and _layer(target) is not None and _layer(target) > _layer(module))
+                  if module.partition(".")[0] == target.partition(".")[0]
+                  and _layer(module) is not None and _layer(target) is not None and _layer(target) > _layer(module))
 
 
 def test_the_module_list_is_the_project():
-    assert {"engine", "engine.schema_engine", "worker.stream.loop", "worker.cli.app", "schemas"} <= set(MODULES)
+    assert {"engine", "engine.schema_engine", "engine.kernels.table", "worker.stream.loop", "worker.cli.app",
+            "schemas"} <= set(MODULES)
+    assert {"bench.stream_bench", "bench.probes.kernel_probe", "tests.test_architecture"} <= set(EVERY_MODULE)
 
 
 def test_engine_imports_nothing_of_kafka_the_worker_or_the_contracts():
@@ -145,20 +180,29 @@ def test_engine_imports_nothing_of_kafka_the_worker_or_the_contracts():
     assert {name: found for name, found in offenders.items() if found} == {}
 
 
-def test_every_worker_module_is_in_a_layer():
-    assert [name for name in MODULES if name.startswith("worker.") and _layer(name) is None] == []
+def test_every_module_of_a_layered_package_is_in_a_layer():
+    assert [name for name in EVERY_MODULE if name.partition(".")[0] in LAYERS and "." in name
+            and _layer(name) is None] == []
 
 
-def test_the_worker_wings_import_one_way():
-    assert _back_edges(_project_edges()) == []
+def test_the_wings_import_one_way():
+    assert _back_edges(_project_edges(EVERY_MODULE)) == []
+
+
+def test_nothing_outside_the_engine_reaches_into_its_kernel_wing():
+    """The worker (and the contracts) use the engine's API; the kernel table is the engine's to choose."""
+    edges = _project_edges(MODULES)
+    assert sorted(f"{module} -> {target}" for module, targets in edges.items()
+                  if module.partition(".")[0] != "engine"
+                  for target in targets if target.startswith("engine.kernels")) == []
 
 
 def test_no_import_cycle_among_the_projects_modules():
-    assert _cycles(_project_edges()) == []
+    assert _cycles(_project_edges(EVERY_MODULE)) == []
 
 
-def test_no_production_module_is_longer_than_the_limit():
-    lengths = {name: len(path.read_text(encoding="utf-8").splitlines()) for name, path in MODULES.items()}
+def test_no_module_is_longer_than_the_limit():
+    lengths = {name: len(path.read_text(encoding="utf-8").splitlines()) for name, path in EVERY_MODULE.items()}
     assert {name: n for name, n in lengths.items() if n > MAX_MODULE_LINES} == {}
 
 
@@ -184,6 +228,33 @@ def test_the_wing_check_catches_an_import_up_the_layers(tmp_path):
     assert _back_edges(_project_edges(_modules(tmp_path, ("worker",)))) == [
         "worker.formats.records -> worker.stream.batcher", "worker.stream.loop -> worker.cli.app",
         "worker.stream.replay -> worker.devbroker.embedded_broker"]
+
+
+def test_the_wing_check_catches_an_import_up_the_engines_and_benchs_layers(tmp_path):
+    """A kernel importing the graph manager or the kernel table, and a benchmark importing a probe, are imports up the
+    layers; the table importing a kernel family, the graph manager the bucket sizes, a probe a benchmark's helper and
+    the model the table are not."""
+    _write(tmp_path, {
+        "engine/__init__.py": "from engine.schema_engine import SchemaEngine as SchemaEngine\n",
+        "engine/schema_engine.py": "from engine.graphs import GraphManager\n\nclass SchemaEngine:\n    pass\n",
+        "engine/graphs.py": "from engine import buckets\n\nclass GraphManager:\n    pass\n",
+        "engine/buckets.py": "B_BUCKETS = (1, 2)\n",
+        "engine/model.py": "from engine.kernels.table import select_kernels\n",
+        "engine/kernels/__init__.py": "",
+        "engine/kernels/table.py": "from engine.kernels import fused\n\ndef select_kernels():\n    pass\n",
+        "engine/kernels/fused.py": "def rows():\n    from engine.graphs import GraphManager\n",
+        "engine/kernels/cuda_fast.py": ("from engine import SchemaEngine\n"
+                                        "from engine.kernels.table import select_kernels\n"),
+        "engine/kernels/cuda_deterministic.py": "from engine.buckets import B_BUCKETS\n",
+        "bench/__init__.py": "",
+        "bench/stream_bench.py": "from bench.probes.kernel_probe import gpu_ms\n",
+        "bench/engine_bench.py": "def timed():\n    pass\n",
+        "bench/probes/__init__.py": "",
+        "bench/probes/kernel_probe.py": "from bench.engine_bench import timed\n\ndef gpu_ms():\n    pass\n",
+    })
+    assert _back_edges(_project_edges(_modules(tmp_path, ("engine", "bench")))) == [
+        "bench.stream_bench -> bench.probes.kernel_probe", "engine.kernels.cuda_fast -> engine.kernels.table",
+        "engine.kernels.cuda_fast -> engine.schema_engine", "engine.kernels.fused -> engine.graphs"]
 
 
 def test_the_cycle_check_follows_a_packages_re_exports(tmp_path):

@@ -71,42 +71,6 @@ def test_stream_bench_quick_runs_end_to_end_exactly_once():
     assert replay["process_s"] > replay["startup_s"] + replay["first_to_last_commit_s"], replay
 
 
-def test_variant_ab_quick_times_each_variant_with_its_constants_then_restores_them(tmp_path):
-    """bench/variant_ab.py on the CPU: a variant's constants hold while its engine is built and scored, base's
-    probabilities are the reference, and the module is as it was afterwards."""
-    import json
-
-    from bench.variant_ab import main as variant_main
-    from engine import graphs
-
-    before = graphs.B_BUCKETS
-    out = tmp_path / "ab.json"
-    result = variant_main(["--quick", "--batches", "1,3", "--rounds", "2", "--iters", "1",
-                           "--variant", "small-buckets:engine.graphs.B_BUCKETS=(1, 2, 4)", "--out", str(out)])
-    assert graphs.B_BUCKETS is before
-    assert result["variants"] == {"base": [], "small-buckets": ["engine.graphs.B_BUCKETS=(1, 2, 4)"]}
-    for B in (1, 3):
-        row = result["batches"][B]
-        assert set(row) == {"base", "small-buckets"}
-        assert all(len(r["rounds_ms"]) == 2 and r["p50_ms"] > 0 for r in row.values())
-        assert row["base"]["max_diff_vs_base"] == 0
-        assert row["small-buckets"]["max_diff_vs_base"] < 1e-5    # bucket padding does not move a row's scores
-    assert json.loads(out.read_text())["rounds"] == 2
-
-
-@pytest.mark.parametrize("spec", ["no-settings", "x:engine.graphs.NO_SUCH=1", "x:engine.graphs.B_BUCKETS=(1,",
-                                  "base:engine.graphs.B_BUCKETS=(1,)", "x:no_such_module.A=1"])
-def test_variant_ab_rejects_a_malformed_variant_in_one_line(spec, capsys):
-    from bench.variant_ab import main as variant_main
-
-    with pytest.raises(SystemExit) as exit_:
-        variant_main(["--quick", "--variant", spec])
-    assert exit_.value.code == 2
-    err = capsys.readouterr().err
-    assert "Traceback" not in err
-    assert ": error: argument --variant: variant " in err.strip().splitlines()[-1], err
-
-
 @pytest.mark.parametrize("flag", ["--max-wait-ms", "--latency-budget-ms"])
 def test_stream_bench_refuses_a_repeated_phase_value(flag, capsys):
     """Phases are named by their value (their topics and group): a repeated value would read the earlier phase's
@@ -123,7 +87,8 @@ def test_pipelined_timing_launches_each_batch_before_reading_the_one_ahead():
     the per-batch times it reports cover its windows."""
     import argparse
 
-    from bench.engine_bench import PIPELINE_WINDOW, build_engine, pipelined, questions, states
+    from bench.engine_bench import PIPELINE_WINDOW, pipelined
+    from bench.workload import build_engine, questions, states
     from engine import SchemaEngine
 
     eng, _ = build_engine(argparse.Namespace(quick=True, device="cpu", dtype="float32"))

@@ -1,7 +1,8 @@
 """Deterministic scoring on the CPU: with `Engine.load(..., deterministic=True)` a state's probabilities are
 bit-identical (torch.equal) whatever batch it is scored in: its size, the state's position, its neighbours and the
 padded length they give it; packed and independent schemas. Then one test per source of batch dependence found
-(`engine.invariant_kernels` names them): each fixed kernel gives a row the same bits alone and inside a padded batch."""
+(`engine.kernels.cpu_deterministic` names them): each fixed kernel gives a row the same bits alone and inside a padded
+batch."""
 import random
 
 import pytest
@@ -9,8 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from engine import Engine, SchemaEngine
-from engine import invariant_kernels as inv
-from engine.kernels import select_kernels
+from engine.kernels import cpu_deterministic as inv
+from engine.kernels.table import select_kernels
 from engine.reference import score_full
 
 from .conftest import make_questions, make_states

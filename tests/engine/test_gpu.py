@@ -88,17 +88,17 @@ def test_graphs_and_eager_agree_exactly(gpu_eng):
 
 @pytest.mark.parametrize("engine", ["gpu_eng", "det_eng"])
 def test_pdl_graphs_capture_and_give_the_same_bits(engine, request, monkeypatch):
-    """`engine.triton_kernels.PDL` on: the step's Triton kernels launched as programmatic dependents are captured in
+    """`engine.kernels.pdl.PDL` on: the step's Triton kernels launched as programmatic dependents are captured in
     CUDA graphs and replayed, and give the bits they give without it (it changes when a kernel may start, not what
     it computes), for both kernel tables."""
-    from engine import triton_kernels
+    from engine.kernels import pdl as launches
 
     eng = request.getfixturevalue(engine)
     qs = make_questions([2, 4, 8])
     states = make_states(13, seed=4)
     runs = []
     for pdl in (False, True):
-        monkeypatch.setattr(triton_kernels, "PDL", pdl)
+        monkeypatch.setattr(launches, "PDL", pdl)
         se = SchemaEngine(eng, use_graphs=True)           # graphs captured under the setting
         h = se.prepare(qs)
         runs.append(torch.stack(se.score(h, states)))

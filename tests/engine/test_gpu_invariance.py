@@ -17,7 +17,7 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
-from bench.engine_bench import QWEN35_08B, questions, states  # noqa: E402
+from bench.workload import QWEN35_08B, questions, states  # noqa: E402
 
 BATCHES = (2, 7, 32, 61, 128)
 
@@ -116,7 +116,7 @@ torch.save(se.score(se.prepare(spec["questions"]), spec["texts"]), out)
 
 def test_another_process_gives_the_same_bits(engines, model_and_tok, texts, tmp_path):
     """What a replay relies on, across processes: another process loading the same weights prepares the schema and
-    scores the states with the same bits. Its fla kernels run the launches `fla_kernels.PINNED_LAUNCHES` pins (fla
+    scores the states with the same bits. Its fla kernels run the launches `cuda_fast.PINNED_LAUNCHES` pins (fla
     would time its candidates anew in each process, and the block it picks over the key dimension splits sums)."""
     import json
     import subprocess
@@ -142,13 +142,13 @@ def test_another_process_gives_the_same_bits(engines, model_and_tok, texts, tmp_
 
 
 def test_each_kernel_family_on_its_own():
-    """One test per source of batch dependence found on the H200 (`bench/invariance_probe.py`): a probe's rows among
-    random neighbours in batches of 1 x 184 to 128 x 264 rows, compared bit for bit with the probe alone. The Triton
-    GEMM, the Triton attention (both halves) and fla's delta rule must be invariant; torch's flash attention is
+    """One test per source of batch dependence found on the H200 (`bench/probes/invariance_probe.py`): a probe's rows
+    among random neighbours in batches of 1 x 184 to 128 x 264 rows, compared bit for bit with the probe alone. The
+    Triton GEMM, the Triton attention (both halves) and fla's delta rule must be invariant; torch's flash attention is
     reported (it is what deterministic mode replaces)."""
     import random as _random
 
-    from bench import invariance_probe as probe
+    from bench.probes import invariance_probe as probe
 
     rng = _random.Random(0)
     gemms = probe.gemm_invariance(rng)
@@ -182,7 +182,8 @@ def test_many_schemas_in_one_batch_score_as_alone_and_share_graphs(engines, mode
 
 
 PLACEMENTS = [(2, 184), (8, 192), (12, 184), (32, 184), (40, 256), (64, 184), (128, 184), (128, 264)]
-"""Batches (rows, padded length) a probe row of 182 tokens is placed in, as `bench/invariance_probe.py` places it."""
+"""Batches (rows, padded length) a probe row of 182 tokens is placed in, as `bench/probes/invariance_probe.py` places
+it."""
 
 
 def test_the_deterministic_attention_kernels_give_a_row_the_same_bits_in_any_batch(engines):
@@ -191,9 +192,9 @@ def test_the_deterministic_attention_kernels_give_a_row_the_same_bits_in_any_bat
     launch where the table took one) and among random neighbours (other prefixes and lengths, other answer counts) in
     batches of 2 x 184 to 128 x 264 (the large launch), must give the same bits. The fast table's suffix attention,
     which picks its launch by the batch's size, is measured beside it and only reported."""
-    from engine.suffix_attention import answer_attention, suffix_attention
+    from engine.kernels.suffix_attention import answer_attention, suffix_attention
 
-    from .attention_cases import Case, probe_in_placements
+    from .kernels.attention_cases import Case, probe_in_placements
 
     table = engines[True].forward.kernels
     case = Case((8, 2, 256), (400, 37, 129, 512, 300), 512, torch.bfloat16, "cuda", seed=11)
@@ -219,7 +220,7 @@ def test_the_deterministic_table_runs_one_kernel_attention_and_the_answers_at_ev
     path it takes in a batch); the split path's kernels never."""
     import dataclasses
 
-    from engine.suffix_attention import InvariantSuffixAttention
+    from engine.kernels.suffix_attention import InvariantSuffixAttention
 
     eng = engines[True]
     table = eng.forward.kernels

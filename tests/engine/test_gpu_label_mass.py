@@ -1,6 +1,6 @@
 """The label mass on a CUDA device (pytest -m gpu): the 0.8B shape in bf16 with Qwen3.5's whole vocabulary (248,320
-tokens), with graphs; its log-sum-exp by the fused kernel (`engine.vocab_logsumexp`, the default) and by 31 chunks,
-the last one padded (`engine.label_mass.FUSED` off).
+tokens), with graphs; its log-sum-exp by the fused kernel (`engine.kernels.vocab_logsumexp`, the default) and by 31
+chunks, the last one padded (`engine.label_mass.FUSED` off).
 
 With the deterministic kernels a state's label mass is bit-identical alone and in shuffled batches of other sizes, and
 graph replays equal eager steps, on either path; a step that computes the mass gives the probabilities the step
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
-from bench.engine_bench import QWEN35_08B, questions, states  # noqa: E402
+from bench.workload import QWEN35_08B, questions, states  # noqa: E402
 from engine.reference import score_full_details  # noqa: E402
 
 BATCHES = (2, 7, 32)
@@ -102,7 +102,7 @@ def test_the_fused_logsumexp_is_torchs_and_agrees_with_the_chunks(engine):
 
 
 def test_the_fused_logsumexp_gives_a_row_its_bits_at_any_row_count_and_position(engine):
-    """One tile at every row count (`engine.vocab_logsumexp.vocab_config`): probe rows alone and among random
+    """One tile at every row count (`engine.kernels.vocab_logsumexp.vocab_config`): probe rows alone and among random
     neighbours at row counts around the 128-row block and up to batch 128's 1,280 answers and beyond."""
     fused, w = engine.forward.kernels.vocab_logsumexp, engine.vocab.weight
     probe = _normed_rows(engine, 4, seed=7)

@@ -1,7 +1,8 @@
 """The graph manager's bucket table and counters on the CPU (capture and replay are test_gpu.py's)."""
 import torch
 
-from engine.graphs import B_BUCKETS, TS_BUCKETS, GraphManager, StepShape, batch_buckets
+from engine.buckets import B_BUCKETS, TS_BUCKETS, batch_buckets
+from engine.graphs import GraphManager, StepShape
 
 from .conftest import make_questions, make_states
 

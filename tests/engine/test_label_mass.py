@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from engine import Engine, SchemaEngine
-from engine import invariant_kernels as inv
+from engine.kernels import cpu_deterministic as inv
 from engine import label_mass as lm
 from engine.label_mass import FullVocabulary
 from engine.reference import score_full_details
-from engine.torch_kernels import torch_row_logsumexp
+from engine.kernels.pytorch import torch_row_logsumexp
 
 from .conftest import make_questions, make_states
 from .test_batch_invariance import scored_in_batches
@@ -53,7 +53,7 @@ def test_the_vocabulary_in_chunks_gives_torchs_logsumexp(eng):
 
 
 def test_a_tables_fused_logsumexp_takes_the_whole_weight_unless_switched_off(eng, det_se, monkeypatch):
-    """`Kernels.vocab_logsumexp` (CUDA's one-kernel log-sum-exp: tests/engine/test_vocab_logsumexp.py) gets the
+    """`Kernels.vocab_logsumexp` (CUDA's one-kernel log-sum-exp: tests/engine/kernels/test_vocab_logsumexp.py) gets the
     unpadded weight and its row count; with `FUSED` off, or on the CPU's tables (which have none), the chunks run."""
     weight = eng.model.lm_head.weight.detach()
     x = torch.randn(5, weight.shape[1], generator=torch.Generator().manual_seed(1))

@@ -116,7 +116,7 @@ def test_residual_adds_fused_into_the_projections_still_equal_the_oracle(tiny_di
     from dataclasses import replace
 
     from engine import Engine, SchemaEngine, model
-    from engine.torch_kernels import torch_add_linear
+    from engine.kernels.pytorch import torch_add_linear
 
     qs = make_questions([2, 3, 4])
     states = make_states(6, seed=3)
@@ -142,7 +142,7 @@ def test_residual_adds_fused_into_the_projections_still_equal_the_oracle(tiny_di
 
 
 def test_add_linear_adds_the_projection_into_the_residual_in_place_rounding_once():
-    from engine.torch_kernels import torch_add_linear
+    from engine.kernels.pytorch import torch_add_linear
 
     g = torch.Generator().manual_seed(0)
     h = torch.randn(2, 5, 16, generator=g).bfloat16()

@@ -16,7 +16,7 @@ one in flight. States that arrive while a batch runs make the next batch: the qu
 with the load up to --max-batch, so throughput is what the GPU sustains. Gathering longer, up to the latest close
 that still meets the cycle's own deadline, was tried first (runs P and R in bench/README.md): each cycle's larger
 batch held the GPU past the next cycle's deadline, and at 50 ms and half load every cycle closed already late.
-``bench/budget_model.py`` compares the two. --max-wait-ms still caps a cycle's wait for a busy GPU.
+``bench/probes/budget_model.py`` compares the two. --max-wait-ms still caps a cycle's wait for a busy GPU.
 
 A cycle closed at time ``t`` is scored when the GPU is free (the cycle in flight ahead of it finishes at ``g``),
 and its transaction commits after its scores are ready and after the cycle ahead of it committed:

@@ -1,15 +1,15 @@
 """The exactly-once stream processor: consume states, score them in micro-batches, commit transactionally.
 
-One record's path, one direction: poll -> decode (``worker.formats.records``) -> route to its schema's batch in the
-open cycle (``worker.stream.batcher``; the schema is prepared and the state tokenized by ``worker.stream.scorer``) ->
-score on the GPU thread -> one output record per state (``worker.stream.outputs``) -> a transaction with the input
-offsets on the committer's thread (``worker.stream.committer``, ``worker.stream.transactions``). When a cycle closes
-is ``worker.stream.closing``'s rule. While cycle N is scored the loop keeps consuming and tokenizing cycle N+1; N+1 is
-submitted to the GPU before N is scored, so the GPU is not idle between them. A scored cycle is handed to the
-committer, which commits it (with every cycle handed while its previous transaction ran) while the loop goes on
-consuming and launching (the cycles in flight and the loop's wait on them: ``worker.stream.inflight``). Where states
-come from and where committed positions go is the ``Assignment``'s (``worker.stream.assignment``): the consumer group
-for ``decider worker``, a fixed range for ``decider replay``.
+One record's path, one direction: poll -> decode (``worker.formats.records``) -> route to its schema's batch in the open
+cycle (``worker.stream.intake``, ``worker.stream.batcher``; the schema is prepared and the state tokenized by
+``worker.stream.scorer``) -> score on the GPU thread -> one output record per state (``worker.stream.outputs``) -> a
+transaction with the input offsets on the committer's thread (``worker.stream.committer``,
+``worker.stream.transactions``). When a cycle closes is ``worker.stream.closing``'s rule. While cycle N is scored the
+loop keeps consuming and tokenizing cycle N+1; N+1 is submitted to the GPU before N is scored, so the GPU is not idle
+between them. A scored cycle is handed to the committer, which commits it (with every cycle handed while its previous
+transaction ran) while the loop goes on consuming and launching (the cycles in flight and the loop's wait on them:
+``worker.stream.inflight``). Where states come from and where committed positions go is the ``Assignment``'s
+(``worker.stream.assignment``): the consumer group for ``decider worker``, a fixed range for ``decider replay``.
 
 Failure rules:
 - an error inside a transaction -> abort, drop all uncommitted work (the committer takes nothing until then), seek to
@@ -34,15 +34,15 @@ import time
 from worker.config import WorkerConfig
 from worker.exceptions import AbortableError, FatalError
 from worker.formats.input_decoder import SourceDecoder
-from worker.formats.records import SourceRecord, Unscorable
 from worker.kafka_clients import require_topics, transactional_producer_config
 from worker.ops import liveness, metrics
 from worker.stream import gc_pauses
-from worker.stream.assignment import Assignment, EventSink, GroupAssignment, check_consumer_error, partition_names, seek_committed
-from worker.stream.batcher import Cycle, Pending, monotonic
+from worker.stream.assignment import Assignment, EventSink, GroupAssignment, partition_names, seek_committed
+from worker.stream.batcher import Cycle, monotonic
 from worker.stream.closing import CycleClosing
 from worker.stream.committer import Committer, Handed, Outcome
 from worker.stream.inflight import CyclesInFlight, InFlight
+from worker.stream.intake import Intake
 from worker.stream.outputs import Outputs, start_encoder
 from worker.stream.progress import ProgressWatch, describe_input_wait
 from worker.stream.revocation import Partitions, drop_uncommitted
@@ -107,6 +107,8 @@ class Worker:
         self._table.catch_up()
         self._emit("schemas_loaded", {"schema_ids": self._table.ids()})
         self._router = Router(self.config, self._table, self._scorer, self._outputs, self._emit)
+        self._intake = Intake(self.config, self._assignment, self._decoder, self._outputs, self._router,
+                              self._closing.budget)
         self._closing.budget.announce(self.config.max_wait_ms)
         frozen = gc_pauses.freeze_loaded_objects()
         gc_pauses.watch_collections()
@@ -164,7 +166,9 @@ class Worker:
         liveness.BROKER.check_outage(self.config.broker_outage_s)
         if self._rewind_due:
             self._rewind()
-        self._consume(self._closing.poll_timeout(monotonic(), self._cycle, bool(self._inflight)))
+        timeout = self._closing.poll_timeout(monotonic(), self._cycle, bool(self._inflight))
+        self._intake.take_fetched(self._inflight.next_message(self._consumer, timeout), self._consumer,
+                                  lambda: self._cycle)
         self._router.apply(self._table.poll(), self._cycle)
         now = monotonic()
         self._take_outcomes()
@@ -173,41 +177,6 @@ class Worker:
             self._close_cycle()
         if self._assignment.exhausted() and not len(self._cycle):
             self.stop.set()  # run() drains: the cycles in flight are committed
-
-    def _consume(self, timeout: float) -> None:
-        """Wait up to ``timeout`` for a message, then take every message already fetched, up to a full batch.
-
-        Poll one message at a time: rebalance callbacks then run between two messages, never in the middle of a
-        fetched batch, so no message of a revoked assignment is routed after the revoke. --max-wait-ms ends the
-        *wait* for more states, never the taking of states already here: a backlog is taken in full batches
-        (a deadline on taking would cap batches at what one deadline's worth of routing allows, below the
-        load the GPU can carry)."""
-        message = self._inflight.next_message(self._consumer, timeout)
-        count = 0
-        while message is not None:
-            self._take(message)
-            count += 1
-            if count >= self.config.max_batch or self._cycle.full(self.config.max_batch):
-                return
-            message = self._consumer.poll(0)
-
-    def _take(self, message) -> None:
-        """One polled message: an error to act on, or a record to decode and route."""
-        if not self._assignment.accepts(message):
-            return
-        if message.error() is not None:
-            return check_consumer_error(message.error(), self.config)
-        timestamp_ms = message.timestamp()[1]
-        pending = Pending(SourceRecord(message.topic(), message.partition(), message.offset(), message.key(), message.value(),
-                                       message.headers(), timestamp_ms))
-        now = monotonic()
-        self._cycle.track(pending, now, self._closing.budget.arrival(now, timestamp_ms))
-        try:
-            pending.state = self._decoder.decode(pending.source)
-        except Unscorable as exc:
-            pending.state = exc.state  # the ids read before it failed, for the dead letter
-            return self._outputs.reject(pending, exc.reason, str(exc))
-        self._router.route(pending, self._cycle, monotonic())
 
     # ---- closing and committing a cycle ----------------------------------------------------------------------
     def _close_cycle(self) -> None:

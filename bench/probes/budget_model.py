@@ -1,0 +1,147 @@
+"""A time-stepped model of the worker's loop under --latency-budget-ms, driven by the worker's own planner.
+
+What p50/p99 (record timestamp -> visible) can a budget reach at a given rate, given what a batch costs on the GPU?
+The planner is the real one (`worker.stream.latency_budget.LatencyBudget`: its estimates, `close_by`, the learned launch
+lead); the loop, the GPU and Kafka are modelled, with costs fitted to stream_bench runs' stage means (the defaults:
+run V's, bench/README.md):
+
+- states arrive at `--rate` (Poisson); each is consumable `--kafka-ms` (uniform range) after its timestamp;
+- the loop consumes what is consumable (up to --max-batch), asks the planner whether to close, and closes: the
+  schema catch-up and launch take `--launch-ms` of the loop before the batch is queued on the device;
+- the GPU runs batches in order, each `--batch-fixed-ms + --per-row-ms x rows`, rows padded to the engine's graph
+  bucket (`engine.buckets.B_BUCKETS`); scores are read `--collect-ms` later;
+- the loop's wait ends when a state is consumable (nothing in flight), when the oldest cycle in flight is scored, when
+  the planner's close time comes, or after `--poll-ms` (in flight); it commits cycles in order (`--commit-ms` of its
+  time) and keeps at most two cycles in flight (it waits for the older one's commit after submitting a new one).
+
+It is a model: use it to compare planner changes side by side, and the GPU to measure them. Example (run V's costs
+and rate):
+
+    python bench/probes/budget_model.py --rate 829 --budgets 25,50,100
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import statistics
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from engine.buckets import B_BUCKETS, bucket  # noqa: E402
+from worker.stream.latency_budget import CycleTimes, LatencyBudget  # noqa: E402
+
+
+@dataclass
+class Costs:
+    """What the modelled worker's steps take, in ms."""
+    batch_fixed_ms: float = 2.4
+    per_row_ms: float = 0.5
+    kafka_ms: tuple[float, float] = (0.5, 2.0)
+    launch_ms: float = 1.05
+    collect_ms: float = 0.3
+    commit_ms: float = 2.27
+    poll_ms: float = 5.0     # the loop's wait for messages while a cycle is in flight (its scores end it sooner)
+
+
+@dataclass
+class _Cycle:
+    first: float
+    closed: float
+    launched: float
+    scored: float
+    timestamps: list[float] = field(default_factory=list)
+
+
+def simulate(rate: float, budget_ms: float, costs: Costs, seconds: float = 20.0, max_batch: int = 128,
+             tick_ms: float = 0.25, seed: int = 1, launch_lead: bool = True) -> dict:
+    """One run of the model -> p50/p99 of timestamp -> visible (ms, after the first fifth), the share of states over
+    the budget, and the mean batch. ``launch_lead=False``: the planner is not told when batches reach the device (as
+    before it learned the launch lead)."""
+    rnd = random.Random(seed)
+    arrivals, t = [], 0.0
+    while t < seconds * 1000:
+        t += rnd.expovariate(rate / 1000)
+        arrivals.append((t, t + rnd.uniform(*costs.kafka_ms)))
+    planner = LatencyBudget(budget_ms / 1000, budget_ms / 1000)
+    latencies, batches = [], []
+    inflight: list[_Cycle] = []
+    open_states: list[float] = []
+    now = busy_until = gpu_free = next_wake = 0.0
+    i = 0
+
+    def commit_oldest(at: float) -> float:
+        cycle = inflight.pop(0)
+        visible = at + costs.commit_ms
+        planner.committed(CycleTimes(len(cycle.timestamps), cycle.first / 1000, cycle.closed / 1000,
+                                     cycle.scored / 1000, visible / 1000,
+                                     launched_at=cycle.launched / 1000 if launch_lead else None))
+        latencies.extend(visible - ts for ts in cycle.timestamps)
+        return visible
+
+    while i < len(arrivals) or open_states or inflight:
+        now += tick_ms
+        if now < busy_until:
+            continue
+        consumable = i < len(arrivals) and arrivals[i][1] <= now
+        scored = bool(inflight) and inflight[0].scored <= now
+        # the loop's wait ends on a message while nothing is in flight, else on the oldest cycle's scores
+        if now < next_wake and not scored and not (consumable and not inflight):
+            continue
+        while i < len(arrivals) and arrivals[i][1] <= now and len(open_states) < max_batch:
+            open_states.append(arrivals[i][0])
+            i += 1
+        if scored:
+            busy_until = commit_oldest(now)
+            continue
+        gpu_busy = bool(inflight) and inflight[-1].scored > now
+        close_at = math.inf
+        if open_states:
+            first, n = min(open_states), len(open_states)
+            close_at = planner.close_by(now / 1000, first / 1000, gpu_busy) * 1000
+            if n >= max_batch or now >= close_at or i >= len(arrivals):
+                planner.submitted(now / 1000, n, gpu_busy)
+                launched = now + costs.launch_ms
+                gpu_free = max(launched, gpu_free) + costs.batch_fixed_ms + costs.per_row_ms * bucket(n, B_BUCKETS)
+                inflight.append(_Cycle(first, now, launched, gpu_free + costs.collect_ms, open_states))
+                batches.append(n)
+                open_states, busy_until = [], launched
+                while len(inflight) > 1:
+                    busy_until = commit_oldest(max(busy_until, inflight[0].scored))
+                continue
+        next_wake = min(now + (costs.poll_ms if inflight else 100.0), close_at)
+    measured = sorted(latencies[len(latencies) // 5:])
+    quantile = lambda q: measured[int(q * (len(measured) - 1))]  # noqa: E731
+    return dict(rate=rate, budget_ms=budget_ms, p50_ms=round(quantile(0.5), 1), p99_ms=round(quantile(0.99), 1),
+                over_budget=round(sum(x > budget_ms for x in measured) / len(measured), 3),
+                mean_batch=round(statistics.mean(batches), 1))
+
+
+def main(argv=None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rate", type=float, default=829.0, help="offered states/s")
+    ap.add_argument("--budgets", default="25,50,100", help="comma-separated budgets in ms")
+    ap.add_argument("--seconds", type=float, default=20.0, help="modelled seconds of traffic")
+    ap.add_argument("--quick", action="store_true", help="2 modelled seconds (a test)")
+    ap.add_argument("--no-launch-lead", action="store_true", help="the planner without its learned launch lead")
+    defaults = Costs()
+    for name in ("batch_fixed_ms", "per_row_ms", "launch_ms", "collect_ms", "commit_ms", "poll_ms"):
+        ap.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(defaults, name))
+    ap.add_argument("--kafka-ms", default="0.5,2", help="min,max ms from a record's timestamp to consumable")
+    args = ap.parse_args(argv)
+    costs = Costs(args.batch_fixed_ms, args.per_row_ms, tuple(float(x) for x in args.kafka_ms.split(",")),
+                  args.launch_ms, args.collect_ms, args.commit_ms, args.poll_ms)
+    seconds = 2.0 if args.quick else args.seconds
+    results = [simulate(args.rate, float(b), costs, seconds, launch_lead=not args.no_launch_lead)
+               for b in args.budgets.split(",")]
+    for result in results:
+        print(json.dumps(result), flush=True)
+    return results
+
+
+if __name__ == "__main__":
+    main()

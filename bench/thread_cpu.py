@@ -1,0 +1,56 @@
+"""The CPU a process's threads burn, by thread name: utime + stime deltas of every thread in ``/proc/PID/task/*/stat``
+over a window, as a fraction of one core (``bench/idle_cost.py``'s measure).
+"""
+from __future__ import annotations
+
+import os
+import time
+
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def thread_ticks(pid: int) -> dict[int, tuple[str, int]]:
+    """tid -> (thread name, utime + stime in clock ticks) for every thread of ``pid`` now."""
+    out = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except FileNotFoundError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                stat = f.read()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        name = stat[stat.index("(") + 1:stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2:].split()
+        out[int(tid)] = (name, int(fields[11]) + int(fields[12]))  # utime, stime (fields 14, 15 of stat)
+    return out
+
+
+def cpu_by_thread(before: dict, after: dict, seconds: float) -> dict[str, float]:
+    """Core fractions per thread name between two ``thread_ticks`` readings (threads alive at the end)."""
+    out: dict[str, float] = {}
+    for tid, (name, ticks) in after.items():
+        start = before.get(tid, (name, 0))[1] if tid in before else 0
+        out[name] = out.get(name, 0.0) + (ticks - start) / TICK / seconds
+    return out
+
+
+def measure(pids: dict[str, int], window_s: float) -> dict[str, dict[str, float]]:
+    """Core fractions per thread name of each named process over ``window_s`` (all sampled in the same window)."""
+    before = {key: thread_ticks(pid) for key, pid in pids.items()}
+    t0 = time.monotonic()
+    time.sleep(window_s)
+    seconds = time.monotonic() - t0
+    after = {key: thread_ticks(pid) for key, pid in pids.items()}
+    return {key: cpu_by_thread(before[key], after[key], seconds) for key in pids}
+
+
+def summary(cpu: dict[str, float]) -> dict[str, float]:
+    """Total plus the threads that matter, rounded."""
+    out = {"total": round(sum(cpu.values()), 4)}
+    for name, frac in sorted(cpu.items(), key=lambda kv: -kv[1]):
+        if frac >= 0.0005:
+            out[name] = round(out.get(name, 0) + frac, 4)
+    return out

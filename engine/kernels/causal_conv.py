@@ -1,0 +1,146 @@
+"""The Gated DeltaNet's causal conv as one fused Triton kernel, `conv_qkv`: the causal conv + SiLU over the q|k|v
+channels, continuing a prefix's conv state read from the prefix bank by index, with the q/k L2 norms, written as
+contiguous tensors with the delta rule's b and a (what fla's delta rule reads without copying).
+
+Its launch configuration is fixed (no autotuning) and it reproduces transformers' rounding steps, like the kernels of
+`engine.kernels.fused`, whose notes on strides and alignment apply here too.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.kernels.fused import per_column
+from engine.kernels.pdl import await_previous_kernel, pdl_launch
+
+CONV_CONFIG = (8, 2)
+"""`conv_qkv`'s launch: (tokens per program, warps); one program takes one head's channels. Read at each call, so
+`bench/probes/variant_ab.py` can time others in one process. (8, 2) was the fastest of 20 configurations on the H200 for
+32 x 144 tokens of the 0.8B shape (bench/probes/kernel_probe.py: 0.097 ms against 0.130 ms for 32 tokens x 4 warps; a
+copy of the same bytes takes 0.074 ms). In whole steps at batches 32 and 128 (run AD, `variant_ab.py`), (16, 2), (16,
+4), (32, 4), (4, 1) and (8, 1) were all slower. With the bank's conv states time-major, (8, 1) ran the kernel alone
+faster at batch 128 (0.280 ms against 0.297 to 0.313, `kernel_probe.py --only conv`, run AR) but whole batch-128 steps
+slower (60.75 ms against 59.92, run AS)."""
+
+CONV_SMALL_CONFIG = (4, 1)
+"""The launch where `CONV_CONFIG` would start fewer than `CONV_FILL_PROGRAMS` programs (batch 1): there the conv is
+latency-bound, and smaller programs spread it over more of the SMs. Whole batch-1 steps on the H200: 2.346 ms at (4, 1)
+against 2.461 at (8, 2) (run AD); with the delta rule's small launch too, 2.184 against 2.238 (run AU, the order of the
+variants rotated each round). Differences of this size are near the run-to-run spread at batch 1. Every launch here
+splits a row's channels over a warp's threads alike, so the L2 norms sum in the same order and the launches give the
+same bits (`tests/engine/kernels/test_causal_conv.py` checks the two launches; `bench/probes/kernel_probe.py --only
+conv` reports every launch's)."""
+CONV_FILL_PROGRAMS = 2048
+CONV_WEIGHT_TILE = True
+"""Whether `conv_qkv` loads each tap's weights as a [tokens, channels] tile in its inputs' layout (True) or as a
+vector broadcast over the tokens (False). Compiled for sm_90 by Triton 3.6 as launched at (8, 2), each vector load is
+converted through shared memory: 7 conversions and 13 barriers a program; the tile load leaves none of either
+(`tests/engine/kernels/test_triton_ptx.py`), for 30 global load instructions instead of 23 (each thread loads the
+weights of its own channels, which L1 holds). The same arithmetic in the same order: the same bits
+(`tests/engine/kernels/test_causal_conv.py`). At (4, 1), batch 1's launch, one warp converts without barriers. On the
+H200 alone it was no faster (run BK: 60.17 against 59.91 ms at batch 128 over 4 rounds); with
+`engine.kernels.fused.NORM_WEIGHT_TILE` and `engine.model.ANSWER_QUERIES`, the three together were the fastest variant
+at batch 128 in both runs that timed them (run BK: 59.10 against base 59.91, answers alone 59.67; run BL: 59.09 against
+59.97, answers with the norm tiles 59.24), within the spread at batches 1 and 32: on, as the configuration timed best.
+Read at each call, so `bench/probes/variant_ab.py` can time it either way."""
+
+
+@triton.jit(do_not_specialize=["T"])
+def _conv_qkv_kernel(X, W, PREV, PREV_INDEX, GATES, Q, K, V, BETA, ALPHA, T, x_b, x_t, w_c, w_k, p_b, p_c, p_k,
+                     g_b, g_t, eps, HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                     KW: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, NG: tl.constexpr, BG: tl.constexpr,
+                     HAS_PREV: tl.constexpr, HAS_INDEX: tl.constexpr, W_TILE: tl.constexpr = False,
+                     PDL: tl.constexpr = False):
+    # one program: BT tokens of one row (b) x one head's channels (seg: q heads, then k heads, then v heads)
+    await_previous_kernel(PDL)
+    seg = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    cols = tl.arange(0, BD)
+    is_qk = seg < 2 * HK
+    width = tl.where(is_qk, DK, DV)
+    c = tl.where(is_qk, seg * DK, 2 * HK * DK + (seg - 2 * HK) * DV) + cols
+    col_ok = cols < width
+    t_ok = t < T
+    acc = tl.zeros([BT, BD], dtype=tl.float32)
+    # y[t] = sum_j w[c, j] * x[t - (KW-1) + j]
+    for j in tl.static_range(KW):
+        src_t = t - (KW - 1) + j
+        m = (t_ok & (src_t >= 0))[:, None] & col_ok[None, :]
+        x = tl.load(X + b * x_b + src_t[:, None] * x_t + c[None, :], mask=m, other=0.0).to(tl.float32)
+        acc += x * per_column(W + j * w_k, t, c * w_c, col_ok, W_TILE)
+    if HAS_PREV:
+        if tl.program_id(0) == 0:
+            # times before the row's first token come from the prefix's state, whose columns 0..KW-2 hold the inputs
+            # at times -(KW-1)..-1; only the first KW-1 tokens reach back that far. With an index, row b's state is
+            # entry PREV_INDEX[b] of the prefix bank's (read in place: no per-row gather before the kernel)
+            if HAS_INDEX:
+                state = tl.load(PREV_INDEX + b).to(tl.int64)
+            else:
+                state = b
+            for j in tl.static_range(KW - 1):
+                src_t = t - (KW - 1) + j
+                mp = (t_ok & (src_t < 0))[:, None] & col_ok[None, :]
+                x_prev = tl.load(PREV + state * p_b + c[None, :] * p_c + (KW - 1 + src_t)[:, None] * p_k, mask=mp,
+                                 other=0.0)
+                acc += x_prev.to(tl.float32) * per_column(W + j * w_k, t, c * w_c, col_ok, W_TILE)
+    ty = Q.dtype.element_ty
+    y = (acc * (1.0 / (1.0 + tl.exp(-acc)))).to(ty).to(tl.float32)      # SiLU, rounded as the conv's output
+    mask = t_ok[:, None] & col_ok[None, :]
+    token = (b * T + t)[:, None]
+    if is_qk:
+        # transformers' l2norm of the rounded conv output: x * rsqrt(sum(x^2) + eps)
+        y = y * (1.0 / tl.sqrt(tl.sum(y * y, axis=1) + eps))[:, None]
+    if seg < HK:
+        tl.store(Q + (token * HK + seg) * DK + cols[None, :], y.to(ty), mask=mask)
+        if seg == 0:
+            # the delta rule's beta and decay inputs (b | a, NG each), copied contiguous in the same pass: fla makes
+            # its inputs contiguous, which for these views of the fused projection is two more kernels per layer
+            g_cols = tl.arange(0, BG)
+            g_mask = t_ok[:, None] & (g_cols < 2 * NG)[None, :]
+            gates = tl.load(GATES + b * g_b + t[:, None] * g_t + g_cols[None, :], mask=g_mask, other=0.0)
+            is_beta = (g_cols < NG)[None, :]
+            tl.store(BETA + token * NG + g_cols[None, :], gates, mask=g_mask & is_beta)
+            tl.store(ALPHA + token * NG + (g_cols - NG)[None, :], gates, mask=g_mask & (g_cols >= NG)[None, :])
+    elif is_qk:
+        tl.store(K + (token * HK + seg - HK) * DK + cols[None, :], y.to(ty), mask=mask)
+    else:
+        tl.store(V + (token * HV + seg - 2 * HK) * DV + cols[None, :], y.to(ty), mask=mask)
+
+
+def conv_qkv(x: torch.Tensor, weight: torch.Tensor, prev: torch.Tensor | None, key_dim: int, head_k_dim: int,
+             head_v_dim: int, gates: torch.Tensor, prev_index: torch.Tensor | None = None, eps: float = 1e-6
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The Gated DeltaNet's conv in one pass: x [B, T, C] (C = q|k|v channels; may be a strided view of the fused
+    projection), weight [C, KW] (any strides: `HybridForward` keeps it tap-major, so a tap's weights load as one
+    contiguous vector), prev the previous KW-1 inputs, oldest first, or None: [B, C, KW-1] (any strides, so an
+    expanded prefix state is read in place), or with prev_index [B] int64 the prefix bank's [S, C, KW-1], row b
+    continuing entry prev_index[b]; gates [B, T, 2H] (the delta rule's b | a, a strided view) -> q, k [B, T, Hk, Dk]
+    (L2-normalised per head) and v [B, T, Hv, Dv] of silu(causal_conv(x)), and b, a [B, T, H]: all contiguous."""
+    B, T, C = x.shape
+    KW = weight.shape[1]
+    HK, HV = key_dim // head_k_dim, (C - 2 * key_dim) // head_v_dim
+    NG = gates.shape[-1] // 2
+    new = lambda *shape: torch.empty(B, T, *shape, dtype=x.dtype, device=x.device)  # noqa: E731
+    q, k, v, beta, alpha = new(HK, head_k_dim), new(HK, head_k_dim), new(HV, head_v_dim), new(NG), new(NG)
+    if B * T == 0:
+        return q, k, v, beta, alpha
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if gates.stride(-1) != 1:
+        gates = gates.contiguous()
+    BD = triton.next_power_of_2(max(head_k_dim, head_v_dim))
+    tokens, warps = CONV_CONFIG
+    if triton.cdiv(T, tokens) * (2 * HK + HV) * B < CONV_FILL_PROGRAMS:
+        tokens, warps = CONV_SMALL_CONFIG
+    # the prefix state is read in the first token block only, so BT >= KW - 1
+    BT = max(tokens, triton.next_power_of_2(KW - 1))
+    state, state_strides = (prev, prev.stride()) if prev is not None else (x, (0, 0, 0))
+    index = prev_index if prev_index is not None else x
+    _conv_qkv_kernel[(triton.cdiv(T, BT), 2 * HK + HV, B)](
+        x, weight, state, index, gates, q, k, v, beta, alpha, T, x.stride(0), x.stride(1), weight.stride(0),
+        weight.stride(1), *state_strides, gates.stride(0), gates.stride(1), eps, HK=HK, HV=HV, DK=head_k_dim,
+        DV=head_v_dim, KW=KW, BT=BT, BD=BD, NG=NG, BG=triton.next_power_of_2(2 * NG), HAS_PREV=prev is not None,
+        HAS_INDEX=prev_index is not None, W_TILE=CONV_WEIGHT_TILE, num_warps=warps, **pdl_launch())
+    return q, k, v, beta, alpha

@@ -1,0 +1,287 @@
+"""A suffix pass's delta-rule inputs in fewer launches than fla's forward makes them
+(`engine.kernels.cuda_fast.delta_rule_indexed` calls these when `engine.kernels.cuda_fast.FUSED_INPUTS` is on):
+
+- `decay_and_beta`: beta = sigmoid(b) and the chunk-local cumulative log2 decay g in one kernel, where fla launches
+  `fused_beta_sigmoid` and `gdn_gate_chunk_cumsum` (two kernels a layer);
+- `solve_into`: fla 0.6.0's fused K K^T + triangular solve (MIT licence, (c) 2023-2026 Songlin Yang, Yu Zhang,
+  Zhiyuan Li and contributors) with its four forward substitutions run as one loop, so that their steps overlap;
+- `w_u_into`: fla 0.6.0's `recompute_w_u_fwd_kernel` (MIT licence, (c) 2023-2026 Songlin Yang, Yu Zhang, Zhiyuan Li
+  and contributors), cut down to equal-length rows with a decay, reading only the lower triangle of the solve's
+  matrix A. fla's K K^T + solve kernel writes A's lower blocks only, so fla zero-fills A first (one more kernel a
+  layer, and at batch 128 a 48 MB write); here the blocks above the diagonal are masked on load instead, so A can be
+  left unwritten there.
+
+The arithmetic is fla's, in fla's order: the sigmoid, fla's `softplus` and `exp`, the same scan over a chunk's 64 decays
+at fla's pinned launch (1 warp: the scan's tree follows the warps), the same dots and reductions. On the GPU the suffix
+pass's delta rule is checked against fla's own forward bit for bit (`tests/engine/kernels/test_delta_rule.py`).
+
+Triton's interpreter runs these on a CPU: without fla installed, `softplus` is the formula fla itself uses off
+NVIDIA GPUs.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.kernels.pdl import await_previous_kernel, pdl_launch
+
+try:   # fla's softplus: inline PTX on NVIDIA GPUs, so that the decay has the bits of fla's own gate kernel
+    from fla.ops.utils.softplus import softplus as _softplus
+except ImportError:
+    @triton.jit
+    def _softplus(x):
+        return tl.where(x < 20.0, tl.math.log(1 + tl.math.exp(x)), x)
+
+DECAY_WARPS = 1
+"""Warps of `decay_and_beta`: fla's first candidate for its gate kernel, the one `engine.kernels.cuda_fast` pins."""
+
+
+@triton.jit(do_not_specialize=["T"])
+def _decay_and_beta_kernel(a, b, A_log, dt_bias, g, beta, T, scale, H: tl.constexpr, BT: tl.constexpr,
+                           PDL: tl.constexpr = False):
+    # one program: one chunk of one row's head; fla's `gdn_gate_chunk_cumsum_scalar_kernel` plus the sigmoid
+    await_previous_kernel(PDL)
+    i_t, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+    i_b, i_h = i_bh // H, i_bh % H
+    o_t = i_t * BT + tl.arange(0, BT)
+    m_t = o_t < T
+    at = (i_b * T + o_t) * H + i_h
+    b_b = tl.load(b + at, mask=m_t, other=0.0).to(tl.float32)
+    tl.store(beta + at, tl.sigmoid(b_b).to(beta.dtype.element_ty), mask=m_t)
+    b_a = tl.load(a + at, mask=m_t, other=0.0).to(tl.float32) + tl.load(dt_bias + i_h).to(tl.float32)
+    b_gate = -tl.exp(tl.load(A_log + i_h).to(tl.float32)) * _softplus(b_a)
+    b_o = tl.cumsum(b_gate, axis=0)
+    b_o *= scale
+    tl.store(g + at, b_o.to(g.dtype.element_ty), mask=m_t)
+
+
+def decay_and_beta(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, chunk: int,
+                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """a, b [B, T, H] (contiguous) -> (g, beta), both [B, T, H] float32: g the cumulative sum, within each chunk of
+    `chunk` tokens, of -exp(A_log) * softplus(a + dt_bias), times scale (fla's `gdn_gate_chunk_cumsum`); beta =
+    sigmoid(b) (fla's `fused_beta_sigmoid`)."""
+    B, T, H = a.shape
+    g, beta = (torch.empty(B, T, H, dtype=torch.float32, device=a.device) for _ in range(2))
+    if B * T:
+        _decay_and_beta_kernel[(triton.cdiv(T, chunk), B * H)](a, b, A_log, dt_bias, g, beta, T, scale, H=H, BT=chunk,
+                                                               num_warps=DECAY_WARPS, **pdl_launch())
+    return g, beta
+
+
+@triton.jit(do_not_specialize=["T"])
+def _w_u_kernel(k, v, beta, w, u, A, g, T, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PDL: tl.constexpr = False):
+    await_previous_kernel(PDL)
+    i_t, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+    i_b, i_h = i_bh // HV, i_bh % HV
+    bos = i_b * T
+    o_t = i_t * BT + tl.arange(0, BT)
+    o_A = tl.arange(0, BT)
+    m_t = o_t < T
+    # the lower triangle of the chunk's A, diagonal included; above it A may hold anything (it is never written)
+    m_A = m_t[:, None] & (o_A[None, :] <= o_A[:, None])
+    b_b = tl.load(beta + bos * HV + i_h + o_t * HV, mask=m_t, other=0.0)
+    b_A = tl.load(A + (bos * HV + i_h) * BT + o_t[:, None] * (HV * BT) + o_A[None, :], mask=m_A, other=0.0)
+
+    for i_v in range(tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_v = m_t[:, None] & (o_v[None, :] < V)
+        p_v = v + (bos * HV + i_h) * V + o_t[:, None] * (HV * V) + o_v[None, :]
+        p_u = u + (bos * HV + i_h) * V + o_t[:, None] * (HV * V) + o_v[None, :]
+        b_v = tl.load(p_v, mask=m_v, other=0.0)
+        b_vb = (b_v * b_b[:, None]).to(b_v.dtype)
+        b_u = tl.dot(b_A, b_vb, allow_tf32=False)
+        tl.store(p_u, b_u.to(p_u.dtype.element_ty), mask=m_v)
+
+    b_g = tl.math.exp2(tl.load(g + (bos * HV + i_h) + o_t * HV, mask=m_t, other=0.0).to(tl.float32))
+    for i_k in range(tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_k = m_t[:, None] & (o_k[None, :] < K)
+        p_k = k + (bos * H + i_h // (HV // H)) * K + o_t[:, None] * (H * K) + o_k[None, :]
+        p_w = w + (bos * HV + i_h) * K + o_t[:, None] * (HV * K) + o_k[None, :]
+        b_k = tl.load(p_k, mask=m_k, other=0.0)
+        b_kb = b_k * b_b[:, None]
+        b_kb *= b_g[:, None]
+        b_w = tl.dot(b_A, b_kb.to(b_k.dtype))
+        tl.store(p_w, b_w.to(p_w.dtype.element_ty), mask=m_k)
+
+
+def w_u_into(w: torch.Tensor, u: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, A: torch.Tensor,
+             g: torch.Tensor, chunk: int, launch: tuple[int, int]) -> None:
+    """w [B, T, Hv, K] = A (k * beta * 2^g) and u [B, T, Hv, V] = A (v * beta), chunk by chunk, as fla's
+    `recompute_w_u_fwd` computes them, at launch (warps, stages): k [B, T, H, K], v [B, T, Hv, V], beta and g
+    [B, T, Hv], A [B, T, Hv, chunk] whose entries above each chunk's diagonal are ignored."""
+    B, T, H, K = k.shape
+    HV, V = v.shape[2], v.shape[3]
+    if B * T:
+        _w_u_kernel[(triton.cdiv(T, chunk), B * HV)](k, v, beta, w, u, A, g, T, H=H, HV=HV, K=K, V=V, BT=chunk, BK=64,
+                                                     BV=64, num_warps=launch[0], num_stages=launch[1], **pdl_launch())
+
+
+@triton.jit
+def _kkt_scaled(b_A, b_gr, b_gc, m_r, m_c, b_br, DIAGONAL: tl.constexpr):
+    # one [BC, BC] block of beta * K K^T decayed by 2^(g_row - g_col) (strictly lower on the diagonal), as fla scales
+    # it: masked to real tokens, so that an out-of-range decay cannot make 0 * inf
+    o_i = tl.arange(0, b_A.shape[0])
+    m = m_r[:, None] & m_c[None, :]
+    if DIAGONAL:
+        m = m & (o_i[:, None] > o_i[None, :])
+    b_A *= tl.where(m, tl.math.exp2(b_gr[:, None] - b_gc[None, :]), 0.)
+    return b_A * b_br[:, None]
+
+
+@triton.jit
+def _key_rows(k, row0, m_r, o_k, m_k, row_stride: tl.constexpr):
+    # one 16-token block's keys, columns o_k (rows past the row's last token load as zeros)
+    o_i = tl.arange(0, m_r.shape[0])
+    return tl.load(k + (row0 + o_i)[:, None] * row_stride + o_k[None, :], mask=m_r[:, None] & m_k, other=0.0)
+
+
+@triton.jit
+def _substitute_row(i, b_A, b_Ai):
+    # one step of fla's forward substitution on a diagonal block: row i of (I + A)^-1 - I from the rows above it
+    o_i = tl.arange(0, b_A.shape[0])
+    b_a = tl.sum(tl.where((o_i == i)[:, None], -b_A, 0.), 0)
+    b_a = tl.where(o_i < i, b_a, 0.)
+    b_a = b_a + tl.sum(b_a[:, None] * b_Ai, 0)
+    return tl.where((o_i == i)[:, None], b_a, b_Ai)
+
+
+@triton.jit
+def _store_block(A, b, row0, col0, m_r, HV: tl.constexpr, BT: tl.constexpr):
+    o_i = tl.arange(0, b.shape[0])
+    tl.store(A + (row0 + o_i)[:, None] * (HV * BT) + (col0 + o_i)[None, :], b.to(A.dtype.element_ty),
+             mask=m_r[:, None] & ((col0 + o_i)[None, :] < BT))
+
+
+@triton.jit(do_not_specialize=["T"])
+def _solve_kernel(k, g, beta, A, T, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
+                  BC: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr = False):
+    # fla's `chunk_gated_delta_rule_fwd_kkt_solve_kernel` (equal-length rows, a decay) with its four forward
+    # substitutions, one per diagonal block, run as one loop: the four chains are independent, so each step's
+    # reductions overlap instead of running 4 x 14 steps one after another (what a chunk's solve waits on at batch 1)
+    await_previous_kernel(PDL)
+    i_t, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+    i_b, i_h = i_bh // HV, i_bh % HV
+    bos = i_b * T
+    i_tc0 = i_t * BT
+    i_tc1 = i_tc0 + BC
+    i_tc2 = i_tc0 + 2 * BC
+    i_tc3 = i_tc0 + 3 * BC
+    k += (bos * H + i_h // (HV // H)) * K
+    A += (bos * HV + i_h) * BT
+    o_i = tl.arange(0, BC)
+    m_tc0 = (i_tc0 + o_i) < T
+    m_tc1 = (i_tc1 + o_i) < T
+    m_tc2 = (i_tc2 + o_i) < T
+    m_tc3 = (i_tc3 + o_i) < T
+    p_bg = bos * HV + i_h + o_i * HV
+    b_b0 = tl.load(beta + p_bg + i_tc0 * HV, mask=m_tc0, other=0.0).to(tl.float32)
+    b_b1 = tl.load(beta + p_bg + i_tc1 * HV, mask=m_tc1, other=0.0).to(tl.float32)
+    b_b2 = tl.load(beta + p_bg + i_tc2 * HV, mask=m_tc2, other=0.0).to(tl.float32)
+    b_b3 = tl.load(beta + p_bg + i_tc3 * HV, mask=m_tc3, other=0.0).to(tl.float32)
+    b_g0 = tl.load(g + p_bg + i_tc0 * HV, mask=m_tc0, other=0.0).to(tl.float32)
+    b_g1 = tl.load(g + p_bg + i_tc1 * HV, mask=m_tc1, other=0.0).to(tl.float32)
+    b_g2 = tl.load(g + p_bg + i_tc2 * HV, mask=m_tc2, other=0.0).to(tl.float32)
+    b_g3 = tl.load(g + p_bg + i_tc3 * HV, mask=m_tc3, other=0.0).to(tl.float32)
+
+    # K K^T's ten lower blocks, summed over the key blocks in fla's order
+    b_A00 = tl.zeros([BC, BC], dtype=tl.float32)
+    b_A11 = tl.zeros([BC, BC], dtype=tl.float32)
+    b_A22 = tl.zeros([BC, BC], dtype=tl.float32)
+    b_A33 = tl.zeros([BC, BC], dtype=tl.float32)
+    b_A10 = tl.zeros([BC, BC], dtype=tl.float32)
+    b_A20 = tl.zeros([BC, BC], dtype=tl.float32)
+    b_A21 = tl.zeros([BC, BC], dtype=tl.float32)
+    b_A30 = tl.zeros([BC, BC], dtype=tl.float32)
+    b_A31 = tl.zeros([BC, BC], dtype=tl.float32)
+    b_A32 = tl.zeros([BC, BC], dtype=tl.float32)
+    for i_k in range(tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_k = (o_k < K)[None, :]
+        b_k0 = _key_rows(k, i_tc0, m_tc0, o_k, m_k, H * K)
+        b_A00 = tl.dot(b_k0, tl.trans(b_k0), b_A00)
+        if i_tc1 < T:
+            b_k1 = _key_rows(k, i_tc1, m_tc1, o_k, m_k, H * K)
+            b_A11 = tl.dot(b_k1, tl.trans(b_k1), b_A11)
+            b_A10 = tl.dot(b_k1, tl.trans(b_k0), b_A10)
+            if i_tc2 < T:
+                b_k2 = _key_rows(k, i_tc2, m_tc2, o_k, m_k, H * K)
+                b_A22 = tl.dot(b_k2, tl.trans(b_k2), b_A22)
+                b_A20 = tl.dot(b_k2, tl.trans(b_k0), b_A20)
+                b_A21 = tl.dot(b_k2, tl.trans(b_k1), b_A21)
+                if i_tc3 < T:
+                    b_k3 = _key_rows(k, i_tc3, m_tc3, o_k, m_k, H * K)
+                    b_A33 = tl.dot(b_k3, tl.trans(b_k3), b_A33)
+                    b_A30 = tl.dot(b_k3, tl.trans(b_k0), b_A30)
+                    b_A31 = tl.dot(b_k3, tl.trans(b_k1), b_A31)
+                    b_A32 = tl.dot(b_k3, tl.trans(b_k2), b_A32)
+
+    b_A00 = _kkt_scaled(b_A00, b_g0, b_g0, m_tc0, m_tc0, b_b0, True)
+    b_A11 = _kkt_scaled(b_A11, b_g1, b_g1, m_tc1, m_tc1, b_b1, True)
+    b_A22 = _kkt_scaled(b_A22, b_g2, b_g2, m_tc2, m_tc2, b_b2, True)
+    b_A33 = _kkt_scaled(b_A33, b_g3, b_g3, m_tc3, m_tc3, b_b3, True)
+    b_A10 = _kkt_scaled(b_A10, b_g1, b_g0, m_tc1, m_tc0, b_b1, False)
+    b_A20 = _kkt_scaled(b_A20, b_g2, b_g0, m_tc2, m_tc0, b_b2, False)
+    b_A21 = _kkt_scaled(b_A21, b_g2, b_g1, m_tc2, m_tc1, b_b2, False)
+    b_A30 = _kkt_scaled(b_A30, b_g3, b_g0, m_tc3, m_tc0, b_b3, False)
+    b_A31 = _kkt_scaled(b_A31, b_g3, b_g1, m_tc3, m_tc1, b_b3, False)
+    b_A32 = _kkt_scaled(b_A32, b_g3, b_g2, m_tc3, m_tc2, b_b3, False)
+
+    # forward substitution on the four diagonal blocks at once. Rows past the row's last token are zero in A, so
+    # running their steps too (fla stops each block at its last token) leaves every real row as fla computes it
+    b_Ai00 = -b_A00
+    b_Ai11 = -b_A11
+    b_Ai22 = -b_A22
+    b_Ai33 = -b_A33
+    for i in range(2, min(BC, T - i_tc0)):
+        b_Ai00 = _substitute_row(i, b_A00, b_Ai00)
+        b_Ai11 = _substitute_row(i, b_A11, b_Ai11)
+        b_Ai22 = _substitute_row(i, b_A22, b_Ai22)
+        b_Ai33 = _substitute_row(i, b_A33, b_Ai33)
+    m_I = o_i[:, None] == o_i[None, :]
+    b_Ai00 += m_I
+    b_Ai11 += m_I
+    b_Ai22 += m_I
+    b_Ai33 += m_I
+
+    # the blocks below the diagonal of (I + A)^-1, merged as fla merges them
+    b_Ai10 = -tl.dot(tl.dot(b_Ai11, b_A10, input_precision=PRECISION), b_Ai00, input_precision=PRECISION)
+    b_Ai21 = -tl.dot(tl.dot(b_Ai22, b_A21, input_precision=PRECISION), b_Ai11, input_precision=PRECISION)
+    b_Ai32 = -tl.dot(tl.dot(b_Ai33, b_A32, input_precision=PRECISION), b_Ai22, input_precision=PRECISION)
+    b_Ai20 = -tl.dot(b_Ai22, tl.dot(b_A20, b_Ai00, input_precision=PRECISION) +
+                     tl.dot(b_A21, b_Ai10, input_precision=PRECISION), input_precision=PRECISION)
+    b_Ai31 = -tl.dot(b_Ai33, tl.dot(b_A31, b_Ai11, input_precision=PRECISION) +
+                     tl.dot(b_A32, b_Ai21, input_precision=PRECISION), input_precision=PRECISION)
+    b_Ai30 = -tl.dot(b_Ai33, tl.dot(b_A30, b_Ai00, input_precision=PRECISION) +
+                     tl.dot(b_A31, b_Ai10, input_precision=PRECISION) +
+                     tl.dot(b_A32, b_Ai20, input_precision=PRECISION), input_precision=PRECISION)
+
+    _store_block(A, b_Ai00, i_tc0, 0, m_tc0, HV, BT)
+    _store_block(A, b_Ai10, i_tc1, 0, m_tc1, HV, BT)
+    _store_block(A, b_Ai11, i_tc1, BC, m_tc1, HV, BT)
+    _store_block(A, b_Ai20, i_tc2, 0, m_tc2, HV, BT)
+    _store_block(A, b_Ai21, i_tc2, BC, m_tc2, HV, BT)
+    _store_block(A, b_Ai22, i_tc2, 2 * BC, m_tc2, HV, BT)
+    _store_block(A, b_Ai30, i_tc3, 0, m_tc3, HV, BT)
+    _store_block(A, b_Ai31, i_tc3, BC, m_tc3, HV, BT)
+    _store_block(A, b_Ai32, i_tc3, 2 * BC, m_tc3, HV, BT)
+    _store_block(A, b_Ai33, i_tc3, 3 * BC, m_tc3, HV, BT)
+
+
+SOLVE_PRECISION = "tf32" if torch.cuda.is_available() and torch.cuda.get_device_capability(0)[0] >= 8 else "ieee"
+"""The merges' dot precision, as fla picks it (`fla.utils.IS_TF32_SUPPORTED`)."""
+
+
+def solve_into(A: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, chunk: int,
+               launch: tuple[int, int]) -> None:
+    """(I + strictly_lower(beta K K^T 2^(g_i - g_j)))^-1 of each chunk into A [B, T, Hv, chunk]'s lower triangle
+    (above each chunk's diagonal A is not written), as fla's fused K K^T + solve computes it, at launch (BK, warps):
+    k [B, T, H, K], g and beta [B, T, Hv] float32."""
+    B, T, H, K = k.shape
+    HV = beta.shape[2]
+    if B * T:
+        _solve_kernel[(triton.cdiv(T, chunk), B * HV)](k, g, beta, A, T, H=H, HV=HV, K=K, BT=chunk, BC=16,
+                                                       BK=launch[0], PRECISION=SOLVE_PRECISION, num_warps=launch[1],
+                                                       **pdl_launch())

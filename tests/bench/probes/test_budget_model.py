@@ -1,0 +1,18 @@
+"""The latency-budget model runs the worker's real planner; its --quick run keeps it runnable."""
+from bench.probes.budget_model import Costs, main, simulate
+
+
+def test_quick_run_reports_each_budget():
+    results = main(["--quick", "--budgets", "50,100"])
+    assert [r["budget_ms"] for r in results] == [50.0, 100.0]
+    assert all(0 < r["p50_ms"] <= r["p99_ms"] and r["mean_batch"] >= 1 for r in results)
+
+
+def test_batches_follow_the_load_not_the_budget_and_a_costlier_gpu_is_slower():
+    costs = Costs()
+    tight, loose = simulate(300, 50, costs, seconds=3), simulate(300, 200, costs, seconds=3)
+    assert loose["mean_batch"] == tight["mean_batch"] and loose["p99_ms"] < 50   # nothing waits for the deadline
+    busier = simulate(900, 50, costs, seconds=3)
+    assert busier["mean_batch"] > 2 * tight["mean_batch"]       # states that arrive while a batch runs join the next
+    slow = simulate(300, 50, Costs(batch_fixed_ms=20.0), seconds=3)
+    assert slow["p50_ms"] > tight["p50_ms"]
