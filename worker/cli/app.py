@@ -24,6 +24,7 @@ from worker.cli.options import (DEFAULTS, PanelledCommand, in_panels, BootstrapO
                                 registry_config)
 from worker.config import MAX_LATENCY_BUDGET_MS, REPLAY_MAX_BATCH, Topics
 from worker.exceptions import ConfigError, FatalError
+from worker.ops.wording import counted
 
 app = typer.Typer(
     name="decider",
@@ -61,7 +62,7 @@ def topics_create(
     existing = require_topics(brokers, [name for name, outcome in outcomes.items() if outcome == "exists"])
     for name, outcome in outcomes.items():
         count = existing.get(name)
-        typer.echo(f"{name}: {outcome}" + ("" if count is None else f" ({count} partition{'' if count == 1 else 's'})"))
+        typer.echo(f"{name}: {outcome}" + ("" if count is None else f" ({counted(count, 'partition')})"))
     if ctx.get_parameter_source("partitions").name != "DEFAULT":
         _require_partitions(topics, existing, partitions)
 
@@ -92,7 +93,7 @@ def schema_put(
 
     record, published = put_schema(cluster(ctx, bootstrap), Topics(schemas=schemas_topic), schema_id, file, version)
     if published:
-        typer.echo(f"schema {schema_id} version {record['version']} published ({len(record['questions'])} questions)")
+        typer.echo(f"schema {schema_id} version {record['version']} published ({counted(len(record['questions']), 'question')})")
     else:
         typer.echo(f"schema {schema_id} unchanged, version {record['version']} (the same content; nothing published)")
 
@@ -126,7 +127,7 @@ def produce(
     from worker.cli.user_files import read_state_lines
 
     count = produce_states(cluster(ctx, bootstrap), Topics(states=states_topic), read_state_lines(file, schema_id))
-    typer.echo(f"{count} states published to {states_topic}")
+    typer.echo(f"{counted(count, 'state')} published to {states_topic}")
 
 
 @app.command("worker", cls=PanelledCommand)

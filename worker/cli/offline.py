@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import IO, Iterator
 
 from worker.exceptions import ConfigError
+from worker.ops.wording import counted
 from worker.formats.records import engine_options, engine_questions, question_schema_record
 from worker.cli.options import check_model_dir
 from worker.cli.user_files import load_schema_file, read_state_lines
@@ -76,5 +77,5 @@ def write_scores(results: Iterator[dict], out: IO[str], err: IO[str] = sys.stder
         out.write(json_line(result) + "\n")
         out.flush()
     dt = time.perf_counter() - t
-    err.write(f"scored {n} states in {dt:.1f} s ({n / dt if dt else 0:.1f} states/s; loading the model not counted)\n")
+    err.write(f"scored {counted(n, 'state')} in {dt:.1f} s ({n / dt if dt else 0:.1f} states/s; loading the model not counted)\n")
     return n

@@ -67,7 +67,9 @@ def _parse_json(text: str) -> Any:
         return json.loads(text)
     except json.JSONDecodeError as exc:
         where = f"column {exc.colno}" if exc.lineno == 1 else f"line {exc.lineno} column {exc.colno}"
-        raise ValueError(f"{exc.msg} at {where}") from None
+        # Some of json's reasons end in "at" ("Unterminated string starting at"): one "at" before the place.
+        reason = exc.msg[:-3] if exc.msg.endswith(" at") else exc.msg
+        raise ValueError(f"{reason} at {where}") from None
     except RecursionError:
         raise ValueError("nested too deeply") from None
 

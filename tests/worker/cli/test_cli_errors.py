@@ -82,6 +82,7 @@ def _state_line(**fields) -> str:
     ('{"state_id": "s", "state": "t"}', ["unknown key 'state_id'", "did you mean 'id'?"]),
     ('{"id": "s", "state": "t", "timestamp": 0}', ["unknown key 'timestamp'", "did you mean 'event_time'?"]),
     ("not json", ["is not JSON"]),
+    ('{"id": "s", "state": "unterminated', ["is not JSON: Unterminated string starting at column 22"]),
     ("[" * 100_000, ["is not JSON", "nested too deeply"]),
     ('{"id": 1, "state": "x"}', ['string "id" and "state"']),
 ])
@@ -139,7 +140,7 @@ SCHEMA_MISTAKES = [
     (_schema_with(options=["yes", "n" * 501]), ["option of 501 characters", "at most 500"]),
     ({"questions": [{"id": f"q{i}", "question": "x" * 1990, "options": ["a", "b"]} for i in range(20)]}, ["at most 32000"]),
     (_schema_with(question="Is it \ud800 fine?"), ["unpaired surrogate"]),
-    (_schema_with(options=["yes"]), ["1 options; 2 to 8"]),
+    (_schema_with(options=["yes"]), ["has 1 option; 2 to 8"]),
 ]
 
 
