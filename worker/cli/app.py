@@ -19,7 +19,7 @@ except ImportError:
 
 from worker.cli.calibration import calibrate
 from worker.cli.errors import friendly_errors
-from worker.cli.options import (DEFAULTS, PanelledCommand, in_panels, BootstrapOpt, DeadLetterTopicOpt, DeterministicOpt, DeviceOpt, DtypeOpt, ModelOpt, ProbabilitiesTopicOpt,
+from worker.cli.options import (DEFAULTS, PanelledCommand, help_width, BootstrapOpt, DeadLetterTopicOpt, DeterministicOpt, DeviceOpt, DtypeOpt, ModelOpt, ProbabilitiesTopicOpt,
                                 SchemasTopicOpt, StatesTopicOpt, cluster, loop_config, loop_options,
                                 registry_config)
 from worker.config import MAX_LATENCY_BUDGET_MS, REPLAY_MAX_BATCH, Topics
@@ -32,9 +32,10 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,  # plain-text --help, at the terminal's width (worker.cli.options.PanelledCommand says why)
 )
-topics_app = typer.Typer(help="Manage decider's topics.", no_args_is_help=True)
-schema_app = typer.Typer(help="Publish or delete question schemas.", no_args_is_help=True)
+topics_app = typer.Typer(help="Manage decider's topics.", no_args_is_help=True, rich_markup_mode=None)
+schema_app = typer.Typer(help="Publish or delete question schemas.", no_args_is_help=True, rich_markup_mode=None)
 app.add_typer(topics_app, name="topics")
 app.add_typer(schema_app, name="schema")
 
@@ -132,7 +133,6 @@ def produce(
 
 @app.command("worker", cls=PanelledCommand)
 @friendly_errors
-@in_panels
 @loop_options
 def worker(
     ctx: typer.Context,
@@ -143,16 +143,13 @@ def worker(
     max_wait_ms: int = typer.Option(DEFAULTS["max_wait_ms"], "--max-wait-ms", envvar="DECIDER_MAX_WAIT_MS", help="...or this long after its first state."),
     latency_budget_ms: Optional[int] = typer.Option(
         None, "--latency-budget-ms", envvar="DECIDER_LATENCY_BUDGET_MS", min=1, max=MAX_LATENCY_BUDGET_MS,
-        help="Make each state's record visible to read_committed readers within this many ms of its arrival (its "
-             "record's timestamp; when consumed, if that is missing, ahead of this host's clock or already older than "
-             "the budget): a batch never waits for more states while the GPU could score it, and closes when the batch "
-             "ahead of it is expected to finish (running estimates of scoring and commit time per batch size), so "
-             "batches grow with the load; misses are counted. --max-wait-ms still caps the wait. Default: no budget."),
+        help="Make each state's record visible to read_committed readers within this many ms of its arrival: a batch "
+             "never waits for more states while the GPU could score it, so batches grow with the load; misses are "
+             "counted (docs/tuning.md, Latency budget). --max-wait-ms still caps the wait. Default: no budget."),
     group_protocol: Optional[str] = typer.Option(
         None, "--group-protocol", envvar="DECIDER_GROUP_PROTOCOL",
-        help="classic (cooperative-sticky: a rebalance revokes only the partitions that move) or consumer (KIP-848, "
-             "Kafka 4.0+: the broker assigns). Default: consumer where the broker has it and no classic-only setting "
-             "(--session-timeout-ms, [kafka] partition.assignment.strategy) is given, else classic."),
+        help="classic (cooperative-sticky) or consumer (KIP-848, Kafka 4.0+). Default: consumer where the broker has "
+             "it and no classic-only setting (--session-timeout-ms, [kafka] partition.assignment.strategy) is given."),
     session_timeout_ms: Optional[int] = typer.Option(
         None, "--session-timeout-ms", envvar="DECIDER_SESSION_TIMEOUT_MS", min=1,
         help="Consumer group session timeout, classic protocol (default 10000); the consumer protocol's is the broker's."),
@@ -173,7 +170,6 @@ def worker(
 
 @app.command("replay", cls=PanelledCommand)
 @friendly_errors
-@in_panels
 @loop_options
 def replay(
     ctx: typer.Context,
@@ -333,7 +329,7 @@ def _run_command(args: list[str], file_config) -> int:
     range) is one line on stderr and exit code 2, like every other user error."""
     try:
         outcome = app(args=args, default_map=file_config.default_map if file_config else None, obj=file_config,
-                      prog_name="decider", standalone_mode=False)
+                      prog_name="decider", standalone_mode=False, max_content_width=help_width())
     except getattr(click_errors, "NoArgsIsHelpError", ()) as exc:  # a bare "decider" or group: the help
         exc.show()
         return exc.exit_code

@@ -51,6 +51,25 @@ def test_loop_help_reads_at_80_columns(command):
     assert start <= 36 and 80 - start >= 44, start
 
 
+def test_loop_help_uses_the_terminal_width_and_puts_every_option_in_its_section():
+    """click wraps at 80 columns whatever the terminal: 192 lines of `worker --help` in any window. It now takes the
+    terminal's width (COLUMNS here), and --stall-after-s stands in Operations, not above the sections."""
+    narrow = decider("worker", "--help", env={"COLUMNS": "80"}).stdout.splitlines()
+    wide = decider("worker", "--help", env={"COLUMNS": "120"}).stdout.splitlines()
+    assert 100 < max(map(len, wide)) <= 120 and len(wide) < 0.7 * len(narrow), (len(wide), len(narrow))
+    options, operations = wide[wide.index("Options:"):wide.index("Kafka:")], wide[wide.index("Operations:"):]
+    assert [line.split()[0] for line in options if line.lstrip().startswith("-")] == ["--help"], options
+    assert any(line.lstrip().startswith("--stall-after-s") for line in operations), operations
+
+
+@pytest.mark.parametrize("command", [[], ["schema"], ["produce"], ["score"], ["tail"], ["worker"], ["replay"], ["demo"]])
+def test_help_gives_no_type_to_a_flag(command):
+    """A flag (--help, --json, --deterministic/--no-deterministic) takes no value: no "<bool>" beside it."""
+    result = decider(*command, "--help")
+    assert result.returncode == 0 and "Usage" in result.stdout, result.stderr
+    assert "<bool>" not in result.stdout and "--help " in result.stdout, result.stdout
+
+
 def test_unreachable_broker_is_one_clear_line():
     result = decider("topics", "create", "-b", f"127.0.0.1:{free_port()}")
     assert result.returncode == 4
