@@ -1,5 +1,6 @@
 """Running a loop (worker or replay) as an operated process: stop on signals, its events logged, counted in the
-metrics and driving readiness (``worker.ops.health``, on ``--metrics-port``), and a fatal end logged as an event."""
+metrics and driving readiness (``worker.ops.health``, on ``--metrics-port``), and a fatal end told once: an ``error:``
+line (``worker.cli.errors``), or under --log-format json a JSON event instead."""
 
 from __future__ import annotations
 
@@ -31,7 +32,9 @@ def stop_on_signals() -> threading.Event:
 
 
 def run_logged(run: Callable[[EventSink], None], config: WorkerConfig) -> None:
-    """Run a loop with its events logged, counted in the metrics and driving /readyz; log a fatal end."""
+    """Run a loop with its events logged, counted in the metrics and driving /readyz. A fatal end is logged as an event
+    only where logs are JSON (for log shippers, and marked ``reported``); a person reading human logs gets the CLI's one
+    ``error:`` line, not that line twice (the event, then the error)."""
     from worker.ops import logs, metrics
 
     health = None
@@ -56,7 +59,9 @@ def run_logged(run: Callable[[EventSink], None], config: WorkerConfig) -> None:
     try:
         run(on_event)
     except FatalError as exc:
-        kind = "fenced" if isinstance(exc, FencedError) else "fatal"
-        message = redact_text(str(exc), config.kafka)
-        logs.log_fatal(kind, config.registry.redact(message) if config.registry else message, exc.exit_code)
+        if logs.writes_json():
+            kind = "fenced" if isinstance(exc, FencedError) else "fatal"
+            message = redact_text(str(exc), config.kafka)
+            logs.log_fatal(kind, config.registry.redact(message) if config.registry else message, exc.exit_code)
+            exc.reported = True
         raise

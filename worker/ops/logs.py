@@ -3,7 +3,7 @@
 The loop reports what happens as events (``Worker(on_event=...)``: model loaded, schema prepared, batch
 committed with its dead letters, transaction aborted, partitions assigned/revoked/lost); ``log_event`` turns
 each into one line on the ``decider.events`` logger with its fields. Fencing and other fatal errors reach the
-CLI as exceptions and are logged there with ``log_fatal``.
+CLI as exceptions: one ``error:`` line, or under --log-format json one event (``log_fatal``).
 """
 
 from __future__ import annotations
@@ -80,6 +80,11 @@ def log_event(kind: str, info: dict[str, Any]) -> None:
         for reason, count in (info.get("dead_letters") or {}).items():
             EVENTS.warning("dead letters", extra={"fields": {"event": "dead_letter", "reason": reason, "count": count}})
     EVENTS.log(level, kind.replace("_", " "), extra={"fields": fields})
+
+
+def writes_json() -> bool:
+    """Whether log lines are JSON objects (``setup_logging(fmt="json")``, --log-format json)."""
+    return any(isinstance(handler.formatter, JsonFormatter) for handler in logging.getLogger().handlers)
 
 
 def log_fatal(kind: str, message: str, exit_code: int) -> None:

@@ -96,6 +96,21 @@ def test_tail_of_a_missing_topic_says_typo_and_gives_the_flags(kafka_bootstrap):
     assert dead.stderr.rstrip().endswith("--dead-letter-topic decider.dead-leter"), dead.stderr
 
 
+@pytest.mark.parametrize("command", [["worker", "--worker-id", "w"], ["replay", "--name", "r", "--output-topic", "out"]])
+def test_a_loop_error_is_told_once(kafka_bootstrap, model_dir, command):
+    """One "error:" line, not an ERROR log line with the same message before it; under --log-format json one JSON
+    event instead (for log shippers), and no plain line among the JSON ones."""
+    flags = [*command, "-b", kafka_bootstrap, "--model", str(model_dir), "--states-topic", "nosuch.states"]
+    human = decider(*flags)
+    assert human.returncode == 4, human.stderr
+    assert human.stderr.startswith("error: topic(s) nosuch.states") and human.stderr.count("\n") == 1, human.stderr
+    machine = decider(*flags, "--log-format", "json")
+    assert machine.returncode == 4, machine.stderr
+    events = [json.loads(line) for line in machine.stderr.splitlines()]
+    assert [(e["event"], e["exit_code"]) for e in events if e["level"] == "error"] == [("fatal", 4)], machine.stderr
+    assert "nosuch.states" in events[-1]["message"]
+
+
 def test_bad_model_path_and_non_model_directory(stream, tmp_path):
     flags = ["-b", stream.bootstrap, "--worker-id", "w", "--states-topic", stream.topics.states,
              "--schemas-topic", stream.topics.schemas, "--probabilities-topic", stream.topics.probabilities,
