@@ -123,11 +123,19 @@ def produce(
     bootstrap: str = BootstrapOpt,
     states_topic: str = StatesTopicOpt,
 ) -> None:
-    """Publish states (keyed by state id) to the states topic."""
-    from worker.cli.commands import produce_states
-    from worker.cli.user_files import read_state_lines
+    """Publish states (keyed by state id) to the states topic.
 
-    count = produce_states(cluster(ctx, bootstrap), Topics(states=states_topic), read_state_lines(file, schema_id))
+    Exit codes: 0 published (a file without a state publishes nothing, with a warning on stderr: an empty batch is no
+    mistake in a pipeline), 2 a mistake in the file (nothing is published), 4 broker or topic
+    unavailable."""
+    from worker.cli.commands import produce_states
+    from worker.cli.user_files import no_states_warning, read_state_lines
+
+    states = read_state_lines(file, schema_id)
+    if not states:
+        typer.echo(no_states_warning(file, "nothing published"), err=True)
+        return
+    count = produce_states(cluster(ctx, bootstrap), Topics(states=states_topic), states)
     typer.echo(f"{counted(count, 'state')} published to {states_topic}")
 
 
@@ -289,7 +297,10 @@ def score(
     batch_size: int = typer.Option(32, "--batch-size", help="States scored per forward pass."),
     deterministic: Optional[bool] = DeterministicOpt,
 ) -> None:
-    """Score states offline, no Kafka: one JSON line of probabilities per state, for trying a schema and a model."""
+    """Score states offline, no Kafka: one JSON line of probabilities per state, for trying a schema and a model.
+
+    Exit codes: 0 scored (a states file without a state scores nothing, with a warning on stderr), 2 a mistake in a
+    file, the model directory or the device."""
     from worker.cli.offline import score_file, write_scores
 
     write_scores(score_file(model, schema, states, device, dtype, schema_id, batch_size, deterministic), sys.stdout)

@@ -155,6 +155,11 @@ def read_state_lines(path: str | Path, schema_id: str) -> list[dict[str, Any]]:
             for number, line in enumerate(text.split("\n"), 1) if line.strip()]
 
 
+def no_states_warning(path: str | Path, outcome: str) -> str:
+    """The warning for a states file without a state (empty, or blank lines only): ``outcome`` says what follows."""
+    return f"warning: states file {_name(path)} holds no states (no line that is not blank); {outcome}"
+
+
 def state_record(line: str, schema_id: str, where: str) -> dict[str, Any]:
     """The Avro StateEvent for one line of a states file; ``where`` names the line in errors."""
     item = _state_object(line, where)

@@ -97,6 +97,24 @@ def test_produce_refuses_bytes_that_are_not_utf8_naming_the_line(decider, tmp_pa
     assert_one_line_exit_2(decider("produce", "-b", NOWHERE, "--schema-id", "s", str(states)), "line 3", "not UTF-8", "0xe9")
 
 
+@pytest.mark.parametrize("content", [b"", b"\n  \n"])
+def test_a_states_file_without_a_state_warns_and_publishes_nothing(decider, tmp_path, content):
+    """Exit 0 (an empty batch is no mistake in a pipeline; --help says so) with a warning, where it was a silent
+    "0 states published"; the broker (nowhere here) is not even asked."""
+    states = tmp_path / "states.jsonl"
+    states.write_bytes(content)
+    result = decider("produce", "-b", NOWHERE, "--schema-id", "s", str(states))
+    assert result.returncode == 0 and result.stdout == b"", result
+    assert result.stderr.decode() == f"warning: states file {states} holds no states (no line that is not blank); nothing published\n"
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (tmp_path / "schema.json").write_text(json.dumps(GOOD_SCHEMA))
+    scored = decider("score", "--model", str(model), "--schema", str(tmp_path / "schema.json"), "--states", str(states))
+    assert scored.returncode == 0 and scored.stdout == b"", scored
+    assert scored.stderr.decode().splitlines() == [f"warning: states file {states} holds no states (no line that is not blank); nothing scored"]
+
+
 def test_produce_publishes_iso_and_epoch_event_times_and_refuses_a_state_over_the_size_limit(decider, stream_factory):
     stream = stream_factory(partitions=1)
     env = {"DECIDER_STATES_TOPIC": stream.topics.states}
