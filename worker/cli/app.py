@@ -19,6 +19,7 @@ except ImportError:
 
 from worker.cli.calibration import calibrate
 from worker.cli.errors import friendly_errors
+from worker.cli.schema_app import schema_app
 from worker.cli.options import (DEFAULTS, PanelledCommand, help_width, BootstrapOpt, DeadLetterTopicOpt, DeterministicOpt, DeviceOpt, DtypeOpt, ModelOpt, ProbabilitiesTopicOpt,
                                 SchemasTopicOpt, StatesTopicOpt, cluster, loop_config, loop_options,
                                 registry_config)
@@ -35,7 +36,6 @@ app = typer.Typer(
     rich_markup_mode=None,  # plain-text --help, at the terminal's width (worker.cli.options.PanelledCommand says why)
 )
 topics_app = typer.Typer(help="Manage decider's topics.", no_args_is_help=True, rich_markup_mode=None)
-schema_app = typer.Typer(help="Publish or delete question schemas.", no_args_is_help=True, rich_markup_mode=None)
 app.add_typer(topics_app, name="topics")
 app.add_typer(schema_app, name="schema")
 
@@ -79,63 +79,36 @@ def _require_partitions(topics: Topics, existing: dict[str, int], requested: int
                           "delete and re-create the topics)")
 
 
-@schema_app.command("put")
-@friendly_errors
-def schema_put(
-    ctx: typer.Context,
-    file: Path = typer.Argument(..., help='Schema file: {"mode": "packed", "questions": [{"id", "question", "options", "temperature"?}, ...]}.'),
-    schema_id: str = typer.Option(..., "--id", envvar="DECIDER_SCHEMA_ID", help="Schema id (the record key)."),
-    version: Optional[int] = typer.Option(None, "--version", help="Explicit version; default: the latest published version + 1."),
-    bootstrap: str = BootstrapOpt,
-    schemas_topic: str = SchemasTopicOpt,
-) -> None:
-    """Publish a question schema as a new version of ID; a file equal to the latest version publishes nothing."""
-    from worker.cli.commands import put_schema
-
-    record, published = put_schema(cluster(ctx, bootstrap), Topics(schemas=schemas_topic), schema_id, file, version)
-    if published:
-        typer.echo(f"schema {schema_id} version {record['version']} published ({counted(len(record['questions']), 'question')})")
-    else:
-        typer.echo(f"schema {schema_id} unchanged, version {record['version']} (the same content; nothing published)")
-
-
-@schema_app.command("delete")
-@friendly_errors
-def schema_delete(
-    ctx: typer.Context,
-    schema_id: str = typer.Option(..., "--id", envvar="DECIDER_SCHEMA_ID", help="Schema id to delete."),
-    bootstrap: str = BootstrapOpt,
-    schemas_topic: str = SchemasTopicOpt,
-) -> None:
-    """Delete a schema (tombstone); later states naming it go to the dead-letter topic."""
-    from worker.cli.commands import delete_schema
-
-    delete_schema(cluster(ctx, bootstrap), Topics(schemas=schemas_topic), schema_id)
-    typer.echo(f"schema {schema_id} deleted")
-
-
 @app.command("produce")
 @friendly_errors
 def produce(
     ctx: typer.Context,
     file: Path = typer.Argument(..., help='States file, JSON lines: {"id": "...", "state": "...", "metadata": {...}?} ("-" for stdin).'),
-    schema_id: str = typer.Option(..., "--schema-id", envvar="DECIDER_SCHEMA_ID", help="Schema to ask about every state."),
+    schema_id: str = typer.Option(..., "--schema-id", envvar="DECIDER_SCHEMA_ID", help="Schema to ask about every state; the schemas topic must hold it (or --force)."),
+    force: bool = typer.Option(False, "--force", help="Publish even if the schemas topic does not hold --schema-id (workers dead-letter such states as unknown_schema once --schema-wait-ms passes)."),
     bootstrap: str = BootstrapOpt,
     states_topic: str = StatesTopicOpt,
+    schemas_topic: str = SchemasTopicOpt,
 ) -> None:
     """Publish states (keyed by state id) to the states topic.
 
     Exit codes: 0 published (a file without a state publishes nothing, with a warning on stderr: an empty batch is no
-    mistake in a pipeline), 2 a mistake in the file (nothing is published), 4 broker or topic
-    unavailable."""
-    from worker.cli.commands import produce_states
+    mistake in a pipeline), 2 a mistake in the file or a --schema-id the schemas topic does not hold (nothing is
+    published), 4 broker or topic unavailable."""
+    from worker.cli.commands import produce_states, require_schema
     from worker.cli.user_files import no_states_warning, read_state_lines
+    from worker.kafka_clients import require_topics
 
     states = read_state_lines(file, schema_id)
     if not states:
         typer.echo(no_states_warning(file, "nothing published"), err=True)
         return
-    count = produce_states(cluster(ctx, bootstrap), Topics(states=states_topic), states)
+    topics = Topics(states=states_topic, schemas=schemas_topic)
+    require_topics(cluster(ctx, bootstrap), [states_topic], roles=topics)  # a missing topic first: exit code 4
+    if not force:
+        require_schema(cluster(ctx, bootstrap), topics, schema_id,
+                       f"publish it first (decider schema put --id {schema_id} FILE), or pass --force")
+    count = produce_states(cluster(ctx, bootstrap), topics, states)
     typer.echo(f"{counted(count, 'state')} published to {states_topic}")
 
 

@@ -20,6 +20,7 @@ def decider(*args: str, env: dict[str, str] | None = None, timeout: float = 60) 
 
 
 @pytest.mark.parametrize("command", [[], ["demo"], ["broker"], ["topics", "create"], ["schema", "put"], ["schema", "delete"],
+                                     ["schema", "list"], ["schema", "get"],
                                      ["produce"], ["worker"], ["replay"], ["score"], ["tail"]])
 def test_every_command_has_help(command):
     result = decider(*command, "--help")

@@ -117,7 +117,8 @@ def test_a_states_file_without_a_state_warns_and_publishes_nothing(decider, tmp_
 
 def test_produce_publishes_iso_and_epoch_event_times_and_refuses_a_state_over_the_size_limit(decider, stream_factory):
     stream = stream_factory(partitions=1)
-    env = {"DECIDER_STATES_TOPIC": stream.topics.states}
+    env = {"DECIDER_STATES_TOPIC": stream.topics.states, "DECIDER_SCHEMAS_TOPIC": stream.topics.schemas}
+    stream.put_schema("s", GOOD_SCHEMA)  # produce refuses a schema id the schemas topic does not hold
     lines = [_state_line(id="iso", event_time="2026-01-01T00:00:00Z"), _state_line(id="zone", event_time="2026-01-01T01:00:00+01:00"),
              _state_line(id="epoch", event_time=0), _state_line(id="digits", event_time="1700000000000")]
     published = decider("produce", "-b", stream.bootstrap, "--schema-id", "s", "-", stdin="\n".join(lines).encode(), env=env)
