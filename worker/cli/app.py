@@ -258,6 +258,24 @@ def demo(
     run_demo(model_dir=model, port=port, records_shown=records_shown)
 
 
+@app.command("tiny-model")
+@friendly_errors
+def tiny_model(
+    directory: Path = typer.Argument(..., help="Directory to write it to (created; it must be new or empty)."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the random weights: a seed always writes the same model."),
+) -> None:
+    """Write a tiny random Qwen3.5-family model (a complete Hugging Face directory, no network) for --model, to try
+    decider on a CPU: its answers are meaningless, the pipeline is real."""
+    if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
+        what = "is not empty" if directory.is_dir() else "is a file"
+        raise ConfigError(f"{directory} {what}; give a new or empty directory for the tiny model")
+    from engine.testing import write_tiny_model
+
+    write_tiny_model(directory, seed=seed)
+    typer.echo(f"tiny random model written to {directory} (random weights: its answers are meaningless); "
+               f"use it with --model {directory}")
+
+
 @app.command("score")
 @friendly_errors
 def score(

@@ -21,7 +21,7 @@ def decider(*args: str, env: dict[str, str] | None = None, timeout: float = 60) 
 
 @pytest.mark.parametrize("command", [[], ["demo"], ["broker"], ["topics", "create"], ["schema", "put"], ["schema", "delete"],
                                      ["schema", "list"], ["schema", "get"],
-                                     ["produce"], ["worker"], ["replay"], ["score"], ["tail"]])
+                                     ["produce"], ["worker"], ["replay"], ["score"], ["tail"], ["tiny-model"]])
 def test_every_command_has_help(command):
     result = decider(*command, "--help")
     assert result.returncode == 0 and "Usage" in result.stdout
@@ -171,6 +171,18 @@ def test_demo_runs_the_whole_pipeline_and_stops_everything():
     for expected in ("embedded Kafka broker", "decider.schemas created", "schema support v1 prepared",
                      "batch committed", "read back 20 committed records", "angry", "worker stopped"):
         assert expected in out, out
+
+
+def test_tiny_model_writes_a_model_directory_quietly_and_refuses_a_used_one(model_dir, tmp_path):
+    """What the README's Stream section starts with: the demo's model, written where the user says (it lived only in
+    the demo's temporary directory), without transformers' "Writing model shards" progress bar."""
+    written = decider("tiny-model", str(tmp_path / "tiny"), timeout=120)
+    assert written.returncode == 0 and written.stderr == "", written.stderr
+    assert written.stdout.strip().endswith(f"use it with --model {tmp_path / 'tiny'}"), written.stdout
+    assert {p.name for p in (tmp_path / "tiny").iterdir()} >= {"config.json", "model.safetensors", "tokenizer.json"}
+    assert (tmp_path / "tiny" / "config.json").read_text() == (model_dir / "config.json").read_text()  # seed 0 both
+    again = decider("tiny-model", str(tmp_path / "tiny"))
+    assert again.returncode == 2 and again.stderr == f"error: {tmp_path / 'tiny'} is not empty; give a new or empty directory for the tiny model\n"
 
 
 def test_bad_warmup_state_tokens_exit_2_naming_the_option(tmp_path):
