@@ -163,7 +163,7 @@ def replay(
     to_time: Optional[str] = typer.Option(None, "--to-time", help="End before the first record at or after this time."),
     partitions: Optional[str] = typer.Option(None, "--partitions", help="Comma-separated partitions to replay (default: all)."),
     max_batch: int = typer.Option(REPLAY_MAX_BATCH, "--max-batch", envvar="DECIDER_MAX_BATCH", help="States per batch; a replay always waits for full batches."),
-    progress: bool = typer.Option(True, "--progress/--no-progress", help="Progress bar with rate and ETA on stderr."),
+    progress: bool = typer.Option(True, "--progress/--no-progress", help="Progress bar with rate and ETA on stderr; meanwhile each transaction is logged at debug only."),
 ) -> None:
     """Score a historical range of the states topic (offsets or timestamps) into --output-topic, exactly once.
 
@@ -172,18 +172,22 @@ def replay(
     OUTPUT_TOPIC.dead-letter (never the live worker's). Exit codes as for worker, plus 6: stopped before the end
     (rerun to resume).
     """
-    from worker.stream.replay import Bound, check_order, replay_dead_letter_topic, replay_group, run_replay
+    import logging
 
-    if ctx.get_parameter_source("dead_letter_topic").name == "DEFAULT":  # never the live worker's topic by default
-        loop_flags = {**loop_flags, "dead_letter_topic": replay_dead_letter_topic(output_topic)}
-    config = loop_config(ctx, loop_flags, output_topic, worker_id=name, group=replay_group(name), max_batch=max_batch,
-                          max_wait_ms=None)
+    from worker.stream.replay import replay_dead_letter_topic, replay_group, run_replay
+    from worker.stream.replay_range import Bound, check_order
+
+    # The range first: the flags alone here, against the topic in run_replay, both before the model loads.
     try:
         chosen = [int(p) for p in partitions.split(",")] if partitions else None
     except ValueError:
         raise ConfigError(f"--partitions {partitions!r}: expected comma-separated partition numbers") from None
     start, end = Bound.parse(from_offset, from_time, "from"), Bound.parse(to_offset, to_time, "to")
     check_order(start, end)
+    if ctx.get_parameter_source("dead_letter_topic").name == "DEFAULT":  # never the live worker's topic by default
+        loop_flags = {**loop_flags, "dead_letter_topic": replay_dead_letter_topic(output_topic)}
+    config = loop_config(ctx, loop_flags, output_topic, worker_id=name, group=replay_group(name), max_batch=max_batch,
+                          max_wait_ms=None)
     summary: dict = {}
     from worker.cli.operated import run_logged, stop_on_signals
 
@@ -191,7 +195,8 @@ def replay(
         summary.update(run_replay(config, start, end, chosen, stop=stop_on_signals(), on_event=on_event, progress=progress,
                                   write=lambda line: typer.echo(line, err=True)))
 
-    run_logged(run, config)
+    # While the progress bar runs, a line per transaction would only repeat it: those go to debug, the summary stays.
+    run_logged(run, config, commits_at=logging.DEBUG if progress else logging.INFO)
     if not summary.get("complete"):
         raise typer.Exit(6)
 

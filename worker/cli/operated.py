@@ -5,6 +5,7 @@ line (``worker.cli.errors``), or under --log-format json a JSON event instead.""
 from __future__ import annotations
 
 import faulthandler
+import functools
 import logging
 import signal
 import threading
@@ -31,10 +32,11 @@ def stop_on_signals() -> threading.Event:
     return stop
 
 
-def run_logged(run: Callable[[EventSink], None], config: WorkerConfig) -> None:
+def run_logged(run: Callable[[EventSink], None], config: WorkerConfig, commits_at: int = logging.INFO) -> None:
     """Run a loop with its events logged, counted in the metrics and driving /readyz. A fatal end is logged as an event
     only where logs are JSON (for log shippers, and marked ``reported``); a person reading human logs gets the CLI's one
-    ``error:`` line, not that line twice (the event, then the error)."""
+    ``error:`` line, not that line twice (the event, then the error). ``commits_at``: the level of each transaction's
+    ``committed`` line."""
     from worker.ops import logs, metrics
 
     health = None
@@ -50,7 +52,8 @@ def run_logged(run: Callable[[EventSink], None], config: WorkerConfig) -> None:
 
         logging.getLogger("decider").info("schema registry %s, client settings %s", config.registry.shown_url(),
                                           redacted_registry_settings(config.registry.settings))
-    sinks = [logs.log_event, metrics.on_event] + ([health.on_event] if health else [])
+    sinks = [functools.partial(logs.log_event, committed_level=commits_at), metrics.on_event]
+    sinks += [health.on_event] if health else []
 
     def on_event(kind: str, info: dict) -> None:
         for sink in sinks:

@@ -69,14 +69,14 @@ def setup_logging(level: str = "info", fmt: str = "human") -> None:
         logging.getLogger(name).setLevel(logging.WARNING)
 
 
-def log_event(kind: str, info: dict[str, Any]) -> None:
-    """Sink for ``Worker(on_event=...)``: one line per event, its fields attached."""
+def log_event(kind: str, info: dict[str, Any], committed_level: int = logging.INFO) -> None:
+    """Sink for ``Worker(on_event=...)``: one line per event, its fields attached; a transaction's ``committed`` line at
+    ``committed_level`` (a replay's progress bar says what they would, so it logs them at debug)."""
     fields = {"event": kind, **{k: v for k, v in info.items() if k not in _DROPPED_FIELDS}}
     level = logging.WARNING if kind in ("aborted", "lost") else logging.INFO
     if kind == "committed":
         # A commit with no record (offsets only) is frequent and says nothing: keep it at debug.
-        if not info.get("scored") and not info.get("dead_letters"):
-            level = logging.DEBUG
+        level = committed_level if info.get("scored") or info.get("dead_letters") else logging.DEBUG
         for reason, count in (info.get("dead_letters") or {}).items():
             EVENTS.warning("dead letters", extra={"fields": {"event": "dead_letter", "reason": reason, "count": count}})
     EVENTS.log(level, kind.replace("_", " "), extra={"fields": fields})
