@@ -307,7 +307,7 @@ app.command("calibrate")(friendly_errors(calibrate))
 
 @app.callback()
 def _root(
-    config: Optional[Path] = typer.Option(None, "--config", envvar="DECIDER_CONFIG", help="TOML file of settings (flag > environment > file > default); see README, Configuration."),
+    config: Optional[Path] = typer.Option(None, "--config", envvar="DECIDER_CONFIG", help="TOML file of settings (flag > environment > file > default); see docs/configuration.md."),
 ) -> None:
     """Ask an LLM a fixed set of multiple-choice questions about every event of a Kafka stream, exactly once."""
     # --config is taken out of the arguments by main() before parsing (the file supplies the parse's

@@ -67,7 +67,7 @@ def test_a_bad_model_path_fails_before_anything_loads(tmp_path):
 
 
 def test_cuda_on_a_machine_without_it_suggests_cpu(model_dir, tmp_path):
-    """The README's stream line says --device cuda:0; without CUDA the one line says what to use instead."""
+    """The docs' GPU lines say --device cuda:0; without CUDA the one line says what to use instead."""
     import torch
 
     if torch.cuda.is_available():
