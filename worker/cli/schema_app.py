@@ -17,12 +17,17 @@ schema_app = typer.Typer(help="Publish, delete, list and show question schemas."
                          rich_markup_mode=None)
 
 
+def _schema_id(help_text: str):
+    """The --id option of the schema commands (``DECIDER_SCHEMA_ID``)."""
+    return typer.Option(..., "--id", envvar="DECIDER_SCHEMA_ID", help=help_text)
+
+
 @schema_app.command("put")
 @friendly_errors
 def schema_put(
     ctx: typer.Context,
     file: Path = typer.Argument(..., help='Schema file: {"mode": "packed", "questions": [{"id", "question", "options", "temperature"?}, ...]}.'),
-    schema_id: str = typer.Option(..., "--id", envvar="DECIDER_SCHEMA_ID", help="Schema id (the record key)."),
+    schema_id: str = _schema_id("Schema id (the record key)."),
     version: Optional[int] = typer.Option(None, "--version", help="Explicit version; default: the latest published version + 1."),
     bootstrap: str = BootstrapOpt,
     schemas_topic: str = SchemasTopicOpt,
@@ -41,7 +46,7 @@ def schema_put(
 @friendly_errors
 def schema_delete(
     ctx: typer.Context,
-    schema_id: str = typer.Option(..., "--id", envvar="DECIDER_SCHEMA_ID", help="Schema id to delete."),
+    schema_id: str = _schema_id("Schema id to delete."),
     bootstrap: str = BootstrapOpt,
     schemas_topic: str = SchemasTopicOpt,
 ) -> None:
@@ -82,7 +87,7 @@ def schema_list(
 @friendly_errors
 def schema_get(
     ctx: typer.Context,
-    schema_id: str = typer.Option(..., "--id", envvar="DECIDER_SCHEMA_ID", help="Schema id to show."),
+    schema_id: str = _schema_id("Schema id to show."),
     bootstrap: str = BootstrapOpt,
     schemas_topic: str = SchemasTopicOpt,
 ) -> None:
