@@ -6,6 +6,7 @@ and the weights are drawn from a seeded generator.  The directory written is a c
 """
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -59,6 +60,20 @@ def tiny_config(vocab_size: int, pad_token_id: int, **overrides):
     return Qwen3_5TextConfig(**base)
 
 
+@contextlib.contextmanager
+def _no_progress_bars():
+    """transformers' progress bars off while inside (``transformers.utils.logging``), as they were after."""
+    from transformers.utils import logging as hf_logging
+
+    shown = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if shown:
+            hf_logging.enable_progress_bar()
+
+
 def write_tiny_model(path: str | Path, seed: int = 0, **config_overrides) -> Path:
     """Write a complete HF directory of a tiny random Qwen3.5-family model to `path` and return it.
 
@@ -72,7 +87,8 @@ def write_tiny_model(path: str | Path, seed: int = 0, **config_overrides) -> Pat
     cfg = tiny_config(len(tok), tok.pad_token_id, **config_overrides)
     torch.manual_seed(seed)
     model = Qwen3_5ForCausalLM(cfg).eval()
-    model.save_pretrained(path)
+    with _no_progress_bars():  # transformers' "Writing model shards" bar, for a file written in milliseconds
+        model.save_pretrained(path)
     tok.save_pretrained(path)
     _stamp_provenance(path, seed)
     return path

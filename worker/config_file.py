@@ -24,6 +24,7 @@ key. Secret values (passwords, keys, JAAS configs) never appear in logs or error
 
 from __future__ import annotations
 
+import difflib
 import re
 import tomllib
 import typing
@@ -147,7 +148,9 @@ def load_config_file(path: Path, root: Any) -> FileConfig:
         else:
             params = [p for params in commands.values() for p in params if _name(key) == p.name]
             if not params:
-                raise ConfigError(f"{where}: unknown key {key!r} (not an option of any command, nor a command table)")
+                known = {p.name for params in commands.values() for p in params} | {path[0] for path in commands}
+                raise ConfigError(f"{where}: unknown key {key!r} ({_suggestion(key, known)}not an option of any command, "
+                                  "nor a command table)")
             for param in params:
                 _check_type(key, value, param, where)
             shared[_name(key)] = value
@@ -172,6 +175,17 @@ def _name(key: str) -> str:
     return key.replace("-", "_")
 
 
+def _suggestion(key: str, known: typing.Iterable[str]) -> str:
+    """"did you mean 'max_batch'? " for the known key closest to ``key`` (difflib), or nothing."""
+    close = difflib.get_close_matches(_name(key), sorted(known), n=1)
+    return f"did you mean {close[0]!r}? " if close else ""
+
+
+def _known(key: str, known: typing.Iterable[str]) -> str:
+    """The suggestion for ``key`` first, then every known key: "did you mean 'max_batch'? known: ..."."""
+    return f"{_suggestion(key, known)}known: {', '.join(sorted(known))}"
+
+
 def _leaf_commands(group: Any, prefix: tuple[str, ...] = ()):
     """(command path, its options) of every runnable command under ``group``."""
     for name, command in group.commands.items():
@@ -192,15 +206,16 @@ def _command_tables(key: str, table: dict, path: tuple[str, ...], commands: dict
         for option, value in table.items():
             param = params.get(_name(option))
             if param is None:
-                known = ", ".join(sorted(params))
-                raise ConfigError(f"{where}: unknown key {option!r} in {section} (known: {known})")
+                raise ConfigError(f"{where}: unknown key {option!r} in {section} ({_known(option, params)})")
             _check_type(f"{section} {option}", value, param, where)
             out.setdefault(path, {})[param.name] = value
         return
     for sub, value in table.items():
         child = path + (sub,)
         if not isinstance(value, dict) or not any(p[:len(child)] == child for p in commands):
-            raise ConfigError(f"{where}: unknown key {sub!r} in [{'.'.join(path)}] (expected a command table)")
+            tables = {p[len(path)] for p in commands if p[:len(path)] == path and len(p) > len(path)}
+            raise ConfigError(f"{where}: unknown key {sub!r} in [{'.'.join(path)}] ({_suggestion(sub, tables)}expected "
+                              "a command table)")
         _command_tables(sub, value, child, commands, out, where)
 
 
@@ -254,8 +269,7 @@ def _input_table(table: Any, where: str) -> dict[str, Any]:
     for key, value in table.items():
         name = _name(key)
         if name not in INPUT_KEYS:
-            known = ", ".join(k.replace("_", "-") for k in INPUT_KEYS)
-            raise ConfigError(f"{where}: unknown key {key!r} in [{INPUT_TABLE}] (known: {known})")
+            raise ConfigError(f"{where}: unknown key {key!r} in [{INPUT_TABLE}] ({_known(key, INPUT_KEYS)})")
         if name in _INPUT_LISTS and isinstance(value, list):
             if not all(isinstance(item, str) for item in value):
                 raise ConfigError(f"{where}: [{INPUT_TABLE}] {key} must be a list of strings, not {value!r}")

@@ -35,6 +35,8 @@ class FatalError(DeciderError):
     """The process must stop; ``exit_code`` is what the CLI exits with."""
 
     exit_code: int = 1
+    reported: bool = False
+    """Already told to the user (as a JSON log event, under --log-format json): the CLI prints nothing more."""
 
     def __init__(self, message: str, exit_code: int | None = None) -> None:
         super().__init__(message)

@@ -147,7 +147,7 @@ def whole_pass_reader(cluster: Cluster | str) -> Consumer:
     topics from offset 0 to their end. On the embedded broker a read_committed reader must: noida-db 0.2.3 lists every
     aborted transaction below the last stable offset in each Fetch answer, and librdkafka then skips every later
     batch of that producer id in the response, so a reader taking a partition in small fetches loses a restarted
-    worker's later records (README, Stream)."""
+    worker's later records (docs/brokers.md, the development broker)."""
     return Consumer({**reader_consumer_config(cluster), "max.partition.fetch.bytes": 64 << 20,
                      "fetch.max.bytes": 64 << 20})
 
@@ -194,7 +194,7 @@ def worker_consumer_config(config: WorkerConfig, protocol: str = "classic") -> d
         # its partitions back at once instead of waiting for the dead member's session to expire. A clean
         # stop leaves the group explicitly (Worker unsubscribes before closing), so its partitions move
         # to the other workers right away (classic protocol; KIP-848's keeps a static member's partitions for it
-        # until the broker's session timeout, see README "Scaling out").
+        # until the broker's session timeout, see docs/tuning.md, "Scaling out").
         "group.instance.id": config.worker_id,
         # Offsets are committed only inside our transactions (send_offsets_to_transaction).
         "enable.auto.commit": False,

@@ -22,9 +22,11 @@ def _decider(*args: str, env: dict[str, str] | None = None) -> subprocess.Comple
 
 BAD_FILES = [
     ("wat = 1\n", "unknown key 'wat'"),
-    ("[worker]\nmax_batchh = 5\n", "unknown key 'max_batchh' in [worker]"),
-    ("[wokrer]\nmax_batch = 5\n", "unknown key 'wokrer'"),
-    ("[topics.craete]\npartitions = 2\n", "unknown key 'craete' in [topics]"),
+    ("[worker]\nmax_batchh = 5\n", "unknown key 'max_batchh' in [worker] (did you mean 'max_batch'? known: "),
+    ("[wokrer]\nmax_batch = 5\n", "unknown key 'wokrer' (did you mean 'worker'?"),
+    ("bootstap = \"k:9092\"\n", "unknown key 'bootstap' (did you mean 'bootstrap'?"),
+    ("[topics.craete]\npartitions = 2\n", "unknown key 'craete' in [topics] (did you mean 'create'?"),
+    ("[input]\nid-feild = \"ticket.id\"\n", "unknown key 'id-feild' in [input] (did you mean 'id_field'?"),
     ("[worker]\nmax_batch = \"five\"\n", "[worker] max_batch must be an integer, not str 'five'"),
     ("[worker]\nschema_memory_mb = true\n", "[worker] schema_memory_mb must be a number"),
     ("bootstrap = 9092\n", "bootstrap must be a string"),

@@ -161,8 +161,8 @@ def test_schema_catch_up_does_not_queue_behind_the_readers_parked_fetch(mock_clu
 
 
 def test_session_broker_fetch_wait_is_as_documented(test_broker, kafka_bootstrap):
-    """Kafka holds an empty fetch for its max wait; noida-db 0.2.3 answers it at once (README, "decider broker").
-    If this fails on the embedded broker, noida-db learned to wait: the README and bench/README.md need updating."""
+    """Kafka holds an empty fetch for its max wait; noida-db 0.2.3 answers it at once (docs/brokers.md, "The development broker").
+    If this fails on the embedded broker, noida-db learned to wait: docs/brokers.md and bench/README.md need updating."""
     from worker.kafka_clients import create_topics
 
     suffix = uuid.uuid4().hex[:8]

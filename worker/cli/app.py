@@ -19,11 +19,13 @@ except ImportError:
 
 from worker.cli.calibration import calibrate
 from worker.cli.errors import friendly_errors
-from worker.cli.options import (DEFAULTS, PanelledCommand, in_panels, BootstrapOpt, DeadLetterTopicOpt, DeterministicOpt, DeviceOpt, DtypeOpt, ModelOpt, ProbabilitiesTopicOpt,
+from worker.cli.schema_app import schema_app
+from worker.cli.options import (DEFAULTS, PanelledCommand, help_width, BootstrapOpt, DeadLetterTopicOpt, DeterministicOpt, DeviceOpt, DtypeOpt, ModelOpt, ProbabilitiesTopicOpt,
                                 SchemasTopicOpt, StatesTopicOpt, cluster, loop_config, loop_options,
                                 registry_config)
 from worker.config import MAX_LATENCY_BUDGET_MS, REPLAY_MAX_BATCH, Topics
 from worker.exceptions import ConfigError, FatalError
+from worker.ops.wording import counted
 
 app = typer.Typer(
     name="decider",
@@ -31,9 +33,9 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,  # plain-text --help, at the terminal's width (worker.cli.options.PanelledCommand says why)
 )
-topics_app = typer.Typer(help="Manage decider's topics.", no_args_is_help=True)
-schema_app = typer.Typer(help="Publish or delete question schemas.", no_args_is_help=True)
+topics_app = typer.Typer(help="Manage decider's topics.", no_args_is_help=True, rich_markup_mode=None)
 app.add_typer(topics_app, name="topics")
 app.add_typer(schema_app, name="schema")
 
@@ -61,7 +63,7 @@ def topics_create(
     existing = require_topics(brokers, [name for name, outcome in outcomes.items() if outcome == "exists"])
     for name, outcome in outcomes.items():
         count = existing.get(name)
-        typer.echo(f"{name}: {outcome}" + ("" if count is None else f" ({count} partition{'' if count == 1 else 's'})"))
+        typer.echo(f"{name}: {outcome}" + ("" if count is None else f" ({counted(count, 'partition')})"))
     if ctx.get_parameter_source("partitions").name != "DEFAULT":
         _require_partitions(topics, existing, partitions)
 
@@ -77,61 +79,41 @@ def _require_partitions(topics: Topics, existing: dict[str, int], requested: int
                           "delete and re-create the topics)")
 
 
-@schema_app.command("put")
-@friendly_errors
-def schema_put(
-    ctx: typer.Context,
-    file: Path = typer.Argument(..., help='Schema file: {"mode": "packed", "questions": [{"id", "question", "options", "temperature"?}, ...]}.'),
-    schema_id: str = typer.Option(..., "--id", envvar="DECIDER_SCHEMA_ID", help="Schema id (the record key)."),
-    version: Optional[int] = typer.Option(None, "--version", help="Explicit version; default: the latest published version + 1."),
-    bootstrap: str = BootstrapOpt,
-    schemas_topic: str = SchemasTopicOpt,
-) -> None:
-    """Publish a question schema as a new version of ID; a file equal to the latest version publishes nothing."""
-    from worker.cli.commands import put_schema
-
-    record, published = put_schema(cluster(ctx, bootstrap), Topics(schemas=schemas_topic), schema_id, file, version)
-    if published:
-        typer.echo(f"schema {schema_id} version {record['version']} published ({len(record['questions'])} questions)")
-    else:
-        typer.echo(f"schema {schema_id} unchanged, version {record['version']} (the same content; nothing published)")
-
-
-@schema_app.command("delete")
-@friendly_errors
-def schema_delete(
-    ctx: typer.Context,
-    schema_id: str = typer.Option(..., "--id", envvar="DECIDER_SCHEMA_ID", help="Schema id to delete."),
-    bootstrap: str = BootstrapOpt,
-    schemas_topic: str = SchemasTopicOpt,
-) -> None:
-    """Delete a schema (tombstone); later states naming it go to the dead-letter topic."""
-    from worker.cli.commands import delete_schema
-
-    delete_schema(cluster(ctx, bootstrap), Topics(schemas=schemas_topic), schema_id)
-    typer.echo(f"schema {schema_id} deleted")
-
-
 @app.command("produce")
 @friendly_errors
 def produce(
     ctx: typer.Context,
     file: Path = typer.Argument(..., help='States file, JSON lines: {"id": "...", "state": "...", "metadata": {...}?} ("-" for stdin).'),
-    schema_id: str = typer.Option(..., "--schema-id", envvar="DECIDER_SCHEMA_ID", help="Schema to ask about every state."),
+    schema_id: str = typer.Option(..., "--schema-id", envvar="DECIDER_SCHEMA_ID", help="Schema to ask about every state; the schemas topic must hold it (or --force)."),
+    force: bool = typer.Option(False, "--force", help="Publish even if the schemas topic does not hold --schema-id (workers dead-letter such states as unknown_schema once --schema-wait-ms passes)."),
     bootstrap: str = BootstrapOpt,
     states_topic: str = StatesTopicOpt,
+    schemas_topic: str = SchemasTopicOpt,
 ) -> None:
-    """Publish states (keyed by state id) to the states topic."""
-    from worker.cli.commands import produce_states
-    from worker.cli.user_files import read_state_lines
+    """Publish states (keyed by state id) to the states topic.
 
-    count = produce_states(cluster(ctx, bootstrap), Topics(states=states_topic), read_state_lines(file, schema_id))
-    typer.echo(f"{count} states published to {states_topic}")
+    Exit codes: 0 published (a file without a state publishes nothing, with a warning on stderr: an empty batch is no
+    mistake in a pipeline), 2 a mistake in the file or a --schema-id the schemas topic does not hold (nothing is
+    published), 4 broker or topic unavailable."""
+    from worker.cli.commands import produce_states, require_schema
+    from worker.cli.user_files import no_states_warning, read_state_lines
+    from worker.kafka_clients import require_topics
+
+    states = read_state_lines(file, schema_id)
+    if not states:
+        typer.echo(no_states_warning(file, "nothing published"), err=True)
+        return
+    topics = Topics(states=states_topic, schemas=schemas_topic)
+    require_topics(cluster(ctx, bootstrap), [states_topic], roles=topics)  # a missing topic first: exit code 4
+    if not force:
+        require_schema(cluster(ctx, bootstrap), topics, schema_id,
+                       f"publish it first (decider schema put --id {schema_id} FILE), or pass --force")
+    count = produce_states(cluster(ctx, bootstrap), topics, states)
+    typer.echo(f"{counted(count, 'state')} published to {states_topic}")
 
 
 @app.command("worker", cls=PanelledCommand)
 @friendly_errors
-@in_panels
 @loop_options
 def worker(
     ctx: typer.Context,
@@ -142,16 +124,13 @@ def worker(
     max_wait_ms: int = typer.Option(DEFAULTS["max_wait_ms"], "--max-wait-ms", envvar="DECIDER_MAX_WAIT_MS", help="...or this long after its first state."),
     latency_budget_ms: Optional[int] = typer.Option(
         None, "--latency-budget-ms", envvar="DECIDER_LATENCY_BUDGET_MS", min=1, max=MAX_LATENCY_BUDGET_MS,
-        help="Make each state's record visible to read_committed readers within this many ms of its arrival (its "
-             "record's timestamp; when consumed, if that is missing, ahead of this host's clock or already older than "
-             "the budget): a batch never waits for more states while the GPU could score it, and closes when the batch "
-             "ahead of it is expected to finish (running estimates of scoring and commit time per batch size), so "
-             "batches grow with the load; misses are counted. --max-wait-ms still caps the wait. Default: no budget."),
+        help="Make each state's record visible to read_committed readers within this many ms of its arrival: a batch "
+             "never waits for more states while the GPU could score it, so batches grow with the load; misses are "
+             "counted (docs/tuning.md, Latency budget). --max-wait-ms still caps the wait. Default: no budget."),
     group_protocol: Optional[str] = typer.Option(
         None, "--group-protocol", envvar="DECIDER_GROUP_PROTOCOL",
-        help="classic (cooperative-sticky: a rebalance revokes only the partitions that move) or consumer (KIP-848, "
-             "Kafka 4.0+: the broker assigns). Default: consumer where the broker has it and no classic-only setting "
-             "(--session-timeout-ms, [kafka] partition.assignment.strategy) is given, else classic."),
+        help="classic (cooperative-sticky) or consumer (KIP-848, Kafka 4.0+). Default: consumer where the broker has "
+             "it and no classic-only setting (--session-timeout-ms, [kafka] partition.assignment.strategy) is given."),
     session_timeout_ms: Optional[int] = typer.Option(
         None, "--session-timeout-ms", envvar="DECIDER_SESSION_TIMEOUT_MS", min=1,
         help="Consumer group session timeout, classic protocol (default 10000); the consumer protocol's is the broker's."),
@@ -172,7 +151,6 @@ def worker(
 
 @app.command("replay", cls=PanelledCommand)
 @friendly_errors
-@in_panels
 @loop_options
 def replay(
     ctx: typer.Context,
@@ -185,7 +163,7 @@ def replay(
     to_time: Optional[str] = typer.Option(None, "--to-time", help="End before the first record at or after this time."),
     partitions: Optional[str] = typer.Option(None, "--partitions", help="Comma-separated partitions to replay (default: all)."),
     max_batch: int = typer.Option(REPLAY_MAX_BATCH, "--max-batch", envvar="DECIDER_MAX_BATCH", help="States per batch; a replay always waits for full batches."),
-    progress: bool = typer.Option(True, "--progress/--no-progress", help="Progress bar with rate and ETA on stderr."),
+    progress: bool = typer.Option(True, "--progress/--no-progress", help="Progress bar with rate and ETA on stderr; meanwhile each transaction is logged at debug only."),
 ) -> None:
     """Score a historical range of the states topic (offsets or timestamps) into --output-topic, exactly once.
 
@@ -194,18 +172,22 @@ def replay(
     OUTPUT_TOPIC.dead-letter (never the live worker's). Exit codes as for worker, plus 6: stopped before the end
     (rerun to resume).
     """
-    from worker.stream.replay import Bound, check_order, replay_dead_letter_topic, replay_group, run_replay
+    import logging
 
-    if ctx.get_parameter_source("dead_letter_topic").name == "DEFAULT":  # never the live worker's topic by default
-        loop_flags = {**loop_flags, "dead_letter_topic": replay_dead_letter_topic(output_topic)}
-    config = loop_config(ctx, loop_flags, output_topic, worker_id=name, group=replay_group(name), max_batch=max_batch,
-                          max_wait_ms=None)
+    from worker.stream.replay import replay_dead_letter_topic, replay_group, run_replay
+    from worker.stream.replay_range import Bound, check_order
+
+    # The range first: the flags alone here, against the topic in run_replay, both before the model loads.
     try:
         chosen = [int(p) for p in partitions.split(",")] if partitions else None
     except ValueError:
         raise ConfigError(f"--partitions {partitions!r}: expected comma-separated partition numbers") from None
     start, end = Bound.parse(from_offset, from_time, "from"), Bound.parse(to_offset, to_time, "to")
     check_order(start, end)
+    if ctx.get_parameter_source("dead_letter_topic").name == "DEFAULT":  # never the live worker's topic by default
+        loop_flags = {**loop_flags, "dead_letter_topic": replay_dead_letter_topic(output_topic)}
+    config = loop_config(ctx, loop_flags, output_topic, worker_id=name, group=replay_group(name), max_batch=max_batch,
+                          max_wait_ms=None)
     summary: dict = {}
     from worker.cli.operated import run_logged, stop_on_signals
 
@@ -213,7 +195,8 @@ def replay(
         summary.update(run_replay(config, start, end, chosen, stop=stop_on_signals(), on_event=on_event, progress=progress,
                                   write=lambda line: typer.echo(line, err=True)))
 
-    run_logged(run, config)
+    # While the progress bar runs, a line per transaction would only repeat it: those go to debug, the summary stays.
+    run_logged(run, config, commits_at=logging.DEBUG if progress else logging.INFO)
     if not summary.get("complete"):
         raise typer.Exit(6)
 
@@ -280,6 +263,24 @@ def demo(
     run_demo(model_dir=model, port=port, records_shown=records_shown)
 
 
+@app.command("tiny-model")
+@friendly_errors
+def tiny_model(
+    directory: Path = typer.Argument(..., help="Directory to write it to (created; it must be new or empty)."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the random weights: a seed always writes the same model."),
+) -> None:
+    """Write a tiny random Qwen3.5-family model (a complete Hugging Face directory, no network) for --model, to try
+    decider on a CPU: its answers are meaningless, the pipeline is real."""
+    if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
+        what = "is not empty" if directory.is_dir() else "is a file"
+        raise ConfigError(f"{directory} {what}; give a new or empty directory for the tiny model")
+    from engine.testing import write_tiny_model
+
+    write_tiny_model(directory, seed=seed)
+    typer.echo(f"tiny random model written to {directory} (random weights: its answers are meaningless); "
+               f"use it with --model {directory}")
+
+
 @app.command("score")
 @friendly_errors
 def score(
@@ -292,7 +293,10 @@ def score(
     batch_size: int = typer.Option(32, "--batch-size", help="States scored per forward pass."),
     deterministic: Optional[bool] = DeterministicOpt,
 ) -> None:
-    """Score states offline, no Kafka: one JSON line of probabilities per state, for trying a schema and a model."""
+    """Score states offline, no Kafka: one JSON line of probabilities per state, for trying a schema and a model.
+
+    Exit codes: 0 scored (a states file without a state scores nothing, with a warning on stderr), 2 a mistake in a
+    file, the model directory or the device."""
     from worker.cli.offline import score_file, write_scores
 
     write_scores(score_file(model, schema, states, device, dtype, schema_id, batch_size, deterministic), sys.stdout)
@@ -303,7 +307,7 @@ app.command("calibrate")(friendly_errors(calibrate))
 
 @app.callback()
 def _root(
-    config: Optional[Path] = typer.Option(None, "--config", envvar="DECIDER_CONFIG", help="TOML file of settings (flag > environment > file > default); see README, Configuration."),
+    config: Optional[Path] = typer.Option(None, "--config", envvar="DECIDER_CONFIG", help="TOML file of settings (flag > environment > file > default); see docs/configuration.md."),
 ) -> None:
     """Ask an LLM a fixed set of multiple-choice questions about every event of a Kafka stream, exactly once."""
     # --config is taken out of the arguments by main() before parsing (the file supplies the parse's
@@ -332,7 +336,7 @@ def _run_command(args: list[str], file_config) -> int:
     range) is one line on stderr and exit code 2, like every other user error."""
     try:
         outcome = app(args=args, default_map=file_config.default_map if file_config else None, obj=file_config,
-                      prog_name="decider", standalone_mode=False)
+                      prog_name="decider", standalone_mode=False, max_content_width=help_width())
     except getattr(click_errors, "NoArgsIsHelpError", ()) as exc:  # a bare "decider" or group: the help
         exc.show()
         return exc.exit_code

@@ -328,7 +328,7 @@ def read_topic(cluster: Cluster | str, topic: str, roles: Topics | None = None, 
                ) -> Iterator[Any]:
     """Every record of ``topic`` a read_committed reader sees, from the start of each partition to its end as of now.
     Each partition is fetched whole in one response where it fits (64 MiB): the embedded broker's list of aborted
-    transactions would otherwise hide a restarted worker's later records (README, Stream). ``roles``: the decider
+    transactions would otherwise hide a restarted worker's later records (docs/brokers.md, the development broker). ``roles``: the decider
     topic set it belongs to (None: a topic of the user's own, such as the feedback topic)."""
     if roles is None:
         existing = check_broker(cluster)

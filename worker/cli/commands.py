@@ -5,6 +5,7 @@ Kept apart from ``cli.py`` so tests and the demo call the same code the commands
 
 from __future__ import annotations
 
+import difflib
 import json
 import time
 from pathlib import Path
@@ -60,6 +61,35 @@ def latest_schema(cluster: Cluster | str, topics: Topics, schema_id: str) -> tup
         table.close()
 
 
+def published_schemas(cluster: Cluster | str, topics: Topics) -> tuple[dict[str, dict[str, Any]], set[str]]:
+    """(the latest record of every schema id the schemas topic holds, by id, a ``BrokenSchema`` where unusable; the ids
+    whose latest record is a tombstone)."""
+    require_topics(cluster, [topics.schemas], roles=topics)
+    table = SchemaTable(cluster, topics.schemas)
+    try:
+        table.catch_up()
+        return {schema_id: table.get(schema_id) for schema_id in table.ids()}, table.deleted_ids()
+    finally:
+        table.close()
+
+
+_LISTED = 8  # schema ids an error lists at most
+
+
+def require_schema(cluster: Cluster | str, topics: Topics, schema_id: str, fix: str) -> dict[str, Any]:
+    """The latest record of ``schema_id``; ``ConfigError`` (exit 2) when the schemas topic does not hold it (never
+    published, a typo, or deleted), with the id meant where one is close and ``fix``, what the user can do instead."""
+    held, deleted = published_schemas(cluster, topics)
+    if schema_id in held:
+        return held[schema_id]
+    if schema_id in deleted:
+        raise ConfigError(f"schema {schema_id!r} was deleted from {topics.schemas}; {fix}")
+    close = difflib.get_close_matches(schema_id, sorted(held), n=1)
+    listed = ", ".join(map(repr, sorted(held)[:_LISTED])) + (f", ... ({len(held)} in all)" if len(held) > _LISTED else "")
+    hint = f"did you mean {close[0]!r}?" if close else f"it holds {listed}" if held else "it holds no schema"
+    raise ConfigError(f"schema {schema_id!r} is not in {topics.schemas} ({hint}); {fix}")
+
+
 def publish_schema(cluster: Cluster | str, topics: Topics, record: dict[str, Any]) -> None:
     """Publish a QuestionSchema record (keyed by its schema id) and wait until the broker has it."""
     producer = plain_producer(cluster)
@@ -75,14 +105,17 @@ def _same_content(published: dict[str, Any], document: dict[str, Any]) -> bool:
     return schemas.decode_question_schema(schemas.encode_question_schema(candidate)) == published
 
 
-def delete_schema(cluster: Cluster | str, topics: Topics, schema_id: str) -> None:
-    """Publish a tombstone for ``schema_id``: workers forget it; later states for it are dead-lettered."""
+def delete_schema(cluster: Cluster | str, topics: Topics, schema_id: str) -> int:
+    """Publish a tombstone for ``schema_id``: workers forget it; later states for it are dead-lettered. ``ConfigError``
+    when the schemas topic does not hold it (a typo would otherwise print "deleted" and delete nothing). -> the
+    version deleted."""
     if not schema_id:
         raise ConfigError("--id must not be empty")
-    require_topics(cluster, [topics.schemas], roles=topics)
+    record = require_schema(cluster, topics, schema_id, "nothing deleted (decider schema list shows the schemas)")
     producer = plain_producer(cluster)
     producer.produce(topics.schemas, key=schema_id.encode(), value=None)
     _deliver(producer, "tombstones")
+    return int(record["version"])
 
 
 def produce_states(cluster: Cluster | str, topics: Topics, records: Iterable[dict[str, Any]]) -> int:

@@ -71,8 +71,9 @@ def run_demo(model_dir: str | None = None, port: int | None = None, records_show
             thread.join(30)
             console.print("[green]✓[/] worker stopped; broker stopping")
         console.rule("[bold]done")
-        console.print("Next: [bold]decider broker[/], then [bold]decider topics create[/], [bold]decider schema put[/], "
-                      "[bold]decider produce[/], [bold]decider worker[/] and [bold]decider tail[/] (see --help).")
+        console.print("Next, the same by hand (README, Stream): [bold]decider tiny-model DIR[/], [bold]decider broker[/], "
+                      "[bold]decider topics create[/], [bold]decider schema put[/], [bold]decider worker[/], "
+                      "[bold]decider produce[/] and [bold]decider tail[/] (see --help).")
     finally:
         stop.set()
         if thread is not None:

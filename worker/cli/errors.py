@@ -4,6 +4,8 @@ config file redacted) and an exit code, never a traceback."""
 from __future__ import annotations
 
 import functools
+import os
+import sys
 from typing import Any, Callable, Mapping
 
 import typer
@@ -22,8 +24,12 @@ def friendly_errors(command: Callable) -> Callable:
         try:
             return command(*args, **kwargs)
         except FatalError as exc:
-            typer.echo(_redacted(f"error: {exc}", settings), err=True)
+            if not exc.reported:
+                typer.echo(_redacted(f"error: {exc}", settings), err=True)
             raise typer.Exit(exc.exit_code) from None
+        except BrokenPipeError:  # stdout's reader went away (`decider score ... | head -1`)
+            _quiet_stdout()
+            raise typer.Exit(0) from None
         except DeciderError as exc:
             typer.echo(_redacted(f"error: {exc}", settings), err=True)
             raise typer.Exit(1) from None
@@ -32,6 +38,17 @@ def friendly_errors(command: Callable) -> Callable:
             raise typer.Exit(4) from None
 
     return wrapper
+
+
+def _quiet_stdout() -> None:
+    """Exit quietly once stdout's reader is gone, as Unix tools do (``head`` has what it wanted): stdout is pointed at
+    /dev/null, so that the interpreter's last flush of what is still buffered does not fail with a second error."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # stdout is no file (captured in a test): nothing to flush there
+        pass
 
 
 def _secrets(ctx: typer.Context | None) -> dict[str, Any]:

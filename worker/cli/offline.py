@@ -11,9 +11,10 @@ from pathlib import Path
 from typing import IO, Iterator
 
 from worker.exceptions import ConfigError
+from worker.ops.wording import counted
 from worker.formats.records import engine_options, engine_questions, question_schema_record
 from worker.cli.options import check_model_dir
-from worker.cli.user_files import load_schema_file, read_state_lines
+from worker.cli.user_files import load_schema_file, no_states_warning, read_state_lines
 
 
 def score_file(model_dir: str, schema_path: str | Path, states_path: str | Path, device: str = "cpu",
@@ -28,6 +29,10 @@ def score_file(model_dir: str, schema_path: str | Path, states_path: str | Path,
     schema_id = schema_id or Path(schema_path).stem
     schema = question_schema_record(load_schema_file(schema_path), schema_id, version=1)
     states = read_state_lines(states_path, schema_id)
+    if not states:  # nothing to load the model for (its directory is still checked: a mistake there is one too)
+        check_model_dir(model_dir)
+        sys.stderr.write(no_states_warning(states_path, "nothing scored") + "\n")
+        return iter(())
     se = load_schema_engine(model_dir, device, dtype, deterministic)
     from engine import InputError
     try:
@@ -76,5 +81,7 @@ def write_scores(results: Iterator[dict], out: IO[str], err: IO[str] = sys.stder
         out.write(json_line(result) + "\n")
         out.flush()
     dt = time.perf_counter() - t
-    err.write(f"scored {n} states in {dt:.1f} s ({n / dt if dt else 0:.1f} states/s; loading the model not counted)\n")
+    if n == 0:
+        return 0  # score_file warned
+    err.write(f"scored {counted(n, 'state')} in {dt:.1f} s ({n / dt if dt else 0:.1f} states/s; loading the model not counted)\n")
     return n

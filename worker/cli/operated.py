@@ -1,9 +1,11 @@
 """Running a loop (worker or replay) as an operated process: stop on signals, its events logged, counted in the
-metrics and driving readiness (``worker.ops.health``, on ``--metrics-port``), and a fatal end logged as an event."""
+metrics and driving readiness (``worker.ops.health``, on ``--metrics-port``), and a fatal end told once: an ``error:``
+line (``worker.cli.errors``), or under --log-format json a JSON event instead."""
 
 from __future__ import annotations
 
 import faulthandler
+import functools
 import logging
 import signal
 import threading
@@ -30,8 +32,11 @@ def stop_on_signals() -> threading.Event:
     return stop
 
 
-def run_logged(run: Callable[[EventSink], None], config: WorkerConfig) -> None:
-    """Run a loop with its events logged, counted in the metrics and driving /readyz; log a fatal end."""
+def run_logged(run: Callable[[EventSink], None], config: WorkerConfig, commits_at: int = logging.INFO) -> None:
+    """Run a loop with its events logged, counted in the metrics and driving /readyz. A fatal end is logged as an event
+    only where logs are JSON (for log shippers, and marked ``reported``); a person reading human logs gets the CLI's one
+    ``error:`` line, not that line twice (the event, then the error). ``commits_at``: the level of each transaction's
+    ``committed`` line."""
     from worker.ops import logs, metrics
 
     health = None
@@ -47,7 +52,8 @@ def run_logged(run: Callable[[EventSink], None], config: WorkerConfig) -> None:
 
         logging.getLogger("decider").info("schema registry %s, client settings %s", config.registry.shown_url(),
                                           redacted_registry_settings(config.registry.settings))
-    sinks = [logs.log_event, metrics.on_event] + ([health.on_event] if health else [])
+    sinks = [functools.partial(logs.log_event, committed_level=commits_at), metrics.on_event]
+    sinks += [health.on_event] if health else []
 
     def on_event(kind: str, info: dict) -> None:
         for sink in sinks:
@@ -56,7 +62,9 @@ def run_logged(run: Callable[[EventSink], None], config: WorkerConfig) -> None:
     try:
         run(on_event)
     except FatalError as exc:
-        kind = "fenced" if isinstance(exc, FencedError) else "fatal"
-        message = redact_text(str(exc), config.kafka)
-        logs.log_fatal(kind, config.registry.redact(message) if config.registry else message, exc.exit_code)
+        if logs.writes_json():
+            kind = "fenced" if isinstance(exc, FencedError) else "fatal"
+            message = redact_text(str(exc), config.kafka)
+            logs.log_fatal(kind, config.registry.redact(message) if config.registry else message, exc.exit_code)
+            exc.reported = True
         raise

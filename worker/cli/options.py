@@ -12,11 +12,6 @@ from typing import Any, Callable, Mapping, Optional
 import typer
 from typer.core import TyperCommand
 
-try:
-    from typer._click.core import Command  # typer >= 0.24 carries its own copy of click
-except ImportError:
-    from click.core import Command
-
 from worker.config import Cluster, Topics, WorkerConfig
 from worker.exceptions import ConfigError
 from worker.formats.input_mapping import InputMapping, split_list, unescape_flag_template
@@ -38,7 +33,7 @@ DtypeOpt = typer.Option(None, "--dtype", envvar="DECIDER_DTYPE", help="float32, 
 DeterministicOpt = typer.Option(
     None, "--deterministic/--no-deterministic", envvar="DECIDER_DETERMINISTIC",
     help="Batch-invariant scoring: a state's probabilities are bit-identical whatever batch it is scored in, so a "
-         "replay reproduces the live records. Default: on where it costs at most 5% throughput (see README).")
+         "replay reproduces the live records. Default: on where it costs at most 5% (CUDA; docs/semantics.md).")
 
 
 def _option(name: str, annotation: Any, option: Any) -> inspect.Parameter:
@@ -58,18 +53,15 @@ LOOP_OPTIONS = [
     _option("tokenizer_threads", int, typer.Option(DEFAULTS["tokenizer_threads"], "--tokenizer-threads", envvar="DECIDER_TOKENIZER_THREADS", min=1, help="Threads tokenizing states off the GPU thread.")),
     _option("warmup_state_tokens", str, typer.Option(
         "", "--warmup-state-tokens", envvar="DECIDER_WARMUP_STATE_TOKENS",
-        help="Comma-separated state lengths in tokens (e.g. 96,128,192). On CUDA, when a schema version is prepared, "
-             "capture its graphs for every batch size up to --max-batch at these lengths before its first batch, instead "
-             "of one at a time as batches of new sizes arrive (each capture briefly stalls the stream). ~0.1-0.5 s a "
-             "graph; graphs are shared by every schema, so a later schema of the same shape captures nothing. Default: "
-             "capture on first sight.")),
+        help="Comma-separated state lengths in tokens (e.g. 96,128,192): on CUDA, capture the graphs of every batch "
+             "size at these lengths when a schema is prepared, instead of on first sight (a short stall of the stream "
+             "each). Default: capture on first sight.")),
     _option("transaction_timeout_ms", int, typer.Option(DEFAULTS["transaction_timeout_ms"], "--transaction-timeout-ms", envvar="DECIDER_TRANSACTION_TIMEOUT_MS", help="Broker-side timeout of an open transaction.")),
     _option("broker_outage_s", float, typer.Option(DEFAULTS["broker_outage_s"], "--broker-outage-s", envvar="DECIDER_BROKER_OUTAGE_S", help="How long to ride out an unreachable broker (nothing commits meanwhile; the worker resumes by itself when it returns) before exiting with code 5.")),
     _option("stall_after_s", float, typer.Option(
         DEFAULTS["stall_after_s"], "--stall-after-s", envvar="DECIDER_STALL_AFTER_S",
-        help="Report a partition that makes no progress for this long (a states partition with records waiting whose "
-             "committed offset stands still, or an output partition whose newest committed record read_committed "
-             "readers do not get): a warning naming it and what it waits for, and /readyz fails until it clears.")),
+        help="Warn about a partition that makes no progress for this long, and fail /readyz until it does "
+             "(docs/semantics.md, Faults).")),
     _option("metrics_port", Optional[int], typer.Option(None, "--metrics-port", envvar="DECIDER_METRICS_PORT", min=1, max=65535, help="Serve /metrics (Prometheus), /healthz and /readyz on this port.")),
     _option("metrics_host", str, typer.Option(DEFAULTS["metrics_host"], "--metrics-host", envvar="DECIDER_METRICS_HOST", help="Address the --metrics-port server listens on: 127.0.0.1 (this machine only) or 0.0.0.0 (every interface, for a scraper on another host or container).")),
     _option("log_level", str, typer.Option("info", "--log-level", envvar="DECIDER_LOG_LEVEL", help="debug, info, warning or error.")),
@@ -110,8 +102,10 @@ LOOP_OPTIONS = [
 ]
 
 
-# `decider worker --help` and `decider replay --help` group their ~40 options in these panels (typer's
-# rich_help_panel), in this order; an option not named here (the command's own) stays under "Options", first.
+# `decider worker --help` and `decider replay --help` group their ~40 options in these sections, in this order; an
+# option not named here (the command's own) stays under "Options", first. The table, not typer's rich_help_panel, says
+# where an option goes: the options are shared objects (BootstrapOpt, ...), and a panel set on one for the worker
+# showed in every other command's help too.
 PANELS = {
     "Kafka": ("--bootstrap", "--worker-id", "--group", "--group-protocol", "--name", "--states-topic", "--schemas-topic",
               "--probabilities-topic", "--dead-letter-topic", "--output-topic", "--session-timeout-ms",
@@ -123,31 +117,30 @@ PANELS = {
                                        "--schema-id-field", "--event-time-field", "--metadata-fields",
                                        "--propagate-headers"),
     "Output format": ("--output-format", "--schema-registry-url", "--auto-register"),
-    "Operations": ("--metrics-port", "--metrics-host", "--log-level", "--log-format"),
+    "Operations": ("--metrics-port", "--metrics-host", "--stall-after-s", "--log-level", "--log-format"),
 }
 _PANEL_OF = {flag: panel for panel, flags in PANELS.items() for flag in flags}
 
+HELP_MAX_WIDTH = 140
+"""``--help`` wraps at the terminal's width (``COLUMNS``, else the terminal's; 80 when there is none), up to this: wider
+lines are hard to read."""
 
-def in_panels(command: Callable) -> Callable:
-    """Put each of ``command``'s options in its panel of ``PANELS`` (for ``--help``; see ``PanelledCommand``)."""
-    for parameter in inspect.signature(command).parameters.values():
-        flags = [flag.split("/")[0] for flag in (getattr(parameter.default, "param_decls", None) or ())]
-        panel = next((_PANEL_OF[flag] for flag in flags if flag in _PANEL_OF), None)
-        if panel is not None:
-            parameter.default.rich_help_panel = panel
-    return command
+
+def help_width() -> int:
+    """The width ``--help`` wraps at (click's own default is 80 columns whatever the terminal)."""
+    import shutil
+
+    return min(shutil.get_terminal_size().columns, HELP_MAX_WIDTH)
 
 
 class PanelledCommand(TyperCommand):
-    """A command whose ``--help`` is click's plain text with a section per panel.
+    """A command whose ``--help`` has a section per panel of ``PANELS`` (plain text, as every command's: the app turns
+    typer's rich help off).
 
-    typer's rich help draws every panel as a table of seven columns (required, flag, short flag, negative flag, ...):
-    at 80 columns ``decider worker --help`` left its descriptions ~15 characters and cut environment variable names
-    (``DECIDER_BOOTSTR…``). Plain text gives the description 46 columns, wraps the flag onto its own line when it is
-    long, never cuts a word, and stays 80 columns wide on any terminal."""
-
-    def format_help(self, ctx: Any, formatter: Any) -> None:
-        Command.format_help(self, ctx, formatter)  # click's own: usage, text, options (below), epilog; never rich's
+    typer's rich help drew every panel as a table of seven columns (required, flag, short flag, negative flag, ...): at
+    80 columns ``decider worker --help`` left its descriptions ~15 characters and cut environment variable names
+    (``DECIDER_BOOTSTR…``), and it labelled flags, which take no value, ``<bool>``. Plain text gives the description
+    the rest of the line, wraps the flag onto its own line when it is long and never cuts a word."""
 
     def format_options(self, ctx: Any, formatter: Any) -> None:
         panels: dict[str, list[tuple[int, tuple[str, str]]]] = {"Options": []}
@@ -156,10 +149,10 @@ class PanelledCommand(TyperCommand):
             record = param.get_help_record(ctx)
             if record is None:
                 continue
-            panel = getattr(param, "rich_help_panel", None) or "Options"
             flag = next((opt for opt in param.opts if opt.startswith("--")), "")
-            order = PANELS[panel].index(flag) if flag in PANELS.get(panel, ()) else len(panels[panel])
-            panels.setdefault(panel, []).append((order, record))
+            panel = _PANEL_OF.get(flag, "Options")
+            order = PANELS[panel].index(flag) if panel in PANELS else len(panels[panel])
+            panels[panel].append((order, record))
         for name, records in panels.items():
             if records:
                 with formatter.section(name):

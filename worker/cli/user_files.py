@@ -67,7 +67,9 @@ def _parse_json(text: str) -> Any:
         return json.loads(text)
     except json.JSONDecodeError as exc:
         where = f"column {exc.colno}" if exc.lineno == 1 else f"line {exc.lineno} column {exc.colno}"
-        raise ValueError(f"{exc.msg} at {where}") from None
+        # Some of json's reasons end in "at" ("Unterminated string starting at"): one "at" before the place.
+        reason = exc.msg[:-3] if exc.msg.endswith(" at") else exc.msg
+        raise ValueError(f"{reason} at {where}") from None
     except RecursionError:
         raise ValueError("nested too deeply") from None
 
@@ -151,6 +153,11 @@ def read_state_lines(path: str | Path, schema_id: str) -> list[dict[str, Any]]:
     # str.splitlines() would cut at.
     return [state_record(line, schema_id, f"states file {_name(path)} line {number}")
             for number, line in enumerate(text.split("\n"), 1) if line.strip()]
+
+
+def no_states_warning(path: str | Path, outcome: str) -> str:
+    """The warning for a states file without a state (empty, or blank lines only): ``outcome`` says what follows."""
+    return f"warning: states file {_name(path)} holds no states (no line that is not blank); {outcome}"
 
 
 def state_record(line: str, schema_id: str, where: str) -> dict[str, Any]:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import schemas
+from worker.ops.wording import counted
 
 MAX_OPTIONS = 8  # engine.MAX_OPTIONS; repeated here so the CLI can validate files without importing torch
 CALIBRATIONS = ("none", "contextual")  # engine.calibration.CALIBRATIONS, and the Calibration enum of the schema record
@@ -155,7 +156,7 @@ def schema_problem(document: Any) -> str | None:
         if not isinstance(options, list) or not all(isinstance(o, str) and o.strip() for o in options):
             return f"question {qid!r} needs 'options', a list of non-blank strings"
         if not 2 <= len(options) <= MAX_OPTIONS:
-            return f"question {qid!r} has {len(options)} options; 2 to {MAX_OPTIONS} are allowed"
+            return f"question {qid!r} has {counted(len(options), 'option')}; 2 to {MAX_OPTIONS} are allowed"
         if len(set(options)) != len(options):
             return f"question {qid!r} repeats an option"
         temperature = question.get("temperature")

@@ -3,7 +3,7 @@
 The loop reports what happens as events (``Worker(on_event=...)``: model loaded, schema prepared, batch
 committed with its dead letters, transaction aborted, partitions assigned/revoked/lost); ``log_event`` turns
 each into one line on the ``decider.events`` logger with its fields. Fencing and other fatal errors reach the
-CLI as exceptions and are logged there with ``log_fatal``.
+CLI as exceptions: one ``error:`` line, or under --log-format json one event (``log_fatal``).
 """
 
 from __future__ import annotations
@@ -69,17 +69,22 @@ def setup_logging(level: str = "info", fmt: str = "human") -> None:
         logging.getLogger(name).setLevel(logging.WARNING)
 
 
-def log_event(kind: str, info: dict[str, Any]) -> None:
-    """Sink for ``Worker(on_event=...)``: one line per event, its fields attached."""
+def log_event(kind: str, info: dict[str, Any], committed_level: int = logging.INFO) -> None:
+    """Sink for ``Worker(on_event=...)``: one line per event, its fields attached; a transaction's ``committed`` line at
+    ``committed_level`` (a replay's progress bar says what they would, so it logs them at debug)."""
     fields = {"event": kind, **{k: v for k, v in info.items() if k not in _DROPPED_FIELDS}}
     level = logging.WARNING if kind in ("aborted", "lost") else logging.INFO
     if kind == "committed":
         # A commit with no record (offsets only) is frequent and says nothing: keep it at debug.
-        if not info.get("scored") and not info.get("dead_letters"):
-            level = logging.DEBUG
+        level = committed_level if info.get("scored") or info.get("dead_letters") else logging.DEBUG
         for reason, count in (info.get("dead_letters") or {}).items():
             EVENTS.warning("dead letters", extra={"fields": {"event": "dead_letter", "reason": reason, "count": count}})
     EVENTS.log(level, kind.replace("_", " "), extra={"fields": fields})
+
+
+def writes_json() -> bool:
+    """Whether log lines are JSON objects (``setup_logging(fmt="json")``, --log-format json)."""
+    return any(isinstance(handler.formatter, JsonFormatter) for handler in logging.getLogger().handlers)
 
 
 def log_fatal(kind: str, message: str, exit_code: int) -> None:

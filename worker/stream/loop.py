@@ -112,7 +112,7 @@ class Worker:
         self._closing.budget.announce(self.config.max_wait_ms)
         frozen = gc_pauses.freeze_loaded_objects()
         gc_pauses.watch_collections()
-        log.info("%d objects of the loaded model and libraries exempted from garbage collection", frozen)
+        log.debug("%d objects of the loaded model and libraries exempted from garbage collection", frozen)
         self._consumer = self._assignment.consumer()
         self._watch.start()
         self._txns = Transactions(transactional_producer_config(self.config), self._consumer, self.config.worker_id,

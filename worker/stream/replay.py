@@ -23,8 +23,6 @@ import re
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass
-from datetime import datetime, timezone
 from typing import Any, Callable
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
@@ -32,8 +30,10 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 from worker.stream.assignment import DropUncommitted, EventSink
 from worker.config import WorkerConfig
 from worker.exceptions import AbortableError, ConfigError, FatalError
-from worker.kafka_clients import replay_consumer_config
+from worker.kafka_clients import replay_consumer_config, require_topics
+from worker.ops.wording import counted
 from worker.stream.loop import Worker
+from worker.stream.replay_range import Bound, ReplayRange, resolve_range, shown
 from worker.stream.transactions import Transactions
 
 log = logging.getLogger(__name__)
@@ -44,118 +44,6 @@ _META = re.compile(r"decider-replay:v1:start=(\d+):end=(\d+)(?::flags=(.*))?")
 def replay_group(name: str) -> str:
     """The consumer group whose committed offsets hold the replay's progress and range."""
     return f"decider-replay.{name}"
-
-
-@dataclass(frozen=True)
-class Bound:
-    """One end of the range: an offset (for every partition, or per partition), a timestamp in ms, or open."""
-
-    offset: int | None = None
-    per_partition: dict[int, int] | None = None
-    time_ms: int | None = None
-
-    @staticmethod
-    def parse(offset: str | None, when: str | None, flag: str) -> "Bound":
-        """From ``--from-offset/--from-time`` style values: ``N`` or ``P:N,P:N``; ISO 8601 or epoch ms."""
-        if offset is not None and when is not None:
-            raise ConfigError(f"give either --{flag}-offset or --{flag}-time, not both")
-        if offset is not None:
-            try:
-                if ":" in offset:
-                    pairs = (item.split(":", 1) for item in offset.split(","))
-                    return Bound(per_partition={int(p): int(o) for p, o in pairs})
-                return Bound(offset=int(offset))
-            except ValueError:
-                raise ConfigError(f"--{flag}-offset {offset!r}: expected N or PARTITION:N[,PARTITION:N...]") from None
-        if when is not None:
-            return Bound(time_ms=parse_time_ms(when, f"--{flag}-time"))
-        return Bound()
-
-    def flags(self, flag: str) -> str:
-        """The flag that gives this bound, in one canonical spelling (times in epoch ms); empty for an open end."""
-        if self.per_partition is not None:
-            return f"--{flag}-offset " + ",".join(f"{p}:{o}" for p, o in sorted(self.per_partition.items()))
-        if self.offset is not None:
-            return f"--{flag}-offset {self.offset}"
-        if self.time_ms is not None:
-            return f"--{flag}-time {self.time_ms}"
-        return ""
-
-
-def check_order(start: Bound, end: Bound) -> None:
-    """``ConfigError`` when the range ends before it starts (bounds of the same kind; offsets and times are compared
-    once resolved, by ``resolve_range``)."""
-    if start.offset is not None and end.offset is not None and end.offset < start.offset:
-        raise ConfigError(f"--to-offset {end.offset} is before --from-offset {start.offset}: the range ends before it starts")
-    if start.time_ms is not None and end.time_ms is not None and end.time_ms < start.time_ms:
-        raise ConfigError("--to-time is before --from-time: the range ends before it starts")
-    if start.per_partition is not None and end.per_partition is not None:
-        for partition in sorted(set(start.per_partition) & set(end.per_partition)):
-            if end.per_partition[partition] < start.per_partition[partition]:
-                raise ConfigError(f"partition {partition}: --to-offset {end.per_partition[partition]} is before "
-                                  f"--from-offset {start.per_partition[partition]}: the range ends before it starts")
-
-
-def parse_time_ms(text: str, flag: str) -> int:
-    """Epoch milliseconds from ``text``: an integer (ms) or ISO 8601 (``2026-11-29T10:00:00Z``; no zone means UTC)."""
-    if re.fullmatch(r"\d+", text):
-        return int(text)
-    try:
-        moment = datetime.fromisoformat(text.replace("Z", "+00:00"))
-    except ValueError:
-        raise ConfigError(f"{flag} {text!r}: expected epoch milliseconds or ISO 8601 (2026-11-29T10:00:00Z)") from None
-    if moment.tzinfo is None:
-        moment = moment.replace(tzinfo=timezone.utc)
-    return int(moment.timestamp() * 1000)
-
-
-@dataclass(frozen=True)
-class ReplayRange:
-    """Per partition: first offset to score and end offset (exclusive); ``flags``: the range flags that chose them."""
-
-    starts: dict[int, int]
-    ends: dict[int, int]
-    flags: str | None = None  # None: stored by a version that did not record them
-
-    @property
-    def total(self) -> int:
-        """Offsets in the range (states plus any transaction markers among them)."""
-        return sum(max(0, self.ends[p] - self.starts[p]) for p in self.starts)
-
-    def metadata(self, partition: int) -> str:
-        """What the committed offset of ``partition`` carries, so a rerun finds the same range."""
-        return f"decider-replay:v1:start={self.starts[partition]}:end={self.ends[partition]}:flags={self.flags or ''}"
-
-
-def resolve_range(consumer: Consumer, topic: str, partitions: list[int], start: Bound, end: Bound,
-                  timeout_s: float = 10.0) -> ReplayRange:
-    """Offsets of the range on ``topic``: explicit offsets are clamped to what the partition holds; a timestamp
-    resolves to the first offset at or after it (``offsets_for_times``); open ends are the partition's ends."""
-    marks = {p: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=timeout_s) for p in partitions}
-
-    def resolve(bound: Bound, default_high: bool) -> dict[int, int]:
-        if bound.time_ms is not None:
-            found = consumer.offsets_for_times([TopicPartition(topic, p, bound.time_ms) for p in partitions], timeout=timeout_s)
-            # -1: no record at or after that time, i.e. the range starts/ends at the partition's end.
-            return {tp.partition: (tp.offset if tp.offset >= 0 else marks[tp.partition][1]) for tp in found}
-        if bound.per_partition is not None:
-            unknown = set(bound.per_partition) - set(partitions)
-            if unknown:
-                raise ConfigError(f"partition(s) {sorted(unknown)} are not replayed (topic {topic} has {sorted(partitions)})")
-            return {p: bound.per_partition.get(p, marks[p][1] if default_high else marks[p][0]) for p in partitions}
-        if bound.offset is not None:
-            return {p: bound.offset for p in partitions}
-        return {p: marks[p][1] if default_high else marks[p][0] for p in partitions}
-
-    starts, ends = resolve(start, default_high=False), resolve(end, default_high=True)
-    clamp = {p: (lambda o, lo=marks[p][0], hi=marks[p][1]: min(max(o, lo), hi)) for p in partitions}
-    starts, ends = {p: clamp[p](o) for p, o in starts.items()}, {p: clamp[p](o) for p, o in ends.items()}
-    if start != Bound() and end != Bound():
-        for p in partitions:
-            if ends[p] < starts[p]:
-                raise ConfigError(f"partition {p}: the range ends (offset {ends[p]}) before it starts (offset {starts[p]}); "
-                                  "check --from-* and --to-*")
-    return ReplayRange(starts, ends, " ".join(f for f in (start.flags("from"), end.flags("to")) if f))
 
 
 class RangeAssignment:
@@ -184,10 +72,26 @@ class RangeAssignment:
         return sum(max(0, min(self.committed.get(p, s), self.range.ends[p]) - s) for p, s in self.range.starts.items())
 
     def consumer(self) -> Consumer:
-        self._consumer = Consumer(replay_consumer_config(self._config))
+        if self._consumer is None:  # check() made it already
+            self._consumer = Consumer(replay_consumer_config(self._config))
         return self._consumer
 
-    def start(self, consumer: Consumer, txns: Transactions, drop_uncommitted: DropUncommitted) -> None:
+    def check(self) -> None:
+        """What the range needs of the broker, checked before the model loads (seconds on a CPU, minutes for a large
+        model on a GPU): the topics and partitions exist, the range does not end before it starts, and a rerun of this
+        replay gives the range it was started with. ``ConfigError`` (exit 2) otherwise."""
+        topics = self._config.topics
+        require_topics(self._config.cluster, topics.all(), roles=topics)
+        try:
+            self._plan(self.consumer())
+        except FatalError:
+            self._consumer.close()
+            self._consumer = None
+            raise
+
+    def _plan(self, consumer: Consumer) -> tuple[list[int], ReplayRange, dict[int, int], ReplayRange | None]:
+        """(the partitions replayed, the range the flags give now, the committed positions, the range an earlier run
+        stored); ``ConfigError`` where they do not fit together."""
         topic = self._config.topics.states
         available = sorted(consumer.list_topics(topic, timeout=10).topics[topic].partitions)
         partitions = self._partitions if self._partitions is not None else available
@@ -195,11 +99,16 @@ class RangeAssignment:
             raise ConfigError(f"--partitions {sorted(set(partitions) - set(available))}: topic {topic} has {available}")
         wanted = resolve_range(consumer, topic, partitions, self._start, self._end)
         positions, stored = self._committed_positions(consumer, topic, partitions)
-        name = self._config.worker_id
         if stored is not None and stored.flags is not None and stored.flags != wanted.flags:
-            raise ConfigError(f"replay {name} was started with {stored.flags or 'no range flags'}, not "
-                              f"{wanted.flags or 'no range flags'}: a replay's range never changes. Rerun with its "
-                              "flags to resume it, or choose a new --name to replay another range")
+            raise ConfigError(f"replay {self._config.worker_id} was started with {shown(stored.flags)}, not "
+                              f"{shown(wanted.flags)}: a replay's range never changes. Rerun with its flags to resume "
+                              "it, or choose a new --name to replay another range")
+        return partitions, wanted, positions, stored
+
+    def start(self, consumer: Consumer, txns: Transactions, drop_uncommitted: DropUncommitted) -> None:
+        topic = self._config.topics.states
+        partitions, wanted, positions, stored = self._plan(consumer)
+        name = self._config.worker_id
         if stored is not None:
             log.info("resuming replay %s from its committed offsets %s", name, positions)
         self.range = stored or wanted
@@ -342,6 +251,7 @@ def run_replay(config: WorkerConfig, start: Bound, end: Bound, partitions: list[
         forward(kind, info)
 
     assignment = RangeAssignment(config, start, end, partitions, on_event=on_loop_event)
+    assignment.check()  # before the model loads
     tally = _Tally(assignment, config.worker_id, progress)
     # Log lines go through tqdm while the bar is shown, so they print above it instead of into it.
     logs_above_bar = _logging_redirect_tqdm() if progress else contextlib.nullcontext()
@@ -376,6 +286,7 @@ def _summary(config: WorkerConfig, assignment: RangeAssignment, tally: _Tally, w
     }
     status = "complete" if assignment.complete else "interrupted (run the same command again to resume)"
     reasons = f" {dict(tally.dead_letters)}" if tally.dead_letters else ""
-    write(f"replay {config.worker_id}: {status}; {summary['states_scored']} states scored, {summary['dead_letters']} dead letters"
+    write(f"replay {config.worker_id}: {status}; {counted(summary['states_scored'], 'state')} scored, "
+          f"{counted(summary['dead_letters'], 'dead letter')}"
           f"{reasons} in {elapsed:.1f} s ({summary['states_per_second']} states/s) -> {summary['output_topic']}")
     return summary

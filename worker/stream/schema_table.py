@@ -78,6 +78,10 @@ class SchemaTable:
         """Schema ids currently in the table."""
         return sorted(self._latest)
 
+    def deleted_ids(self) -> set[str]:
+        """Schema ids published once whose latest record is a tombstone (until compaction drops them)."""
+        return set(self._highest_version) - set(self._latest)
+
     def poll(self, max_records: int = 500) -> list[Change]:
         """Apply whatever the topic has ready now, without waiting; returns what changed."""
         changes: list[Change] = []

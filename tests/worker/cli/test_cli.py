@@ -20,7 +20,8 @@ def decider(*args: str, env: dict[str, str] | None = None, timeout: float = 60) 
 
 
 @pytest.mark.parametrize("command", [[], ["demo"], ["broker"], ["topics", "create"], ["schema", "put"], ["schema", "delete"],
-                                     ["produce"], ["worker"], ["replay"], ["score"], ["tail"]])
+                                     ["schema", "list"], ["schema", "get"],
+                                     ["produce"], ["worker"], ["replay"], ["score"], ["tail"], ["tiny-model"]])
 def test_every_command_has_help(command):
     result = decider(*command, "--help")
     assert result.returncode == 0 and "Usage" in result.stdout
@@ -51,6 +52,25 @@ def test_loop_help_reads_at_80_columns(command):
     assert start <= 36 and 80 - start >= 44, start
 
 
+def test_loop_help_uses_the_terminal_width_and_puts_every_option_in_its_section():
+    """click wraps at 80 columns whatever the terminal: 192 lines of `worker --help` in any window. It now takes the
+    terminal's width (COLUMNS here), and --stall-after-s stands in Operations, not above the sections."""
+    narrow = decider("worker", "--help", env={"COLUMNS": "80"}).stdout.splitlines()
+    wide = decider("worker", "--help", env={"COLUMNS": "120"}).stdout.splitlines()
+    assert 100 < max(map(len, wide)) <= 120 and len(wide) < 0.7 * len(narrow), (len(wide), len(narrow))
+    options, operations = wide[wide.index("Options:"):wide.index("Kafka:")], wide[wide.index("Operations:"):]
+    assert [line.split()[0] for line in options if line.lstrip().startswith("-")] == ["--help"], options
+    assert any(line.lstrip().startswith("--stall-after-s") for line in operations), operations
+
+
+@pytest.mark.parametrize("command", [[], ["schema"], ["produce"], ["score"], ["tail"], ["worker"], ["replay"], ["demo"]])
+def test_help_gives_no_type_to_a_flag(command):
+    """A flag (--help, --json, --deterministic/--no-deterministic) takes no value: no "<bool>" beside it."""
+    result = decider(*command, "--help")
+    assert result.returncode == 0 and "Usage" in result.stdout, result.stderr
+    assert "<bool>" not in result.stdout and "--help " in result.stdout, result.stdout
+
+
 def test_unreachable_broker_is_one_clear_line():
     result = decider("topics", "create", "-b", f"127.0.0.1:{free_port()}")
     assert result.returncode == 4
@@ -75,6 +95,21 @@ def test_tail_of_a_missing_topic_says_typo_and_gives_the_flags(kafka_bootstrap):
     assert result.stderr.rstrip().endswith(f"decider topics create -b {kafka_bootstrap} --probabilities-topic nosuch.topic")
     dead = decider("tail", "-b", kafka_bootstrap, "--topic", "dead-letter", "--dead-letter-topic", "decider.dead-leter")
     assert dead.stderr.rstrip().endswith("--dead-letter-topic decider.dead-leter"), dead.stderr
+
+
+@pytest.mark.parametrize("command", [["worker", "--worker-id", "w"], ["replay", "--name", "r", "--output-topic", "out"]])
+def test_a_loop_error_is_told_once(kafka_bootstrap, model_dir, command):
+    """One "error:" line, not an ERROR log line with the same message before it; under --log-format json one JSON
+    event instead (for log shippers), and no plain line among the JSON ones."""
+    flags = [*command, "-b", kafka_bootstrap, "--model", str(model_dir), "--states-topic", "nosuch.states"]
+    human = decider(*flags)
+    assert human.returncode == 4, human.stderr
+    assert human.stderr.startswith("error: topic(s) nosuch.states") and human.stderr.count("\n") == 1, human.stderr
+    machine = decider(*flags, "--log-format", "json")
+    assert machine.returncode == 4, machine.stderr
+    events = [json.loads(line) for line in machine.stderr.splitlines()]
+    assert [(e["event"], e["exit_code"]) for e in events if e["level"] == "error"] == [("fatal", 4)], machine.stderr
+    assert "nosuch.states" in events[-1]["message"]
 
 
 def test_bad_model_path_and_non_model_directory(stream, tmp_path):
@@ -107,7 +142,7 @@ def test_bad_schema_file_is_rejected_before_publishing(kafka_bootstrap, tmp_path
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"questions": [{"id": "q", "question": "Q?", "options": ["only one"]}]}))
     result = decider("schema", "put", "-b", kafka_bootstrap, "--id", "x", str(bad))
-    assert result.returncode == 2 and "1 options; 2 to 8 are allowed" in result.stderr
+    assert result.returncode == 2 and "has 1 option; 2 to 8 are allowed" in result.stderr
 
 
 def test_topics_schema_produce_tail_through_env_vars(kafka_bootstrap, tmp_path):
@@ -136,6 +171,18 @@ def test_demo_runs_the_whole_pipeline_and_stops_everything():
     for expected in ("embedded Kafka broker", "decider.schemas created", "schema support v1 prepared",
                      "batch committed", "read back 20 committed records", "angry", "worker stopped"):
         assert expected in out, out
+
+
+def test_tiny_model_writes_a_model_directory_quietly_and_refuses_a_used_one(model_dir, tmp_path):
+    """What the README's Stream section starts with: the demo's model, written where the user says (it lived only in
+    the demo's temporary directory), without transformers' "Writing model shards" progress bar."""
+    written = decider("tiny-model", str(tmp_path / "tiny"), timeout=120)
+    assert written.returncode == 0 and written.stderr == "", written.stderr
+    assert written.stdout.strip().endswith(f"use it with --model {tmp_path / 'tiny'}"), written.stdout
+    assert {p.name for p in (tmp_path / "tiny").iterdir()} >= {"config.json", "model.safetensors", "tokenizer.json"}
+    assert (tmp_path / "tiny" / "config.json").read_text() == (model_dir / "config.json").read_text()  # seed 0 both
+    again = decider("tiny-model", str(tmp_path / "tiny"))
+    assert again.returncode == 2 and again.stderr == f"error: {tmp_path / 'tiny'} is not empty; give a new or empty directory for the tiny model\n"
 
 
 def test_bad_warmup_state_tokens_exit_2_naming_the_option(tmp_path):

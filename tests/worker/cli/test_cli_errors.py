@@ -82,6 +82,7 @@ def _state_line(**fields) -> str:
     ('{"state_id": "s", "state": "t"}', ["unknown key 'state_id'", "did you mean 'id'?"]),
     ('{"id": "s", "state": "t", "timestamp": 0}', ["unknown key 'timestamp'", "did you mean 'event_time'?"]),
     ("not json", ["is not JSON"]),
+    ('{"id": "s", "state": "unterminated', ["is not JSON: Unterminated string starting at column 22"]),
     ("[" * 100_000, ["is not JSON", "nested too deeply"]),
     ('{"id": 1, "state": "x"}', ['string "id" and "state"']),
 ])
@@ -96,9 +97,28 @@ def test_produce_refuses_bytes_that_are_not_utf8_naming_the_line(decider, tmp_pa
     assert_one_line_exit_2(decider("produce", "-b", NOWHERE, "--schema-id", "s", str(states)), "line 3", "not UTF-8", "0xe9")
 
 
+@pytest.mark.parametrize("content", [b"", b"\n  \n"])
+def test_a_states_file_without_a_state_warns_and_publishes_nothing(decider, tmp_path, content):
+    """Exit 0 (an empty batch is no mistake in a pipeline; --help says so) with a warning, where it was a silent
+    "0 states published"; the broker (nowhere here) is not even asked."""
+    states = tmp_path / "states.jsonl"
+    states.write_bytes(content)
+    result = decider("produce", "-b", NOWHERE, "--schema-id", "s", str(states))
+    assert result.returncode == 0 and result.stdout == b"", result
+    assert result.stderr.decode() == f"warning: states file {states} holds no states (no line that is not blank); nothing published\n"
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (tmp_path / "schema.json").write_text(json.dumps(GOOD_SCHEMA))
+    scored = decider("score", "--model", str(model), "--schema", str(tmp_path / "schema.json"), "--states", str(states))
+    assert scored.returncode == 0 and scored.stdout == b"", scored
+    assert scored.stderr.decode().splitlines() == [f"warning: states file {states} holds no states (no line that is not blank); nothing scored"]
+
+
 def test_produce_publishes_iso_and_epoch_event_times_and_refuses_a_state_over_the_size_limit(decider, stream_factory):
     stream = stream_factory(partitions=1)
-    env = {"DECIDER_STATES_TOPIC": stream.topics.states}
+    env = {"DECIDER_STATES_TOPIC": stream.topics.states, "DECIDER_SCHEMAS_TOPIC": stream.topics.schemas}
+    stream.put_schema("s", GOOD_SCHEMA)  # produce refuses a schema id the schemas topic does not hold
     lines = [_state_line(id="iso", event_time="2026-01-01T00:00:00Z"), _state_line(id="zone", event_time="2026-01-01T01:00:00+01:00"),
              _state_line(id="epoch", event_time=0), _state_line(id="digits", event_time="1700000000000")]
     published = decider("produce", "-b", stream.bootstrap, "--schema-id", "s", "-", stdin="\n".join(lines).encode(), env=env)
@@ -139,7 +159,7 @@ SCHEMA_MISTAKES = [
     (_schema_with(options=["yes", "n" * 501]), ["option of 501 characters", "at most 500"]),
     ({"questions": [{"id": f"q{i}", "question": "x" * 1990, "options": ["a", "b"]} for i in range(20)]}, ["at most 32000"]),
     (_schema_with(question="Is it \ud800 fine?"), ["unpaired surrogate"]),
-    (_schema_with(options=["yes"]), ["1 options; 2 to 8"]),
+    (_schema_with(options=["yes"]), ["has 1 option; 2 to 8"]),
 ]
 
 

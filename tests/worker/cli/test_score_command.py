@@ -67,7 +67,7 @@ def test_a_bad_model_path_fails_before_anything_loads(tmp_path):
 
 
 def test_cuda_on_a_machine_without_it_suggests_cpu(model_dir, tmp_path):
-    """The README's stream line says --device cuda:0; without CUDA the one line says what to use instead."""
+    """The docs' GPU lines say --device cuda:0; without CUDA the one line says what to use instead."""
     import torch
 
     if torch.cuda.is_available():
@@ -79,3 +79,19 @@ def test_cuda_on_a_machine_without_it_suggests_cpu(model_dir, tmp_path):
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
     assert result.stderr.startswith("error: --device cuda:0: CUDA is not available on this machine"), result.stderr
     assert result.stderr.rstrip().endswith("use --device cpu") and result.stderr.count("\n") == 1, result.stderr
+
+
+def test_a_closed_pipe_ends_the_command_quietly(model_dir, tmp_path):
+    """`decider score ... | head -1`: once the reader has gone, exit 0 with nothing on stderr, as Unix tools do (click
+    made it exit 1 in silence; a later flush of stdout added "Exception ignored ... BrokenPipeError")."""
+    (tmp_path / "schema.json").write_text(json.dumps(SCHEMA))
+    # far more output than a pipe holds, so the writes after the reader left fail however the processes interleave
+    (tmp_path / "states.jsonl").write_text("".join(json.dumps({"id": f"s-{i}", "state": "a state"}) + "\n" for i in range(400)))
+    for _ in range(2):
+        score = subprocess.Popen([sys.executable, "-m", "worker", "score", "--model", str(model_dir), "--schema",
+                                  str(tmp_path / "schema.json"), "--states", str(tmp_path / "states.jsonl")],
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert json.loads(score.stdout.readline())["state_id"] == "s-0"
+        score.stdout.close()  # what head does after its line
+        assert score.wait(120) == 0
+        assert score.stderr.read() == ""

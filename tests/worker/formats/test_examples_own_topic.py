@@ -1,4 +1,4 @@
-"""The "Score your own topic" examples map as the README says: every ticket line becomes a state; the Debezium
+"""The "Score your own topic" examples map as the README and docs/own-topics.md say: every ticket line becomes a state; the Debezium
 snapshot, create and update become states of the row after the change, and the delete becomes a dead letter."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from worker.formats.records import Reason, state_problem
 from worker.cli.user_files import load_schema_file
 
 EXAMPLES = REPO / "worker" / "examples"
-# The mappings the README's commands give on the command line.
+# The mappings the README's and docs/own-topics.md's commands give on the command line.
 TICKETS = InputMapping(format="json", schema_id="support", id_field="ticket.id",
                        text_template="Subject: {ticket.subject}\n\n{ticket.body}", event_time_field="ticket.created_at",
                        metadata_fields=("ticket.priority", "customer.tier"))
