@@ -126,13 +126,13 @@ def test_a_failed_transaction_takes_nothing_until_resumed(stream):
         assert _read_keys(stream) == ["redone-0"] and stream.committed_offsets()[0] == 2
 
 
-def _blocked_inside(thread: threading.Thread, function: str) -> bool:
-    """Whether ``thread`` waits on a condition (``threading``'s ``wait``) inside a call of ``function``."""
-    frame, names = sys._current_frames().get(thread.ident), []
+def _blocked_inside(thread: threading.Thread, method) -> bool:
+    """Whether ``thread`` waits on a condition (``threading``'s ``wait``) inside a call of ``method``."""
+    frame, codes = sys._current_frames().get(thread.ident), []
     while frame is not None:
-        names.append(frame.f_code.co_name)
+        codes.append(frame.f_code)
         frame = frame.f_back
-    return bool(names) and names[0] == "wait" and function in names
+    return bool(codes) and codes[0].co_name == "wait" and method.__code__ in codes
 
 
 def _until(condition, timeout_s: float = 30.0) -> None:
@@ -153,16 +153,16 @@ def test_a_hold_lets_the_running_transaction_end_and_gives_back_the_rest(stream)
         committer.hand(Handed("third", _records(stream, 1, "third"), _offsets(stream, (0, 12))))
         held: dict = {}
 
-        def hold() -> None:
+        def hold_and_look() -> None:
             back = committer.hold()
             # taken at once: what had ended when hold() returned
             held.update(back=[p.cycle for p in back], ended=committer.outcomes(), keys=_read_keys(stream),
                         offset=stream.committed_offsets()[0])
 
-        holder = threading.Thread(target=hold)
+        holder = threading.Thread(target=hold_and_look)
         holder.start()
         # the first transaction ends only once hold() waits for it (or has returned without waiting)
-        _until(lambda: _blocked_inside(holder, "hold") or not holder.is_alive())
+        _until(lambda: _blocked_inside(holder, Committer.hold) or not holder.is_alive())
         gate.let_end()
         holder.join(30)
         assert not holder.is_alive(), "hold() never returned"
