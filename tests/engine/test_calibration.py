@@ -36,9 +36,30 @@ def test_contextual_calibration_makes_the_content_free_states_mean_uniform(se, e
         assert np.ptp(mean) > 0.05, "a content-free prior this flat would make the test show little"
 
 
+def _expected_biases(eng, qs: list[dict], calibration: str) -> list[np.ndarray]:
+    """The bias each question's logits must lose, worked out here rather than with ``engine.calibration``'s helpers:
+    its option_bias as the schema gives it, plus, with contextual calibration, the log of the mean distribution of
+    the content-free states (the oracle's forward pass at temperature 1, with no bias)."""
+    biases = [np.array(q.get("option_bias") or [0.0] * len(q["options"]), dtype=np.float64) for q in qs]
+    if calibration == "contextual":
+        plain = [{k: v for k, v in q.items() if k != "option_bias"} for q in qs]
+        free = score_full_details(eng, plain, list(CONTENT_FREE_STATES), temperature=1.0)
+        for i, q in enumerate(qs):
+            n = len(q["options"])
+            biases[i] = biases[i] + np.log(np.mean([s.raw_probabilities[i, :n].double().numpy() for s in free], axis=0))
+    return biases
+
+
+def _softmax(x: np.ndarray) -> np.ndarray:
+    e = np.exp(x - x.max())
+    return e / e.sum()
+
+
 @pytest.mark.parametrize("calibration", ["none", "contextual"])
 @pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
 def test_calibrated_scores_equal_the_oracles(tiny_dir, eng, calibration, deterministic):
+    """Calibrated: softmax((z - bias) / T) of the labels' logits z (the oracle's, at temperature 1: log p is z up to a
+    constant), with the biases worked out by the test; raw: the oracle's at each question's temperature."""
     qs = make_questions([2, 4, 3], temperatures=[0.5, 1.0, 2.0])
     qs[0]["option_bias"] = [0.7, -0.2]
     qs[2]["option_bias"] = [0.0, 0.0, 0.0]                   # no change: no raw probabilities for it
@@ -46,10 +67,17 @@ def test_calibrated_scores_equal_the_oracles(tiny_dir, eng, calibration, determi
     states = make_states(7, seed=41)
     h = engine_.prepare(qs, calibration=calibration)
     got = engine_.score_details(h, states)
-    want = score_full_details(eng, qs, states, calibration=calibration)
-    for g, w in zip(got, want):
-        assert (g.probabilities - w.probabilities).abs().max() < ATOL
-        assert (g.raw_probabilities - w.raw_probabilities).abs().max() < ATOL
+    biases = _expected_biases(eng, qs, calibration)
+    at_one = score_full_details(eng, qs, states, temperature=1.0)
+    raw = score_full_details(eng, qs, states)
+    for g, one, r in zip(got, at_one, raw):
+        for i, q in enumerate(qs):
+            n = len(q["options"])
+            z = np.log(one.raw_probabilities[i, :n].double().numpy())
+            want = _softmax((z - biases[i]) / q["temperature"])
+            np.testing.assert_allclose(g.probabilities[i, :n].double().numpy(), want, atol=ATOL)
+            assert (g.probabilities[i, n:] == 0).all()
+        assert (g.raw_probabilities - r.raw_probabilities).abs().max() < ATOL
     assert h.calibrated == ((True, False, False) if calibration == "none" else (True, True, True))
     details = engine_.launch_mixed([(h, engine_.tokenize(h, s)) for s in states]).details()
     if calibration == "none":

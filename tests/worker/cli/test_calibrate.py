@@ -1,6 +1,7 @@
 """``decider calibrate`` against the real broker and the tiny model: ``order`` recovers a known position bias (a
-test-only engine wrapper adds it) and publishes it as the next schema version; ``temperature`` recovers T* = 2 from
-2,000 labels per question sampled from the model's own probabilities re-tempered at 2, with a lower held-out ECE; bad
+test-only engine wrapper adds it) and publishes it as the next schema version; ``temperature`` recovers T* = 0.5 and
+T* = 2.5 (one question each) from 2,000 labels per question sampled from the model's own probabilities re-tempered at
+them, read from the schema version it published, with a lower held-out log-loss and ECE at the published temperature; bad
 feedback is counted and skipped with a summary line; too few labels, bad flags and a mismatched option_bias are one
 line and exit code 2."""
 
@@ -23,7 +24,7 @@ from tests.engine.test_calibration import PositionBiased
 from tests.worker.conftest import state_texts
 from worker.cli.calibration import Run, calibrate_order, calibrate_temperature
 from worker.cli.commands import latest_schema
-from worker.cli.temperature_fit import tempered
+from worker.cli.temperature_fit import held_out as held_out_answer
 from worker.formats.records import SourceRecord, engine_questions, probability_record
 from worker.exceptions import ConfigError
 
@@ -110,39 +111,81 @@ def _scored_records(stream, schema_engine, record: dict, texts: list[str]) -> li
     return out
 
 
+def _tempered(probabilities, temperature: float) -> np.ndarray:
+    """softmax(log p / temperature), the test's own (not ``worker.cli.temperature_fit``'s)."""
+    logits = np.log(np.maximum(np.asarray(probabilities, dtype=np.float64), 1e-12)) / temperature
+    weights = np.exp(logits - logits.max())
+    return weights / weights.sum()
+
+
+def _labelled(records: list[dict], temperatures: dict[str, float], seed: int) -> list[tuple[str, str, list, int]]:
+    """(state id, question id, published probabilities, label index) for every (record, question): the label drawn
+    from the probabilities re-tempered at that question's ``temperatures``."""
+    rnd = random.Random(seed)
+    return [(record["state_id"], q["id"], q["probabilities"],
+             rnd.choices(range(len(q["options"])), weights=_tempered(q["probabilities"], temperatures[q["id"]]))[0])
+            for record in records for q in record["questions"]]
+
+
+def _feedback(records: list[dict], labelled: list[tuple[str, str, list, int]]) -> list[bytes]:
+    options = {q["id"]: q["options"] for q in records[0]["questions"]}
+    return [json.dumps({"state_id": s, "question_id": q, "label": options[q][label]}).encode()
+            for s, q, _, label in labelled]
+
+
 def _labels_at(records: list[dict], temperature: float, seed: int) -> list[bytes]:
     """Feedback for every (record, question): an option drawn from its probabilities re-tempered at ``temperature``."""
-    rnd = random.Random(seed)
-    feedback = []
-    for record in records:
-        for question in record["questions"]:
-            label = rnd.choices(question["options"], weights=tempered(question["probabilities"], temperature))[0]
-            feedback.append(json.dumps({"state_id": record["state_id"], "question_id": question["id"],
-                                        "label": label}).encode())
-    return feedback
+    return _feedback(records, _labelled(records, {q["id"]: temperature for q in records[0]["questions"]}, seed))
 
 
-def test_temperature_recovers_t_star_two_and_lowers_the_held_out_ece(stream, schema_engine, tmp_path):
+def _log_loss(answers: list[tuple[list, int]], temperature: float) -> float:
+    return -float(np.mean([np.log(_tempered(p, temperature)[label]) for p, label in answers]))
+
+
+def _ece(answers: list[tuple[list, int]], temperature: float, bins: int = 15) -> float:
+    """Expected calibration error of the top probability, equal-width bins (the test's own)."""
+    tops = [(_tempered(p, temperature).max(), int(_tempered(p, temperature).argmax()) == label) for p, label in answers]
+    total = 0.0
+    for b in range(bins):
+        inside = [(c, hit) for c, hit in tops if min(int(c * bins), bins - 1) == b]
+        if inside:
+            total += len(inside) * abs(np.mean([hit for _, hit in inside]) - np.mean([c for c, _ in inside]))
+    return total / len(tops)
+
+
+def test_temperature_recovers_known_temperatures_below_and_above_one_in_the_published_version(stream, schema_engine,
+                                                                                             tmp_path):
+    """Labels drawn at T* = 0.5 for one question and 2.5 for the other (the records published at temperature 1):
+    the schema version published carries each question's T*, and the held-out answers re-tempered to it (by this
+    test's own arithmetic) have a lower log-loss and ECE than as published."""
     version = stream.put_schema("support", SCHEMA)
     records = _scored_records(stream, schema_engine, version, state_texts(2000, seed=72))
     _produce(stream.bootstrap, stream.topics.probabilities, [schemas.encode_probability(r) for r in records],
              [r["state_id"] for r in records])
     feedback = _topic(stream.bootstrap)
-    _produce(stream.bootstrap, feedback, _labels_at(records, 2.0, seed=73))
+    truth = {"team": 0.5, "mood": 2.5}
+    labelled = _labelled(records, truth, seed=73)
+    _produce(stream.bootstrap, feedback, _feedback(records, labelled))
 
     lines = []
     run = Run(stream.bootstrap, stream.topics, "support", report=tmp_path / "temperature", echo=lines.append)
-    published = calibrate_temperature(run, feedback, min_labels=200)
+    returned = calibrate_temperature(run, feedback, min_labels=200)
     assert lines[0] == (f"feedback from {feedback}: 4000 records, 4000 labelled answers joined with schema support "
                         "v1's committed probability records")
+    published, next_version = latest_schema(stream.bootstrap, stream.topics, "support")   # from the schemas topic
+    assert published["version"] == 2 and next_version == 3
     report = json.loads((tmp_path / "temperature" / "report.json").read_text())
+    assert report["published_version"] == 2 and returned == published
     for question, row in zip(published["questions"], report["questions"]):
-        assert question["temperature"] == pytest.approx(2.0, rel=0.1), row
-        assert row["labels"] == 2000 and 300 < row["held_out"] < 500 and row["train"] + row["held_out"] == 2000
-        assert row["ece_after"] < row["ece_before"] and row["log_loss_after"] < row["log_loss_before"]
+        qid, temperature = question["id"], question["temperature"]
+        assert temperature == pytest.approx(truth[qid], rel=0.15), (qid, temperature)   # 0.535 and 2.45 here
+        held_out = [(p, label) for s, q, p, label in labelled if q == qid and held_out_answer(s, q)]
+        assert 300 < len(held_out) < 500
+        assert _log_loss(held_out, temperature) < _log_loss(held_out, 1.0), qid
+        assert _ece(held_out, temperature) < _ece(held_out, 1.0), qid
+        assert row["labels"] == 2000 and row["held_out"] == len(held_out) and row["train"] + row["held_out"] == 2000
         assert len(row["reliability_before"]) == 15
-        assert (tmp_path / "temperature" / f"reliability-{question['id']}.png").stat().st_size > 1000
-    assert published["version"] == 2 and report["published_version"] == 2
+        assert (tmp_path / "temperature" / f"reliability-{qid}.png").stat().st_size > 1000
 
 
 def test_bad_feedback_is_counted_and_skipped_and_too_few_labels_is_one_line(stream, schema_engine, tmp_path):

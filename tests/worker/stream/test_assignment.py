@@ -74,3 +74,86 @@ def test_only_a_cooperative_revoke_on_the_classic_protocol_waits_before_the_rejo
     assert (took >= REJOIN_NOT_BEFORE_S) == pauses, took
     # incremental: only the revoked partitions' work is dropped; eager: all of it (None)
     assert [None if p is None else [tp.partition for tp in p] for p in dropped] == [[0] if incremental else None]
+
+
+# ---- partitions lost (a session that expired), through the worker's own wiring ------------------------------------
+class _Scorer:
+    """Takes the cycles' batches (their scores never come) and counts the pins given back."""
+
+    def __init__(self):
+        self.released = []
+
+    def submit(self, jobs, on_launched):
+        from concurrent.futures import Future
+
+        return Future()
+
+    def release_pin(self, key):
+        self.released.append(key)
+
+
+def _stats(topic: str, partitions: dict[int, tuple[int, int]]) -> str:
+    """librdkafka statistics with each partition's last stable offset and committed offset (``liveness.PARTITION_ENDS``)."""
+    import json
+
+    return json.dumps({"topics": {topic: {"partitions": {
+        str(p): {"fetch_state": "active", "ls_offset": end, "committed_offset": committed}
+        for p, (end, committed) in partitions.items()}}}})
+
+
+@pytest.fixture
+def lost_worker():
+    """A worker (``loop.Worker``: its assignment, drop path and progress watch as ``run`` wires them; a committer with
+    no transaction running) that was assigned partitions 0 and 1 of ``states``, consumed states of both (an open
+    cycle and two cycles being scored) while records wait in both, then lost both. -> (worker, pins taken)."""
+    import time
+
+    from confluent_kafka import Consumer, TopicPartition
+
+    from tests.worker.stream.test_revocation import _cycle
+    from worker.config import Topics
+    from worker.ops import liveness
+    from worker.stream import loop
+    from worker.stream.committer import Committer
+
+    worker = loop.Worker(_config(topics=Topics(states="states"), stall_after_s=60))
+    worker._scorer, worker._committer = _Scorer(), Committer(None, worker._inflight.wake)
+    consumer = Consumer({"bootstrap.servers": "127.0.0.1:1", "group.id": "lost", "log_level": 0})
+    assignment, partitions = worker._assignment, [TopicPartition("states", 0), TopicPartition("states", 1)]
+    assignment.protocol, assignment.incremental = "classic", True
+    try:
+        assignment.start(consumer, None, worker._drop_uncommitted)
+        assignment._on_assign(consumer, partitions)
+        liveness.PARTITION_ENDS.on_stats(_stats("states", {0: (50, 20), 1: (40, 10)}))
+        for cycle in (_cycle((0, 20), (1, 10)), _cycle((1, 11))):
+            worker._inflight.submit(cycle, 0.0, worker._closing.budget, worker._scorer)
+        worker._cycle = _cycle((0, 21), (1, 12))
+        taken = sorted(key for c in [worker._cycle, *(f.cycle for f in worker._inflight)] for key in c.pins())
+        # held still, both would be stalled partitions long after --stall-after-s
+        assert len(worker._watch.check(time.monotonic() + 600)) == 2 and liveness.PROGRESS.readiness_problem()
+        assignment._on_lost(consumer, partitions)
+        yield worker, taken
+    finally:
+        worker._committer.close()
+        consumer.close()
+        liveness.PARTITION_ENDS.on_stats("{}")
+        liveness.PROGRESS.report(None)
+
+
+def test_partitions_lost_leave_nothing_of_theirs_to_commit_and_give_their_pins_back(lost_worker):
+    """Another worker may already own them: whatever this one had of them uncommitted is dropped, never committed."""
+    worker, taken = lost_worker
+    assert not len(worker._cycle) and not worker._inflight and worker._cycle.offsets() == []
+    assert sorted(worker._scorer.released) == taken
+
+
+def test_partitions_lost_are_no_longer_watched_for_stalls(lost_worker):
+    """Records still wait in both partitions, uncommitted, long past --stall-after-s: not this worker's stall any more,
+    so /readyz is ready again."""
+    import time
+
+    from worker.ops import liveness
+
+    worker, _ = lost_worker
+    assert worker._watch.check(time.monotonic() + 600) == []
+    assert liveness.PROGRESS.readiness_problem() is None

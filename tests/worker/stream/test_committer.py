@@ -5,7 +5,9 @@ hold lets the transaction running end and gives back the cycles not begun."""
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
+import time
 
 import pytest
 from confluent_kafka import TopicPartition
@@ -29,6 +31,46 @@ def _committer(stream, txn_id: str):
 
 def _offsets(stream, *pairs: tuple[int, int]) -> list[TopicPartition]:
     return [TopicPartition(stream.topics.states, p, o) for p, o in pairs]
+
+
+class _Gated:
+    """``txns`` whose transactions, once begun on the committer's thread, wait there until the test lets them end
+    (``let_end``; ``open`` lets every one go on from then on): ``begun`` is released as each begins."""
+
+    def __init__(self, txns) -> None:
+        self._txns = txns
+        self.begun = threading.Semaphore(0)
+        self._go = threading.Semaphore(0)
+        self._open = threading.Event()
+
+    def commit(self, records, offsets, group_metadata=None) -> None:
+        self.begun.release()
+        if not self._open.is_set():
+            assert self._go.acquire(timeout=60), "the test never let the transaction end"
+        self._txns.commit(records, offsets, group_metadata)
+
+    def let_end(self) -> None:
+        self._go.release()
+
+    def open(self) -> None:
+        self._open.set()
+        self._go.release()
+
+    def __getattr__(self, name):        # last_steps_ms, last_outputs: the real transactions'
+        return getattr(self._txns, name)
+
+
+@contextlib.contextmanager
+def _gated_committer(stream, txn_id: str):
+    woken = threading.Semaphore(0)
+    with _transactions(stream, txn_id) as txns:
+        gate = _Gated(txns)
+        committer = Committer(gate, woken.release)
+        try:
+            yield committer, woken, gate
+        finally:
+            gate.open()
+            committer.close()
 
 
 def _outcomes(committer: Committer, woken: threading.Semaphore, count: int) -> list:
@@ -62,33 +104,77 @@ def test_cycles_handed_meanwhile_commit_as_one_transaction(stream):
 
 
 def test_a_failed_transaction_takes_nothing_until_resumed(stream):
-    with _committer(stream, "t-fail") as (committer, woken):
+    """A cycle handed while the transaction that fails is still running is uncommitted work the loop's rewind reads
+    again, like one handed after the failure: neither ever commits, before or after ``resume``."""
+    with _gated_committer(stream, "t-fail") as (committer, woken, gate):
         too_big = OutgoingRecord(stream.topics.probabilities, b"too-big", b"x" * (MAX_MESSAGE_BYTES * 2))
         committer.hand(Handed("bad", _records(stream, 1, "bad") + [too_big], _offsets(stream, (0, 50))))
+        assert gate.begun.acquire(timeout=20), "the failing transaction never began"
+        committer.hand(Handed("meanwhile", _records(stream, 1, "meanwhile"), _offsets(stream, (0, 55))))
+        gate.let_end()
         [outcome] = _outcomes(committer, woken, 1)
         assert isinstance(outcome.error, AbortableError) and [p.cycle for p in outcome.handed] == ["bad"]
         committer.hand(Handed("after-failure", _records(stream, 1, "dropped"), _offsets(stream, (0, 60))))
-        assert committer.pending == 0           # the loop's rewind reads it again: never committed out of order
+        gate.open()
         committer.resume()
         committer.hand(Handed("redone", _records(stream, 1, "redone"), _offsets(stream, (0, 2))))
-        [outcome] = _outcomes(committer, woken, 1)
-        assert outcome.error is None
+        ended = []
+        while not any(part.cycle == "redone" for outcome in ended for part in outcome.handed):
+            ended += _outcomes(committer, woken, 1)
+        # what a read_committed reader sees: the redone cycle alone, never one handed before the rewind
+        assert [[part.cycle for part in outcome.handed] for outcome in ended] == [["redone"]]
         assert _read_keys(stream) == ["redone-0"] and stream.committed_offsets()[0] == 2
 
 
+def _blocked_inside(thread: threading.Thread, method) -> bool:
+    """Whether ``thread`` waits on a condition (``threading``'s ``wait``) inside a call of ``method``."""
+    frame, codes = sys._current_frames().get(thread.ident), []
+    while frame is not None:
+        codes.append(frame.f_code)
+        frame = frame.f_back
+    return bool(codes) and codes[0].co_name == "wait" and method.__code__ in codes
+
+
+def _until(condition, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
 def test_a_hold_lets_the_running_transaction_end_and_gives_back_the_rest(stream):
-    with _committer(stream, "t-hold") as (committer, woken):
-        committer.hand(Handed("first", _records(stream, 50, "first"), _offsets(stream, (0, 10))))
+    """``hold`` during a transaction: it returns once that transaction has ended (committed: its records visible,
+    its offset committed, its outcome there to take), with the cycles not begun, in order; nothing begins while
+    held."""
+    with _gated_committer(stream, "t-hold") as (committer, woken, gate):
+        committer.hand(Handed("first", _records(stream, 3, "first"), _offsets(stream, (0, 10))))
+        assert gate.begun.acquire(timeout=20), "the first transaction never began"
         committer.hand(Handed("second", _records(stream, 1, "second"), _offsets(stream, (0, 11))))
-        back = [part.cycle for part in committer.hold()]
-        committed = [part.cycle for outcome in committer.outcomes() for part in outcome.handed]
-        # what had begun has ended (committed); what had not comes back, in order; nothing runs while held
-        assert committed + back == ["first", "second"] and committer.pending == 0
-        newest = {0: -1001, 1: 10, 2: 11}[len(committed)]
-        assert stream.committed_offsets()[0] == newest
         committer.hand(Handed("third", _records(stream, 1, "third"), _offsets(stream, (0, 12))))
-        assert woken.acquire(timeout=0.5) is (len(committed) > 0)   # the wake-up of the transaction that ended
-        assert committer.pending == 1 and stream.committed_offsets()[0] == newest
+        held: dict = {}
+
+        def hold_and_look() -> None:
+            back = committer.hold()
+            # taken at once: what had ended when hold() returned
+            held.update(back=[p.cycle for p in back], ended=committer.outcomes(), keys=_read_keys(stream),
+                        offset=stream.committed_offsets()[0])
+
+        holder = threading.Thread(target=hold_and_look)
+        holder.start()
+        # the first transaction ends only once hold() waits for it (or has returned without waiting)
+        _until(lambda: _blocked_inside(holder, Committer.hold) or not holder.is_alive())
+        gate.let_end()
+        holder.join(30)
+        assert not holder.is_alive(), "hold() never returned"
+        assert [[p.cycle for p in o.handed] for o in held["ended"]] == [["first"]] and held["ended"][0].error is None
+        assert held["keys"] == ["first-0", "first-1", "first-2"] and held["offset"] == 10
+        assert held["back"] == ["second", "third"] and committer.pending == 0
+        assert woken.acquire(timeout=20)                                # the wake-up of the transaction that ended
+        committer.hand(Handed("fourth", _records(stream, 1, "fourth"), _offsets(stream, (0, 13))))
+        assert not gate.begun.acquire(timeout=0.5) and committer.pending == 1   # held: nothing begins
         committer.release()
-        _outcomes(committer, woken, 1)
-        assert stream.committed_offsets()[0] == 12
+        assert gate.begun.acquire(timeout=20)
+        gate.let_end()
+        [outcome] = _outcomes(committer, woken, 1)
+        assert outcome.error is None and [p.cycle for p in outcome.handed] == ["fourth"]
+        assert stream.committed_offsets()[0] == 13 and _read_keys(stream) == ["first-0", "first-1", "first-2", "fourth-0"]

@@ -74,6 +74,36 @@ def test_the_watch_reports_a_stall_once_it_lasts_the_bound_then_clears_it():
         liveness.PROGRESS.report(None)
 
 
+@pytest.fixture
+def watched():
+    """A watch of states topic ``s`` with a 60 s bound, on the test's clock alone (its own thread is not started);
+    partition 3 assigned at t = 1000 s. -> (watch, a function that sets partition 3's committed and end offsets as
+    the consumer's statistics report them)."""
+    watch = ProgressWatch(states_topic="s", stall_after_s=60)
+    watch.inputs.assigned([3], now=1000.0)
+    try:
+        yield watch, lambda committed, end: liveness.PARTITION_ENDS.on_stats(_stats("s", {3: (end, committed)}))
+    finally:
+        liveness.PARTITION_ENDS.on_stats(json.dumps({}))
+        liveness.PROGRESS.report(None)
+
+
+def test_a_single_record_waiting_is_a_stall_once_it_waited_the_bound(watched):
+    watch, ends = watched
+    ends(committed=20, end=21)
+    stalls = watch.check(1000.0 + 600)
+    assert [s.split(" (")[0] for s in stalls] == ["s[3] has not advanced for 600 s with 1 records waiting"]
+    assert "s[3] has not advanced" in liveness.PROGRESS.readiness_problem()   # /readyz: 503
+
+
+def test_an_input_stall_is_reported_the_moment_it_lasted_the_bound(watched):
+    watch, ends = watched
+    ends(committed=20, end=25)
+    assert watch.check(1000.0 + 59.99) == [] and liveness.PROGRESS.readiness_problem() is None
+    assert [s.split(" (")[0] for s in watch.check(1000.0 + 60)] == ["s[3] has not advanced for 60 s with 5 records waiting"]
+    assert "s[3] has not advanced for 60 s" in liveness.PROGRESS.readiness_problem()
+
+
 # ---- reading a committed record back, on the session's broker --------------------------------------------------------
 def _topic(bootstrap: str, partitions: int = 1) -> str:
     name = f"rb-{uuid.uuid4().hex[:8]}"
@@ -130,6 +160,35 @@ def test_a_committed_record_reads_back_and_an_open_transaction_before_it_is_name
         assert read_back(reader, (topic, 0), offset) == ""
     finally:
         reader.close()
+
+
+def test_an_output_record_readers_do_not_get_is_reported_once_that_lasted_the_bound_and_clears(kafka_bootstrap):
+    """The watch reads back what the worker committed; a record a read_committed reader does not get (an open
+    transaction before it holds the last stable offset) is a stall after --stall-after-s, until readers get it."""
+    topic = _topic(kafka_bootstrap)
+    ours = Producer({"bootstrap.servers": kafka_bootstrap, "transactional.id": f"ours-{topic}"})
+    ours.init_transactions(10)
+    other = Producer({"bootstrap.servers": kafka_bootstrap, "transactional.id": f"other-{topic}"})
+    other.init_transactions(10)
+    other.begin_transaction()
+    other.produce(topic, value=b"left open", partition=0)
+    assert other.flush(10) == 0
+    offset = _committed_record(ours, topic, b"committed behind it")
+    watch = ProgressWatch(states_topic="s", stall_after_s=60)
+    watch._reader = reader_consumer(kafka_bootstrap)   # what start() sets, without its thread: the test's clock alone
+    try:
+        watch.on_event("committed", {"offsets": [], "outputs": {(topic, 0): offset}})
+        t0 = time.monotonic()
+        assert watch.check(t0) == [] and liveness.PROGRESS.readiness_problem() is None    # unreadable for 0 s yet
+        stalls = watch.check(t0 + 60)
+        assert [s.split(": ")[0] for s in stalls] == [f"{topic}[0] for 60 s"], stalls
+        assert "its last stable offset stays at" in stalls[0]
+        assert f"{topic}[0] for 60 s" in liveness.PROGRESS.readiness_problem()           # /readyz: 503
+        other.abort_transaction(10)
+        assert watch.check(t0 + 61) == [] and liveness.PROGRESS.readiness_problem() is None
+    finally:
+        watch._reader.close()
+        liveness.PROGRESS.report(None)
 
 
 def _abandon_open_transaction(bootstrap: str, transactional_id: str, topic: str) -> None:

@@ -109,3 +109,35 @@ def test_revoking_a_partition_keeps_the_others_work_in_flight_with_the_offsets_l
     assert not left and released == [("s", 1)]           # the open cycle's state of partition 1, unpinned
     assert [f.cycle for f in inflight] == [kept, mixed]   # scored all the same; their partition-0 states commit
     assert _offsets(kept) == {0: 11} and _offsets(mixed) == {0: 13} and _offsets(open_cycle) == {0: 14}
+
+
+def _left_to_commit(open_cycle: Cycle, inflight: CyclesInFlight) -> tuple[set, set]:
+    """What the worker would still commit: (partition, offset) of every state, and every offset, open or in flight."""
+    cycles = [open_cycle, *(f.cycle for f in inflight)]
+    return ({(p.source.partition, p.source.offset) for c in cycles for p in c.entries},
+            {(tp.partition, tp.offset) for c in cycles for tp in c.offsets()})
+
+
+def test_revoking_several_partitions_leaves_none_of_their_states_or_offsets_to_commit():
+    """The next owners of partitions 1 and 2 start from their committed offsets: nothing of either may commit here."""
+    early, mixed = _cycle((1, 4), (0, 10), (2, 7)), _cycle((2, 8), (0, 11), (1, 5))
+    inflight = _in_flight(early, mixed)
+    open_cycle = _cycle((0, 12), (1, 6), (2, 9))
+    revoked = [TopicPartition("states", 1), TopicPartition("states", 2)]
+    drop_uncommitted(open_cycle, inflight, "partitions revoked", revoked, lambda key: None)
+    assert _left_to_commit(open_cycle, inflight) == ({(0, 10), (0, 11), (0, 12)}, {(0, 11), (0, 12), (0, 13)})
+
+
+def test_every_pin_of_the_dropped_states_is_given_back_once_also_of_a_cycle_in_flight_left_empty():
+    """A prepared schema stays pinned while a state batched with it may still commit: the pins of what a revoke drops
+    (the open cycle's states, and a cycle in flight with nothing left to commit) are given back now, those of what
+    stays when it commits; none is lost or given back twice."""
+    only_revoked = _cycle((1, 1), (1, 2), schema="gone")
+    mixed, open_cycle = _cycle((0, 3), (1, 3)), _cycle((0, 4), (1, 4), schema="open")
+    taken = sorted([*only_revoked.pins(), *mixed.pins(), *open_cycle.pins()])
+    inflight, released = _in_flight(only_revoked, mixed), []
+    left = drop_uncommitted(open_cycle, inflight, "partitions revoked", [TopicPartition("states", 1)], released.append)
+    assert not left and [f.cycle for f in inflight] == [mixed]          # only_revoked is no longer in flight
+    still_held = [*mixed.pins(), *open_cycle.pins()]                     # given back when they commit
+    assert sorted(released + still_held) == taken
+    assert sorted(released) == [("gone", 1), ("gone", 1), ("open", 1)]
