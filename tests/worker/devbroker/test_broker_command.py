@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from worker.devbroker.embedded_broker import free_port
+from worker.devbroker.processes import free_port
 
 REPO = Path(__file__).resolve().parents[3]
 
