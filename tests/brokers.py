@@ -10,7 +10,9 @@
   header. Under CI (``CI`` set) there is no such fallback: ``auto`` means Apache Kafka, and a machine that cannot
   run it fails the run at once.
 
-The registry is the test double (``tests/registry_double.py``) unless ``SCHEMA_REGISTRY_URL`` names one. conftest
+The Schema Registry: the one ``SCHEMA_REGISTRY_URL`` names; else, beside the pinned Apache Kafka, Apicurio Registry
+3.3.3 through its Confluent-compatible API (``tests/registry_apicurio.py``; required under CI, like Kafka); else the
+in-process test double (``tests/registry_double.py``). conftest
 calls ``check_selection`` from ``pytest_configure`` (so a bad selection fails before collection) and
 ``started_broker`` from its session fixture; tests that kill or restart a broker start their own with
 ``own_broker``, of the session's kind.
@@ -40,6 +42,7 @@ class TestBroker:
     kind: str  # "external", "kafka" or "embedded"
     bootstrap: str
     registry_url: str
+    registry: str = "test double"  # "apicurio", "test double" or "external"
 
 
 @functools.lru_cache(maxsize=1)
@@ -97,21 +100,44 @@ def check_selection(environ: Mapping[str, str] = os.environ) -> str:
     return choice
 
 
+def registry_choice(choice: str, environ: Mapping[str, str] = os.environ) -> str:
+    """``external``, ``apicurio`` or ``test double``: the registry beside broker ``choice``; ``pytest.UsageError``
+    (one line) under CI when Apicurio cannot start beside Apache Kafka."""
+    if environ.get(REGISTRY_ENV):
+        return "external"
+    if choice != "kafka":
+        return "test double"
+    from tests.registry_apicurio import problem
+
+    why = problem()
+    if why is None:
+        return "apicurio"
+    if environ.get("CI"):
+        raise pytest.UsageError(f"CI runs the registry tests on Apicurio Registry, but it cannot start here: {why}")
+    return "test double"
+
+
 @contextlib.contextmanager
 def started_broker(workdir: Path, environ: Mapping[str, str] = os.environ) -> Iterator[TestBroker]:
     """The selected broker and registry, running for the ``with`` block, stopped after it."""
     choice = check_selection(environ)
+    registry = registry_choice(choice, environ)
     with contextlib.ExitStack() as stack:
-        registry_url = environ.get(REGISTRY_ENV)
-        if not registry_url:
+        if registry == "external":
+            registry_url = environ[REGISTRY_ENV]
+        elif registry == "apicurio":
+            from tests.registry_apicurio import apicurio_process
+
+            registry_url = stack.enter_context(apicurio_process(workdir / "apicurio.log"))
+        else:
             from tests.registry_double import registry_double_process
 
             registry_url = stack.enter_context(registry_double_process())
         if choice == "external":
-            yield TestBroker("external", environ[BOOTSTRAP_ENV], registry_url)
+            yield TestBroker("external", environ[BOOTSTRAP_ENV], registry_url, registry)
             return
         broker = stack.enter_context(own_broker(workdir, choice))
-        yield TestBroker(choice, broker.bootstrap, registry_url)
+        yield TestBroker(choice, broker.bootstrap, registry_url, registry)
 
 
 @contextlib.contextmanager

@@ -26,7 +26,8 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     if brokers.selection() == "kafka":
         from worker.devbroker.apache_kafka import KAFKA_VERSION, kafka_home
 
-        return [f"broker: Apache Kafka {KAFKA_VERSION} (KRaft, one node; jars in {kafka_home()})"]
+        return [f"broker: Apache Kafka {KAFKA_VERSION} (KRaft, one node; jars in {kafka_home()}); "
+                f"registry: {brokers.registry_choice('kafka')}"]
     return [f"broker: {brokers.selection()}"]
 
 

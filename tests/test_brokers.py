@@ -68,5 +68,19 @@ def test_session_fixtures(kafka_bootstrap, schema_registry_url, test_broker):
     from confluent_kafka.admin import AdminClient
 
     assert test_broker.kind == brokers.selection()
+    assert test_broker.registry == brokers.registry_choice(test_broker.kind)
     assert AdminClient({"bootstrap.servers": kafka_bootstrap}).list_topics(timeout=10).brokers
     assert SchemaRegistryClient({"url": schema_registry_url}).get_subjects() is not None
+
+
+def test_the_registry_beside_apache_kafka_is_apicurio_and_ci_requires_it(monkeypatch):
+    import tests.registry_apicurio as apicurio
+
+    monkeypatch.setattr(apicurio, "problem", lambda: "no Java 21+ for Apicurio Registry")
+    assert brokers.registry_choice("kafka", {}) == "test double"
+    with pytest.raises(pytest.UsageError, match="^CI runs the registry tests on Apicurio Registry, .*no Java 21"):
+        brokers.registry_choice("kafka", {"CI": "true"})
+    assert brokers.registry_choice("embedded", {"CI": "true"}) == "test double"
+    assert brokers.registry_choice("kafka", {"SCHEMA_REGISTRY_URL": "http://sr:8081"}) == "external"
+    monkeypatch.setattr(apicurio, "problem", lambda: None)
+    assert brokers.registry_choice("kafka", {"CI": "true"}) == "apicurio"

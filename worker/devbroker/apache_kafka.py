@@ -113,8 +113,12 @@ def resolve_kafka(home: Path | None = None, quiet: bool = True) -> Path:
 
 
 def cluster_id() -> str:
-    """A fresh KRaft cluster id: a random UUID, base64url without padding (what ``StorageTool random-uuid`` prints)."""
-    return base64.urlsafe_b64encode(uuid.uuid4().bytes).rstrip(b"=").decode()
+    """A fresh KRaft cluster id: a random UUID, base64url without padding, never starting with '-' (an option to the
+    command line that takes it), as Kafka's own ``Uuid.randomUuid`` makes them."""
+    while True:
+        candidate = base64.urlsafe_b64encode(uuid.uuid4().bytes).rstrip(b"=").decode()
+        if not candidate.startswith("-"):
+            return candidate
 
 
 def server_properties(port: int, controller_port: int, log_dir: Path, overrides: Mapping[str, str] = {}) -> dict[str, str]:
@@ -229,7 +233,7 @@ class ApacheKafka:
 
     def _format(self, properties: Path) -> None:
         command = ["java", "-cp", self._classpath(), "kafka.tools.StorageTool", "format", "--standalone",
-                   "-t", cluster_id(), "-c", str(properties)]
+                   f"--cluster-id={cluster_id()}", "-c", str(properties)]
         result = subprocess.run(command, capture_output=True, text=True, timeout=120)
         with open(self.log_path, "a") as log:
             log.write(result.stdout + result.stderr)
