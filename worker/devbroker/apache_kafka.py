@@ -149,6 +149,10 @@ def server_properties(port: int, controller_port: int, log_dir: Path, overrides:
         "group.consumer.session.timeout.ms": "6000",
         "group.consumer.min.heartbeat.interval.ms": "1000",
         "group.consumer.heartbeat.interval.ms": "1000",
+        # After a SIGKILL the controller fences the killed incarnation's registration once its session times out:
+        # sooner than the default 9 s, so that a restart settles before clients have much to retry.
+        "broker.session.timeout.ms": "3000",
+        "broker.heartbeat.interval.ms": "500",
         # Topics are decider's to create, with their partition counts and cleanup policies.
         "auto.create.topics.enable": "false",
         "num.partitions": "1",
@@ -211,9 +215,10 @@ class ApacheKafka:
         properties = self._write_properties()
         if not (self.path / "data" / "meta.properties").is_file():
             self._format(properties)
+        started_before = self._started_lines()
         self._launch(properties)
         try:
-            self._wait_ready(timeout_s)
+            self._wait_ready(timeout_s, started_before)
         except BaseException:
             self._halt(signal.SIGKILL)
             if self._own_dir is not None:  # its directory goes with the reaper: the log stays, beside it
@@ -252,11 +257,21 @@ class ApacheKafka:
                                         start_new_session=True, preexec_fn=dies_with_this_thread())
         self._reapers.append(Reaper([self.process.pid], [self._own_dir] if self._own_dir else []))
 
-    def _wait_ready(self, timeout_s: float) -> None:
+    def _started_lines(self) -> int:
+        try:
+            return self.log_path.read_text(errors="replace").count(_READY_LINE)
+        except OSError:
+            return 0
+
+    def _wait_ready(self, timeout_s: float, started_before: int) -> None:
+        """Until this start's 'Kafka Server started' line and an Admin metadata answer. The line matters after a
+        SIGKILL: the restarted node answers metadata while its controller still holds the killed incarnation's
+        broker registration, which it fences some seconds later (every partition leaderless for a moment, the
+        group coordinator unloaded and loaded again); the line comes after that."""
         from confluent_kafka.admin import AdminClient
 
         deadline = time.monotonic() + timeout_s
-        while not port_open(self.port):
+        while not port_open(self.port) or self._started_lines() <= started_before:
             self._check_running(deadline, timeout_s)
             time.sleep(0.1)
         admin = AdminClient({"bootstrap.servers": self.bootstrap, "log_level": 0})
