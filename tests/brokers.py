@@ -2,20 +2,26 @@
 
 - ``KAFKA_BOOTSTRAP`` set: that external Kafka (``SCHEMA_REGISTRY_URL`` for its registry if set, else the
   registry test double).
-- ``DECIDER_TEST_BROKER=kafka``: real Apache Kafka (``apache/kafka``, KRaft, one node: transaction state
-  log replication 1, min ISR 1) plus ``confluentinc/cp-schema-registry`` on one Docker network, started with
-  testcontainers. No Docker engine answering is a usage error with one line, never a skip: a run that asked
-  for real Kafka and silently got less would report a pass it did not earn.
-- otherwise: the embedded noida-db broker (``worker.devbroker.embedded_broker``) and the registry test double
-  (``tests/registry_double.py``).
+- ``DECIDER_TEST_BROKER=kafka``: the pinned Apache Kafka 4.4 (``worker.devbroker.apache_kafka``: KRaft, one node,
+  started from the jars ``dev/setup.sh`` fetched). It not starting is a usage error with one line, never a skip: a
+  run that asked for real Kafka and silently got less would report a pass it did not earn.
+- ``DECIDER_TEST_BROKER=embedded``: the embedded noida-db broker (``worker.devbroker.embedded_broker``).
+- unset (``auto``): Apache Kafka where Java and its jars are here, else the embedded broker, said in pytest's
+  header. Under CI (``CI`` set) there is no such fallback: ``auto`` means Apache Kafka, and a machine that cannot
+  run it fails the run at once.
 
-conftest calls ``check_selection`` from ``pytest_configure`` (so a bad selection fails before collection) and
-``started_broker`` from its session fixture.
+The Schema Registry: the one ``SCHEMA_REGISTRY_URL`` names; else, beside the pinned Apache Kafka, Apicurio Registry
+3.3.3 through its Confluent-compatible API (``tests/registry_apicurio.py``; required under CI, like Kafka); else the
+in-process test double (``tests/registry_double.py``). conftest
+calls ``check_selection`` from ``pytest_configure`` (so a bad selection fails before collection) and
+``started_broker`` from its session fixture; tests that kill or restart a broker start their own with
+``own_broker``, of the session's kind.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,10 +30,7 @@ from typing import Iterator, Mapping
 import pytest
 
 BROKER_ENV, BOOTSTRAP_ENV, REGISTRY_ENV = "DECIDER_TEST_BROKER", "KAFKA_BOOTSTRAP", "SCHEMA_REGISTRY_URL"
-CHOICES = ("embedded", "kafka")
-KAFKA_IMAGE = "apache/kafka:4.1.0"
-REGISTRY_IMAGE = "confluentinc/cp-schema-registry:7.9.0"
-STARTUP_TIMEOUT_S = 120
+CHOICES = ("auto", "kafka", "embedded")
 
 
 @dataclass(frozen=True)
@@ -39,22 +42,42 @@ class TestBroker:
     kind: str  # "external", "kafka" or "embedded"
     bootstrap: str
     registry_url: str
+    registry: str = "test double"  # "apicurio", "test double" or "external"
+
+
+@functools.lru_cache(maxsize=1)
+def kafka_problem() -> str | None:
+    """Why the pinned Apache Kafka cannot start here (None if it can); asked once a session (it runs ``java``)."""
+    from worker.devbroker.apache_kafka import kafka_problem as problem
+
+    return problem()
 
 
 def selection(environ: Mapping[str, str] = os.environ) -> str:
     """``external``, ``kafka`` or ``embedded``; ``pytest.UsageError`` (one line) for an unknown choice."""
     if environ.get(BOOTSTRAP_ENV):
         return "external"
-    choice = environ.get(BROKER_ENV, "embedded").strip().lower() or "embedded"
+    choice = environ.get(BROKER_ENV, "auto").strip().lower() or "auto"
     if choice not in CHOICES:
-        raise pytest.UsageError(f"{BROKER_ENV}={choice!r}: use kafka (testcontainers) or embedded (noida-db), "
-                                f"or set {BOOTSTRAP_ENV} for an external Kafka")
+        raise pytest.UsageError(f"{BROKER_ENV}={choice!r}: use kafka (the pinned Apache Kafka), embedded (noida-db) "
+                                f"or auto, or set {BOOTSTRAP_ENV} for an external Kafka")
+    if choice == "auto":
+        return "kafka" if environ.get("CI") or kafka_problem() is None else "embedded"
     return choice
+
+
+def fallback_notice(environ: Mapping[str, str] = os.environ) -> str | None:
+    """pytest's header line when ``auto`` fell back to the embedded broker (None when it did not)."""
+    asked = environ.get(BROKER_ENV, "auto").strip().lower() or "auto"
+    if environ.get(BOOTSTRAP_ENV) or asked != "auto" or selection(environ) != "embedded":
+        return None
+    return (f"broker: the embedded noida-db broker, not Apache Kafka ({kafka_problem()}); CI runs every broker test "
+            f"on Apache Kafka: bash dev/setup.sh with Java 17+ and Maven gets it")
 
 
 def group_protocols(environ: Mapping[str, str] = os.environ) -> tuple[str, ...]:
     """The consumer group protocols the selected broker runs: noida-db 0.2.3 has only the classic one (no KIP-848
-    ConsumerGroupHeartbeat); the Kafka testcontainers starts has both; an external Kafka says (its ApiVersions)."""
+    ConsumerGroupHeartbeat); Apache Kafka 4.4 has both; an external Kafka says (its ApiVersions)."""
     choice = selection(environ)
     if choice == "embedded":
         return ("classic",)
@@ -66,116 +89,77 @@ def group_protocols(environ: Mapping[str, str] = os.environ) -> tuple[str, ...]:
     return ("classic", "consumer") if CONSUMER_GROUP_HEARTBEAT_API in keys else ("classic",)
 
 
-def docker_engine_problem() -> str | None:
-    """Why no Docker engine answers (None if one does)."""
-    try:
-        import docker
-    except ImportError:
-        return "the docker package is missing (pip install -e '.[test]')"
-    try:
-        client = docker.from_env(timeout=5)
-        client.ping()
-        client.close()
-    except Exception as exc:  # noqa: BLE001 - docker raises DockerException, ConnectionError, ... when absent
-        return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-    return None
-
-
 def check_selection(environ: Mapping[str, str] = os.environ) -> str:
     """The selection, after checking that it can run here; ``pytest.UsageError`` with one line if it cannot."""
     choice = selection(environ)
     if choice == "kafka":
-        problem = docker_engine_problem()
+        problem = kafka_problem()
         if problem is not None:
-            raise pytest.UsageError(f"{BROKER_ENV}=kafka starts Kafka and a Schema Registry with testcontainers, "
-                                    f"but no Docker engine answers ({problem}); start Docker, or unset {BROKER_ENV} "
-                                    f"for the embedded broker")
+            why = "CI runs every broker test on Apache Kafka" if environ.get("CI") else f"{BROKER_ENV}=kafka"
+            raise pytest.UsageError(f"{why}, but it cannot start here: {problem}; or set {BROKER_ENV}=embedded")
     return choice
+
+
+def registry_choice(choice: str, environ: Mapping[str, str] = os.environ) -> str:
+    """``external``, ``apicurio`` or ``test double``: the registry beside broker ``choice``; ``pytest.UsageError``
+    (one line) under CI when Apicurio cannot start beside Apache Kafka."""
+    if environ.get(REGISTRY_ENV):
+        return "external"
+    if choice != "kafka":
+        return "test double"
+    from tests.registry_apicurio import problem
+
+    why = problem()
+    if why is None:
+        return "apicurio"
+    if environ.get("CI"):
+        raise pytest.UsageError(f"CI runs the registry tests on Apicurio Registry, but it cannot start here: {why}")
+    return "test double"
 
 
 @contextlib.contextmanager
 def started_broker(workdir: Path, environ: Mapping[str, str] = os.environ) -> Iterator[TestBroker]:
     """The selected broker and registry, running for the ``with`` block, stopped after it."""
     choice = check_selection(environ)
-    if choice == "kafka":
-        with kafka_containers() as broker:
-            yield broker
-        return
+    registry = registry_choice(choice, environ)
     with contextlib.ExitStack() as stack:
-        registry_url = environ.get(REGISTRY_ENV) if choice == "external" else None
-        if not registry_url:
+        if registry == "external":
+            registry_url = environ[REGISTRY_ENV]
+        elif registry == "apicurio":
+            from tests.registry_apicurio import apicurio_process
+
+            registry_url = stack.enter_context(apicurio_process(workdir / "apicurio.log"))
+        else:
             from tests.registry_double import registry_double_process
 
             registry_url = stack.enter_context(registry_double_process())
         if choice == "external":
-            yield TestBroker("external", environ[BOOTSTRAP_ENV], registry_url)
+            yield TestBroker("external", environ[BOOTSTRAP_ENV], registry_url, registry)
             return
-        from worker.devbroker.embedded_broker import EmbeddedBroker, free_port
-
-        log = stack.enter_context(open(workdir / "broker.log", "w"))
-        embedded = stack.enter_context(EmbeddedBroker(port=free_port(), data_dir=str(workdir / "data"), log=log))
-        yield TestBroker("embedded", embedded.bootstrap, registry_url)
+        broker = stack.enter_context(own_broker(workdir, choice))
+        yield TestBroker(choice, broker.bootstrap, registry_url, registry)
 
 
 @contextlib.contextmanager
-def kafka_containers() -> Iterator[TestBroker]:
-    """Apache Kafka (KRaft) and cp-schema-registry on one Docker network (needs a Docker engine).
+def own_broker(workdir: Path, choice: str | None = None) -> Iterator:
+    """A broker of the session's kind (``choice`` names another) for the ``with`` block, on a directory of its own
+    under ``workdir``: ``start()``, ``stop()`` and ``kill()`` (SIGKILL, the directory kept) restart it on the same
+    port and log. An external Kafka is not ours to kill: the test is skipped there."""
+    choice = choice or selection()
+    if choice == "external":
+        pytest.skip("kills and restarts a broker of its own, not the external Kafka")
+    if choice == "kafka":
+        from worker.devbroker.apache_kafka import ApacheKafka
 
-    testcontainers' ``KafkaContainer`` drives Confluent's cp-kafka start scripts, which the ``apache/kafka``
-    image lacks, so the broker is a plain container configured through the image's ``KAFKA_*`` variables.
-    Clients on the host reach it on a fixed free port (its advertised address must be known before it
-    starts); the registry reaches it on the network alias ``kafka``."""
-    from testcontainers.core.container import DockerContainer
-    from testcontainers.core.docker_client import DockerClient
-    from testcontainers.core.network import Network
-    from testcontainers.core.wait_strategies import LogMessageWaitStrategy
+        broker = ApacheKafka(directory=str(workdir / "kafka"))
+    else:
+        from worker.devbroker.embedded_broker import EmbeddedBroker
+        from worker.devbroker.processes import free_port
 
-    from worker.devbroker.embedded_broker import free_port
-
-    host, port = DockerClient().host(), free_port()
-    with Network() as network:
-        kafka = (
-            DockerContainer(KAFKA_IMAGE)
-            .with_network(network).with_network_aliases("kafka")
-            .with_bind_ports(9092, port)
-            .with_envs(**kafka_environment(host, port))
-            .waiting_for(LogMessageWaitStrategy("Kafka Server started").with_startup_timeout(STARTUP_TIMEOUT_S))
-        )
-        registry = (
-            DockerContainer(REGISTRY_IMAGE)
-            .with_network(network).with_network_aliases("schema-registry")
-            .with_exposed_ports(8081)
-            .with_envs(SCHEMA_REGISTRY_HOST_NAME="schema-registry", SCHEMA_REGISTRY_LISTENERS="http://0.0.0.0:8081",
-                       SCHEMA_REGISTRY_KAFKASTORE_BOOTSTRAP_SERVERS="PLAINTEXT://kafka:19092")
-            .waiting_for(LogMessageWaitStrategy("Server started, listening for requests").with_startup_timeout(STARTUP_TIMEOUT_S))
-        )
-        with kafka, registry:
-            url = f"http://{registry.get_container_host_ip()}:{registry.get_exposed_port(8081)}"
-            yield TestBroker("kafka", f"{host}:{port}", url)
-
-
-def kafka_environment(host: str, port: int) -> dict[str, str]:
-    """The ``apache/kafka`` settings of a one-node KRaft cluster that runs transactions."""
-    return {
-        "KAFKA_NODE_ID": "1",
-        "KAFKA_PROCESS_ROLES": "broker,controller",
-        "KAFKA_CONTROLLER_QUORUM_VOTERS": "1@localhost:9093",
-        "KAFKA_CONTROLLER_LISTENER_NAMES": "CONTROLLER",
-        # PLAINTEXT for clients on the host, INTERNAL for the registry container.
-        "KAFKA_LISTENERS": "PLAINTEXT://:9092,INTERNAL://:19092,CONTROLLER://:9093",
-        "KAFKA_ADVERTISED_LISTENERS": f"PLAINTEXT://{host}:{port},INTERNAL://kafka:19092",
-        "KAFKA_LISTENER_SECURITY_PROTOCOL_MAP": "PLAINTEXT:PLAINTEXT,INTERNAL:PLAINTEXT,CONTROLLER:PLAINTEXT",
-        "KAFKA_INTER_BROKER_LISTENER_NAME": "INTERNAL",
-        # One node: the internal topics cannot be replicated, and transactions need their state log.
-        "KAFKA_OFFSETS_TOPIC_REPLICATION_FACTOR": "1",
-        "KAFKA_TRANSACTION_STATE_LOG_REPLICATION_FACTOR": "1",
-        "KAFKA_TRANSACTION_STATE_LOG_MIN_ISR": "1",
-        "KAFKA_GROUP_INITIAL_REBALANCE_DELAY_MS": "0",
-        # KIP-848's consumer protocol: the broker owns the session timeout (45 s by default, and no less). The tests
-        # move a killed worker's partitions after 6 s, as their --session-timeout-ms does on the classic protocol.
-        "KAFKA_GROUP_CONSUMER_MIN_SESSION_TIMEOUT_MS": "6000",
-        "KAFKA_GROUP_CONSUMER_SESSION_TIMEOUT_MS": "6000",
-        "KAFKA_GROUP_CONSUMER_MIN_HEARTBEAT_INTERVAL_MS": "1000",
-        "KAFKA_GROUP_CONSUMER_HEARTBEAT_INTERVAL_MS": "1000",
-        "KAFKA_AUTO_CREATE_TOPICS_ENABLE": "false",
-    }
+        broker = EmbeddedBroker(port=free_port(), data_dir=str(workdir / "embedded-data"),
+                                log=open(workdir / "embedded-broker.log", "a"))
+    broker.start()
+    try:
+        yield broker
+    finally:
+        broker.stop()

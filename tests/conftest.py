@@ -1,9 +1,9 @@
 """Session fixtures shared by every test package: the Kafka broker and the Schema Registry.
 
-``tests.brokers`` picks them: ``KAFKA_BOOTSTRAP`` (an external Kafka), ``DECIDER_TEST_BROKER=kafka`` (Apache
-Kafka and a Schema Registry in Docker, via testcontainers; no Docker engine fails the run at once with one
-line), else the embedded noida-db broker with the registry test double. Tests that need the broker isolate
-themselves with unique topic and group names, so they can share it.
+``tests.brokers`` picks them: ``KAFKA_BOOTSTRAP`` (an external Kafka), the pinned Apache Kafka 4.4 where Java and
+its jars are here (always under CI, where it not starting fails the run at once with one line), else the embedded
+noida-db broker, said in pytest's header; the registry test double unless ``SCHEMA_REGISTRY_URL`` names one. Tests
+that need the broker isolate themselves with unique topic and group names, so they can share it.
 """
 
 from __future__ import annotations
@@ -17,6 +17,18 @@ from tests import brokers
 
 def pytest_configure(config: pytest.Config) -> None:
     brokers.check_selection()
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    notice = brokers.fallback_notice()
+    if notice is not None:
+        return [notice]
+    if brokers.selection() == "kafka":
+        from worker.devbroker.apache_kafka import KAFKA_VERSION, kafka_home
+
+        return [f"broker: Apache Kafka {KAFKA_VERSION} (KRaft, one node; jars in {kafka_home()}); "
+                f"registry: {brokers.registry_choice('kafka')}"]
+    return [f"broker: {brokers.selection()}"]
 
 
 @pytest.fixture(scope="session")

@@ -245,6 +245,20 @@ class _LogLines:
         self.lines.append(message % args if args else message)
 
 
+EMBEDDED_BROKER_CLUSTER_ID = "MkU3OEVBNTctOEUyRi00"
+"""The cluster id noida-db 0.2.3 (the embedded development broker) reports, the same for every data directory:
+how a worker tells it from Kafka, whose KRaft cluster ids are random UUIDs (``StorageTool random-uuid``)."""
+
+
+def is_embedded_broker(cluster: Cluster | str, timeout_s: float = 5.0) -> bool:
+    """Whether the brokers at ``cluster`` are the embedded development broker (False when none answers)."""
+    admin = AdminClient({**base_config(cluster), "log_level": 0})
+    try:
+        return admin.list_topics(timeout=timeout_s).cluster_id == EMBEDDED_BROKER_CLUSTER_ID
+    except KafkaException:
+        return False
+
+
 def broker_api_keys(cluster: Cluster | str, timeout_s: float = 5.0) -> set[int] | None:
     """The API keys the bootstrap broker advertises, or None if they could not be read (no broker answered, or
     librdkafka's log lines changed their form).

@@ -17,7 +17,7 @@ from confluent_kafka.admin import AdminClient
 from tests.worker.conftest import REPO
 from worker.config import WorkerConfig
 from worker.config_file import REDACTED, load_config_file, redact, redact_text
-from worker.devbroker.embedded_broker import free_port
+from worker.devbroker.processes import free_port
 from worker.kafka_clients import (base_config, reader_consumer_config, replay_consumer_config, transactional_producer_config,
                                   worker_consumer_config)
 

@@ -231,23 +231,13 @@ def tail(
 @friendly_errors
 def broker(
     port: int = typer.Option(9092, "--port", envvar="DECIDER_BROKER_PORT", min=1, max=65535, help="Kafka port to listen on (127.0.0.1)."),
-    data_dir: Optional[str] = typer.Option(None, "--data-dir", envvar="DECIDER_BROKER_DATA_DIR", help="Where the broker keeps its data (default: a temporary directory, deleted on exit). Not crash-durable: a kill -9 of the broker can lose acknowledged records."),
+    data_dir: Optional[str] = typer.Option(None, "--data-dir", envvar="DECIDER_BROKER_DATA_DIR", help="Where the broker keeps its data (default: a temporary directory, deleted on exit). The embedded broker is not crash-durable (a kill -9 can lose acknowledged records); Apache Kafka is."),
+    kafka: bool = typer.Option(False, "--kafka", help="Run the pinned Apache Kafka 4.4 (KRaft, one node; needs Java 17+, and Maven the first time, to fetch its jars into ~/.cache/decider) instead of the embedded development broker (noida-db, no Java)."),
 ) -> None:
-    """Run the embedded development broker (noida-db's Kafka) in the foreground; Ctrl-C stops it."""
-    from worker.devbroker.embedded_broker import EmbeddedBroker
+    """Run a local Kafka broker in the foreground (the embedded development broker, or Apache Kafka with --kafka); Ctrl-C stops it."""
+    from worker.cli.local_broker import run_local_broker
 
-    from worker.cli.operated import stop_on_signals
-
-    stop = stop_on_signals()
-    with EmbeddedBroker(port=port, data_dir=data_dir) as embedded:
-        kept = "kept" if data_dir else "deleted on exit"
-        typer.echo(f"embedded Kafka broker (pid {embedded.process.pid}) listening on {embedded.bootstrap}; data in "
-                   f"{embedded.data_path} ({kept}; a development broker, not crash-durable); Ctrl-C stops it")
-        typer.echo(f"next: decider topics create -b {embedded.bootstrap}")
-        while not stop.wait(0.5):
-            if embedded.process.poll() is not None:
-                raise FatalError(f"the broker exited with code {embedded.process.returncode}")
-    typer.echo("broker stopped")
+    run_local_broker(kafka, port, data_dir)
 
 
 @app.command("demo")

@@ -20,7 +20,8 @@ from rich.table import Table
 
 from worker.cli import commands
 from worker.config import Topics, WorkerConfig
-from worker.devbroker.embedded_broker import EmbeddedBroker, free_port
+from worker.devbroker.embedded_broker import EmbeddedBroker
+from worker.devbroker.processes import free_port
 from worker.exceptions import FatalError
 from worker.kafka_clients import create_topics
 from worker.devbroker.reaper import Reaper

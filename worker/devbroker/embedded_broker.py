@@ -17,25 +17,21 @@ the same data dir it has lost records whose produce it had acknowledged; a clean
 
 from __future__ import annotations
 
-import ctypes
 import os
 import shutil
 import signal
-import socket
 import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
 from importlib.resources import files
 from pathlib import Path
-from typing import IO, Callable
+from typing import IO
 
 from worker.exceptions import ConfigError, FatalError
 from worker.ops.ports import in_use_message, port_open
+from worker.devbroker.processes import dies_with_this_thread, free_port  # noqa: F401 - the benches import free_port from here
 from worker.devbroker.reaper import Reaper
-
-_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 def broker_binary() -> Path:
@@ -49,30 +45,6 @@ def broker_binary() -> Path:
     if not os.access(path, os.X_OK):
         path.chmod(0o755)  # wheels do not always keep the executable bit
     return path
-
-
-def free_port() -> int:
-    """A TCP port that was free a moment ago on 127.0.0.1."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _dies_with_this_thread() -> Callable[[], None] | None:
-    """A ``preexec_fn`` asking the kernel to SIGTERM the child when the thread that started it ends (Linux's
-    ``PR_SET_PDEATHSIG`` follows the forking thread, not the process: start the broker from a thread that
-    lives as long as it should); None where there is no prctl."""
-    if not sys.platform.startswith("linux"):
-        return None
-    prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved before the fork: the child only calls it
-    parent = os.getpid()
-
-    def die_with_parent() -> None:
-        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-        if os.getppid() != parent:  # the parent died before the prctl: no signal will come
-            os._exit(1)
-
-    return die_with_parent
 
 
 @dataclass
@@ -118,7 +90,7 @@ class EmbeddedBroker:
         sink = self.log if self.log is not None else subprocess.DEVNULL
         # Its own session: a Ctrl-C in the terminal reaches us, and we decide when the broker stops.
         self.process = subprocess.Popen(command, stdout=sink, stderr=sink, stdin=subprocess.DEVNULL, start_new_session=True,
-                                        preexec_fn=_dies_with_this_thread())
+                                        preexec_fn=dies_with_this_thread())
         self._reaper = Reaper([self.process.pid], [self._own_dir] if self._own_dir else [])
         try:
             self._wait_listening(timeout_s)
@@ -136,6 +108,15 @@ class EmbeddedBroker:
             if time.monotonic() > deadline:
                 raise FatalError(f"the embedded broker did not listen on port {self.port} within {timeout_s:.0f} s")
             time.sleep(0.05)
+
+    def kill(self) -> None:
+        """SIGKILL the broker, as a crash would; a given ``data_dir`` stays for a ``start()`` (noida-db may have
+        lost acknowledged records in it: see the module's docstring)."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+        if self.data_dir is not None:
+            self.stop()
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Stop the broker process by PID (SIGTERM, then SIGKILL) and delete a temporary data dir."""

@@ -23,7 +23,7 @@ from worker.ops import liveness
 from worker.config import WorkerConfig
 from worker.exceptions import ConfigError, FatalError, FencedError
 from worker.kafka_clients import (CONSUMER_GROUP_HEARTBEAT_API, broker_api_keys, incremental_rebalancing,
-                                  worker_consumer_config)
+                                  is_embedded_broker, worker_consumer_config)
 from worker.stream.transactions import Transactions
 
 log = logging.getLogger(__name__)
@@ -35,14 +35,13 @@ DropUncommitted = Callable[[str, Collection[TopicPartition] | None], None]
 CLASSIC_ONLY_KAFKA_KEYS = ("partition.assignment.strategy", "heartbeat.interval.ms")
 """[kafka] settings that only the classic protocol has: given, they choose it when --group-protocol is left out."""
 
-REJOIN_NOT_BEFORE_S = 0.05
-"""After a cooperative revoke, the rebalance callback returns no sooner than this. Returning is what makes the worker
-rejoin the group, and the embedded development broker (noida-db 0.2.3) loses a joining member's pending JoinGroup when
-another member rejoins within ~10 ms of the round that admitted it: the group then waits for that member until the
-rebalance timeout (max.poll.interval.ms, 5 minutes). Measured there with two joins in a row: returning after 0-10 ms
-stalled the group in 4 of 5 runs, after 20 ms in none of 20, after 50 ms in none of 20. Kafka needs no pause; it costs
-50 ms once per rebalance that takes partitions from this worker (the partitions it keeps are on the device meanwhile,
-and the revoked ones wait for the group's second round anyway)."""
+EMBEDDED_BROKER_REJOIN_PAUSE_S = 0.05
+"""On the embedded development broker only (``worker.kafka_clients.is_embedded_broker``), after a cooperative revoke the
+rebalance callback returns no sooner than this. Returning is what makes the worker rejoin the group, and noida-db 0.2.3
+loses a joining member's pending JoinGroup when another member rejoins within ~10 ms of the round that admitted it: the
+group then waits for that member until the rebalance timeout (max.poll.interval.ms, 5 minutes). Measured there with two
+joins in a row: returning after 0-10 ms stalled the group in 4 of 5 runs, after 20 ms in none of 20, after 50 ms in none
+of 20. Apache Kafka needs no pause, and gets none (the group tests run there without it)."""
 
 
 def choose_group_protocol(config: WorkerConfig, api_keys: set[int] | None) -> tuple[str, str]:
@@ -111,6 +110,7 @@ class GroupAssignment:
         self._drop_uncommitted: DropUncommitted = lambda why, partitions: None
         self.protocol = "classic"
         self.incremental = False  # whether a rebalance revokes only the partitions that move (else: every one)
+        self.rejoin_pause_s = 0.0  # how long a cooperative revoke waits before it rejoins: the embedded broker's gap
         self._leaving = False
 
     def consumer(self) -> Consumer:
@@ -118,6 +118,11 @@ class GroupAssignment:
         self.protocol, why = choose_group_protocol(self._config, None if classic else broker_api_keys(self._config.cluster))
         settings = worker_consumer_config(self._config, self.protocol)
         self.incremental = incremental_rebalancing(settings)
+        if self.protocol == "classic" and self.incremental and is_embedded_broker(self._config.cluster):
+            self.rejoin_pause_s = EMBEDDED_BROKER_REJOIN_PAUSE_S
+            log.info("the broker is the embedded development broker (noida-db): a cooperative revoke waits %.0f ms "
+                     "before the worker rejoins (it loses a JoinGroup that follows another within ~10 ms)",
+                     self.rejoin_pause_s * 1000)
         self._emit("group_protocol", {"group": self._config.group, "protocol": self.protocol, "why": why,
                                       "rebalancing": "incremental" if self.incremental else "eager"})
         try:
@@ -177,8 +182,8 @@ class GroupAssignment:
         self._drop_uncommitted("partitions revoked", partitions if self.incremental else None)
         self._give_up(consumer, partitions)
         self._emit("revoked", self._where(partitions))
-        if self.incremental and self.protocol == "classic" and not self._leaving:
-            time.sleep(max(0.0, called + REJOIN_NOT_BEFORE_S - time.monotonic()))
+        if self.rejoin_pause_s and not self._leaving:
+            time.sleep(max(0.0, called + self.rejoin_pause_s - time.monotonic()))
 
     def _on_lost(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         # Lost (session expired): another worker may already own them; committing would be wrong, and a

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from tests.worker.conftest import REPO, SCHEMA_FILE
-from worker.devbroker.embedded_broker import free_port
+from worker.devbroker.processes import free_port
 
 
 def decider(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess:

@@ -1,5 +1,5 @@
-"""``decider broker``: the broker it starts dies with it, however it is stopped, and leaves no temporary data dir;
-a taken port is reported with what holds it."""
+"""``decider broker`` (the embedded broker) and ``decider broker --kafka`` (Apache Kafka): the broker it starts dies
+with it, however it is stopped, and leaves no temporary data dir; a taken port is reported with what holds it."""
 
 from __future__ import annotations
 
@@ -14,9 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from worker.devbroker.embedded_broker import free_port
+from tests import brokers
+from worker.devbroker.processes import free_port
 
 REPO = Path(__file__).resolve().parents[3]
+KINDS = [pytest.param([], id="embedded"),
+         pytest.param(["--kafka"], id="kafka", marks=pytest.mark.skipif(
+             brokers.kafka_problem() is not None and not os.environ.get("CI"), reason=str(brokers.kafka_problem())))]
 
 
 def _running(pid: int) -> bool:
@@ -27,12 +31,12 @@ def _running(pid: int) -> bool:
         return False
 
 
-def _start_broker_command(tmp_path: Path, own_group: bool) -> tuple[subprocess.Popen, int, Path]:
+def _start_broker_command(tmp_path: Path, own_group: bool, kind: list[str]) -> tuple[subprocess.Popen, int, Path]:
     """Run ``decider broker`` with its temporary dirs under ``tmp_path``; -> (command, broker pid, temp root)."""
     temp_root = tmp_path / "tmp"
     temp_root.mkdir()
     env = {**os.environ, "TMPDIR": str(temp_root)}
-    command = subprocess.Popen([sys.executable, "-m", "worker", "broker", "--port", str(free_port())], cwd=REPO, env=env,
+    command = subprocess.Popen([sys.executable, "-m", "worker", "broker", *kind, "--port", str(free_port())], cwd=REPO, env=env,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=own_group)
     banner = command.stdout.readline()
     match = re.search(r"\(pid (\d+)\) listening", banner)
@@ -51,19 +55,20 @@ def _wait_until(condition, timeout_s: float = 15.0) -> bool:
     return True
 
 
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("how", ["SIGTERM", "SIGINT", "SIGKILL", "SIGKILL to the process group"])
-def test_stopping_the_command_stops_the_broker_and_deletes_its_data(tmp_path, how):
+def test_stopping_the_command_stops_the_broker_and_deletes_its_data(tmp_path, how, kind):
     own_group = how.endswith("group")
-    command, broker_pid, temp_root = _start_broker_command(tmp_path, own_group)
+    command, broker_pid, temp_root = _start_broker_command(tmp_path, own_group, kind)
     try:
         if own_group:
             os.killpg(command.pid, signal.SIGKILL)
         else:
             command.send_signal(getattr(signal, how))
-        returncode = command.wait(20)
+        returncode = command.wait(40)
         assert returncode == (-signal.SIGKILL if how.startswith("SIGKILL") else 0), command.stderr.read()
-        assert _wait_until(lambda: not _running(broker_pid)), f"broker pid {broker_pid} outlived the command ({how})"
-        assert _wait_until(lambda: not any(temp_root.iterdir())), list(temp_root.iterdir())
+        assert _wait_until(lambda: not _running(broker_pid), 30), f"broker pid {broker_pid} outlived the command ({how})"
+        assert _wait_until(lambda: not any(temp_root.iterdir()), 30), list(temp_root.iterdir())
     finally:
         if _running(broker_pid):
             os.kill(broker_pid, signal.SIGKILL)
@@ -71,12 +76,13 @@ def test_stopping_the_command_stops_the_broker_and_deletes_its_data(tmp_path, ho
             command.kill()
 
 
-def test_a_taken_port_names_the_process_holding_it(tmp_path):
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_taken_port_names_the_process_holding_it(tmp_path, kind):
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", 0))
         holder.listen()
         port = holder.getsockname()[1]
-        result = subprocess.run([sys.executable, "-m", "worker", "broker", "--port", str(port)], cwd=REPO,
+        result = subprocess.run([sys.executable, "-m", "worker", "broker", *kind, "--port", str(port)], cwd=REPO,
                                 env={**os.environ, "TMPDIR": str(tmp_path)}, capture_output=True, text=True, timeout=60)
     assert result.returncode == 2, result
     lines = result.stderr.strip().splitlines()
@@ -84,9 +90,10 @@ def test_a_taken_port_names_the_process_holding_it(tmp_path):
     assert "--port" in lines[0] and not list(tmp_path.iterdir())
 
 
-def test_a_data_dir_that_cannot_be_one_is_one_line(tmp_path):
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_data_dir_that_cannot_be_one_is_one_line(tmp_path, kind):
     (tmp_path / "a-file").write_text("")
-    result = subprocess.run([sys.executable, "-m", "worker", "broker", "--port", str(free_port()), "--data-dir",
+    result = subprocess.run([sys.executable, "-m", "worker", "broker", *kind, "--port", str(free_port()), "--data-dir",
                              str(tmp_path / "a-file")], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
     assert result.stderr.strip() == f"error: --data-dir {tmp_path / 'a-file'}: cannot use it as a directory (File exists)"

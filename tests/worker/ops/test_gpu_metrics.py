@@ -11,7 +11,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.worker.conftest import QUESTIONS, state_texts
-from worker.devbroker.embedded_broker import free_port
+from worker.devbroker.processes import free_port
 
 
 @pytest.mark.gpu

@@ -8,7 +8,7 @@ import struct
 import time
 import urllib.request
 
-from worker.devbroker.embedded_broker import free_port
+from worker.devbroker.processes import free_port
 from worker.ops.health import Health, serve
 
 

@@ -12,7 +12,7 @@ import urllib.request
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.worker.conftest import QUESTIONS, state_texts
-from worker.devbroker.embedded_broker import free_port
+from worker.devbroker.processes import free_port
 
 
 def _get(port: int, path: str) -> tuple[int, str]:

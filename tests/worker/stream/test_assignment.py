@@ -56,24 +56,45 @@ def _timed_revoke(assignment, leaving: bool = False) -> float:
         consumer.close()
 
 
-@pytest.mark.parametrize("protocol, incremental, leaving, pauses", [
-    ("classic", True, False, True),     # cooperative: the worker rejoins when the callback returns
-    ("classic", True, True, False),     # leaving the group: no rejoin follows
-    ("classic", False, False, False),   # eager: the revoke comes before the join, not between two rounds
-    ("consumer", True, False, False),   # KIP-848 has no JoinGroup
+@pytest.mark.parametrize("pause_s, leaving, pauses", [
+    (0.05, False, True),    # the embedded broker, cooperative: the worker rejoins when the callback returns
+    (0.05, True, False),    # leaving the group: no rejoin follows
+    (0.0, False, False),    # Apache Kafka: no pause
 ])
-def test_only_a_cooperative_revoke_on_the_classic_protocol_waits_before_the_rejoin(protocol, incremental, leaving,
-                                                                                   pauses):
-    from worker.stream.assignment import REJOIN_NOT_BEFORE_S, GroupAssignment
+def test_a_revoke_waits_before_the_rejoin_only_where_a_pause_is_set(pause_s, leaving, pauses):
+    from worker.stream.assignment import GroupAssignment
 
     assignment = GroupAssignment(_config())
-    assignment.protocol, assignment.incremental = protocol, incremental
+    assignment.protocol, assignment.incremental, assignment.rejoin_pause_s = "classic", True, pause_s
     dropped = []
     assignment._drop_uncommitted = lambda why, partitions: dropped.append(partitions)
     took = _timed_revoke(assignment, leaving)
-    assert (took >= REJOIN_NOT_BEFORE_S) == pauses, took
-    # incremental: only the revoked partitions' work is dropped; eager: all of it (None)
+    assert (took >= 0.05) == pauses, took
+    assert [[tp.partition for tp in p] for p in dropped] == [[0]]  # incremental: only the revoked partitions' work
+
+
+@pytest.mark.parametrize("strategy, incremental", [("cooperative-sticky", True), ("range", False)])
+def test_an_eager_revoke_drops_all_uncommitted_work(strategy, incremental):
+    from worker.stream.assignment import GroupAssignment
+
+    assignment = GroupAssignment(_config())
+    assignment.protocol, assignment.incremental = "classic", incremental
+    dropped = []
+    assignment._drop_uncommitted = lambda why, partitions: dropped.append(partitions)
+    _timed_revoke(assignment)
     assert [None if p is None else [tp.partition for tp in p] for p in dropped] == [[0] if incremental else None]
+
+
+def test_only_the_embedded_broker_gets_the_rejoin_pause(kafka_bootstrap, test_broker):
+    """Asked of the session's real broker: noida-db is told by its cluster id, Apache Kafka gets no pause."""
+    from worker.stream.assignment import EMBEDDED_BROKER_REJOIN_PAUSE_S, GroupAssignment
+
+    assignment = GroupAssignment(WorkerConfig(bootstrap=kafka_bootstrap, model_dir="m", worker_id="w",
+                                              group_protocol="classic"))
+    assignment.consumer().close()
+    assert assignment.incremental
+    expected = EMBEDDED_BROKER_REJOIN_PAUSE_S if test_broker.kind == "embedded" else 0.0
+    assert assignment.rejoin_pause_s == expected
 
 
 # ---- partitions lost (a session that expired), through the worker's own wiring ------------------------------------

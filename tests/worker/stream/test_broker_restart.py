@@ -18,23 +18,22 @@ transaction's state, so it is never aborted. Real Kafka keeps transaction state 
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections import Counter
 
-import pytest
-
+from tests.brokers import own_broker
 from tests.worker.conftest import QUESTIONS, Stream, encode_state, feed_states, state_texts
 from worker.config import Topics
-from worker.devbroker.embedded_broker import EmbeddedBroker, free_port
 from worker.kafka_clients import create_topics
 
 
-@pytest.mark.skipif(bool(os.environ.get("KAFKA_BOOTSTRAP")), reason="restarts the embedded broker, not an external one")
 def test_broker_restart_between_transactions_keeps_exactly_once(tmp_path, model_dir):
-    broker = EmbeddedBroker(port=free_port(), data_dir=str(tmp_path / "broker-data"), log=open(tmp_path / "broker.log", "w"))
-    broker.start()
+    with own_broker(tmp_path) as broker:
+        _restart_keeps_exactly_once(broker, tmp_path, model_dir)
+
+
+def _restart_keeps_exactly_once(broker, tmp_path, model_dir) -> None:
     stream = Stream(broker.bootstrap, Topics("r.states", "r.schemas", "r.probabilities", "r.dead-letter"), "g-restart", tmp_path, 2)
     try:
         create_topics(broker.bootstrap, stream.topics, 2)
@@ -73,4 +72,3 @@ def test_broker_restart_between_transactions_keeps_exactly_once(tmp_path, model_
         for process in stream.workers:
             process.kill()
         stream._producer = None
-        broker.stop()

@@ -13,7 +13,7 @@ from tests.worker.conftest import state_texts
 from tests.worker.ops.test_metrics import _samples
 from tests.worker.stream.test_latency_budget_stream import _sample
 from tests.worker.stream.test_replay import _replay
-from worker.devbroker.embedded_broker import free_port
+from worker.devbroker.processes import free_port
 from worker.formats.records import engine_options, engine_questions, question_schema_record
 
 CALIBRATED = {

@@ -14,7 +14,7 @@ from confluent_kafka import OFFSET_BEGINNING, KafkaError, Producer, TopicPartiti
 import schemas
 from tests.worker.conftest import QUESTIONS, state_texts
 from tests.worker.ops.test_metrics import _samples
-from worker.devbroker.embedded_broker import free_port
+from worker.devbroker.processes import free_port
 from worker.kafka_clients import reader_consumer
 
 BUDGET_MS = 2000     # generous: this 2-core machine is shared, and a tiny batch on its CPU takes tens of ms

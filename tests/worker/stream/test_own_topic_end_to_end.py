@@ -4,7 +4,7 @@ output read by its own ``AvroDeserializer``; the probabilities equal ``SchemaEng
 renders; bad input is dead-lettered with its reason and path while the records around it are scored; exactly once
 through SIGKILL with mapping and registry on; a replay of a JSON topic by time range, resumed after SIGKILL.
 
-The registry is the session's (``schema_registry_url``: the test double here, a real one with testcontainers):
+The registry is the session's (``schema_registry_url``: the test double, or the one SCHEMA_REGISTRY_URL names):
 workers are subprocesses, so confluent-kafka's in-process ``mock://`` registry cannot be shared with them."""
 
 from __future__ import annotations

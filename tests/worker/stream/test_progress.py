@@ -18,7 +18,7 @@ from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
 
 from tests.worker.conftest import QUESTIONS, state_texts
 from worker.ops import liveness, metrics
-from worker.devbroker.embedded_broker import free_port
+from worker.devbroker.processes import free_port
 from worker.kafka_clients import create_topics, reader_consumer, reader_consumer_config
 from worker.config import Topics
 from worker.stream.progress import InputProgress, ProgressWatch, read_back

@@ -129,7 +129,7 @@ def test_watchdog_exits_with_code_5_when_a_call_overruns_and_stays_quiet_otherwi
 
 
 def test_no_coordinator_within_the_outage_bound_is_exit_5():
-    from worker.devbroker.embedded_broker import free_port
+    from worker.devbroker.processes import free_port
     from worker.ops.liveness import BrokerLiveness
 
     broker = BrokerLiveness()
