@@ -15,3 +15,7 @@ class DeviceUnavailableError(ModelLoadError):
 
 class InputError(ValueError):
     """Questions, states or temperatures that cannot be scored."""
+
+
+class KernelsUnavailableError(ModelLoadError):
+    """The kernels a scoring mode needs are not installed here (deterministic scoring on CUDA without fla)."""

@@ -47,11 +47,13 @@ def load_schema_engine(model_dir: str, device: str = "cpu", dtype: str | None = 
     """A ``SchemaEngine`` on the model in ``model_dir`` (loaded in this thread); ``ConfigError`` with the engine's
     reason when the directory or the device cannot serve."""
     check_model_dir(model_dir)  # before importing torch, which alone takes seconds
-    from engine import DeviceUnavailableError, Engine, ModelLoadError, SchemaEngine  # torch: once the flags are good
+    from engine import DeviceUnavailableError, Engine, KernelsUnavailableError, ModelLoadError, SchemaEngine  # torch: once the flags are good
     try:
         eng = Engine.load(model_dir, device=device, dtype=dtype, deterministic=deterministic)
     except DeviceUnavailableError as exc:
         raise ConfigError.device_unavailable(device, exc.reason) from None
+    except KernelsUnavailableError as exc:
+        raise ConfigError(str(exc)) from None
     except ModelLoadError as exc:
         raise ConfigError(f"--model: {exc}") from None
     return SchemaEngine(eng)

@@ -38,7 +38,7 @@ def load_scorer(config: WorkerConfig) -> tuple[Any, Scorer]:
         # clients and tokenizer threads that starved CPU scoring (~15 vs ~150 states/s on 2 cores). It only
         # takes effect if set before torch starts OpenMP, i.e. before the import below in a fresh process.
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    from engine import DeviceUnavailableError, Engine, SchemaEngine  # torch is imported only by processes that score
+    from engine import DeviceUnavailableError, Engine, KernelsUnavailableError, SchemaEngine  # torch: only where scored
 
     gpu = device_thread()
     try:
@@ -46,6 +46,8 @@ def load_scorer(config: WorkerConfig) -> tuple[Any, Scorer]:
                             deterministic=config.deterministic).result()
     except DeviceUnavailableError as exc:
         raise ConfigError.device_unavailable(config.device, exc.reason) from exc
+    except KernelsUnavailableError as exc:
+        raise ConfigError(str(exc)) from None
     except (ValueError, OSError) as exc:
         raise ConfigError(f"cannot load the model from {config.model_dir}: {exc}") from exc
     except RuntimeError as exc:  # e.g. CUDA requested on a machine without it
