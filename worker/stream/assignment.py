@@ -21,7 +21,7 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaExcepti
 
 from worker.ops import liveness
 from worker.config import WorkerConfig
-from worker.exceptions import ConfigError, FatalError, FencedError
+from worker.exceptions import BrokerOutageError, ConfigError, FatalError, FencedError
 from worker.kafka_clients import (CONSUMER_GROUP_HEARTBEAT_API, broker_api_keys, incremental_rebalancing,
                                   is_embedded_broker, worker_consumer_config)
 from worker.stream.transactions import Transactions
@@ -111,6 +111,7 @@ class GroupAssignment:
         self.protocol = "classic"
         self.incremental = False  # whether a rebalance revokes only the partitions that move (else: every one)
         self.rejoin_pause_s = 0.0  # how long a cooperative revoke waits before it rejoins: the embedded broker's gap
+        self.session_lost_at: float | None = None  # monotonic time this worker's partitions were last lost
         self._leaving = False
 
     def consumer(self) -> Consumer:
@@ -188,6 +189,7 @@ class GroupAssignment:
     def _on_lost(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         # Lost (session expired): another worker may already own them; committing would be wrong, and a
         # transaction with stale group metadata would be rejected anyway.
+        self.session_lost_at = time.monotonic()
         self._drop_uncommitted("partitions lost", None)
         self._give_up(consumer, partitions)
         self._emit("lost", self._where(partitions))
@@ -206,11 +208,27 @@ class GroupAssignment:
                 "partitions": [p.partition for p in partitions]}
 
 
-def check_consumer_error(error: KafkaError, config: WorkerConfig) -> None:
-    """Raise ``FencedError``/``FatalError`` for a consumer error the loop cannot go on from; log any other."""
+FENCED_AFTER_LOST_S = 60.0
+"""A static member's fencing this soon after its own partitions were lost is taken for its own stale membership."""
+
+
+def check_consumer_error(error: KafkaError, config: WorkerConfig, session_lost_at: float | None = None) -> None:
+    """Raise ``FencedError``/``FatalError`` for a consumer error the loop cannot go on from; log any other.
+    ``session_lost_at``: when this worker last lost its partitions (its group session expired), if it did."""
     # librdkafka reports a fatal consumer error as a _FATAL event whose text names the cause.
     fatal = error.fatal() or error.code() in (KafkaError._FATAL, KafkaError.FENCED_INSTANCE_ID)
-    if fatal and "fenc" in error.str().lower():
+    fenced = fatal and "fenc" in error.str().lower()
+    if fenced and session_lost_at is not None and time.monotonic() - session_lost_at < FENCED_AFTER_LOST_S:
+        # Seen on Apache Kafka when a broker outage or overload outlasted the session: librdkafka's classic protocol
+        # rejoins with a new member id under the same group.instance.id, a request of the old one is then refused
+        # with FENCED_INSTANCE_ID, and librdkafka makes that fatal (confluentinc/librdkafka#3437). Not another worker:
+        # a restart recovers, so exit as for an outage, not with "give each worker a unique id".
+        raise BrokerOutageError(f"consumer fenced right after its group session expired: the classic protocol's "
+                                f"static membership (--worker-id {config.worker_id}) rejoined as a new member and "
+                                f"librdkafka refuses to go on (confluentinc/librdkafka#3437); restart it with the same "
+                                f"--worker-id. The consumer protocol (--group-protocol consumer, Kafka 4.0+) has no "
+                                f"such fencing")
+    if fenced:
         raise FencedError(f"consumer fenced: another worker joined group {config.group} with --worker-id "
                           f"{config.worker_id} and took over; this instance stops. Give each worker a unique --worker-id.")
     if fatal:

@@ -50,7 +50,8 @@ class Intake:
         if not self.assignment.accepts(message):
             return
         if message.error() is not None:
-            return check_consumer_error(message.error(), self.config)
+            # Only the group's assignment has a session to lose (a replay's fixed range has none).
+            return check_consumer_error(message.error(), self.config, getattr(self.assignment, "session_lost_at", None))
         timestamp_ms = message.timestamp()[1]
         pending = Pending(SourceRecord(message.topic(), message.partition(), message.offset(), message.key(), message.value(),
                                        message.headers(), timestamp_ms))

@@ -178,3 +178,22 @@ def test_partitions_lost_are_no_longer_watched_for_stalls(lost_worker):
     worker, _ = lost_worker
     assert worker._watch.check(time.monotonic() + 600) == []
     assert liveness.PROGRESS.readiness_problem() is None
+
+
+@pytest.mark.parametrize("lost_s_ago, raised", [(None, "FencedError"), (5.0, "BrokerOutageError"), (600.0, "FencedError")])
+def test_a_static_members_fencing_right_after_its_session_expired_is_an_outage_not_a_twin(lost_s_ago, raised):
+    """librdkafka's classic protocol fences a static member that rejoined after its session expired (a broker outage
+    or overload longer than the session): a restart recovers, so exit 5; otherwise another worker has its id: exit 3."""
+    import time
+
+    from confluent_kafka import KafkaError
+
+    from worker.stream.assignment import check_consumer_error
+
+    error = KafkaError(KafkaError.FENCED_INSTANCE_ID, "Fatal consumer error: Broker: Static consumer fenced by other "
+                       "consumer with same group.instance.id", fatal=True)
+    lost_at = None if lost_s_ago is None else time.monotonic() - lost_s_ago
+    with pytest.raises(Exception) as caught:
+        check_consumer_error(error, _config(), lost_at)
+    assert type(caught.value).__name__ == raised
+    assert caught.value.exit_code == (5 if raised == "BrokerOutageError" else 3)
