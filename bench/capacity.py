@@ -32,7 +32,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.stream_phases import exactly_once, latency_window, running_stream, throughput_phase  # noqa: E402
-from worker.devbroker.embedded_broker import free_port  # noqa: E402
+from worker.devbroker.processes import free_port  # noqa: E402
 from worker.ops.ports import port_open  # noqa: E402
 
 DEFAULT_LOADS = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95)
@@ -138,14 +138,13 @@ def loads_from(grid: list[float], tighter_capacity: float | None) -> list[float]
 
 @contextlib.contextmanager
 def fresh_broker(args, logs: Path, name: str):
-    """A new embedded broker for one phase, and the workers' way to it -> (broker, proxy stats once it stopped).
+    """A new broker (``--broker``) for one phase, and the workers' way to it -> (broker, proxy stats once it stopped).
 
     One per phase because noida-db stalls every request for a while every few seconds, longer as it holds more
-    data (measured on the H200, run BW in bench/README.md: 27 ms early in a run, 73 ms after 80,000 records),
-    which real Kafka does not: a phase on a broker that already holds the phases before it would measure the
-    broker's growth, not the worker."""
-    from worker.devbroker.embedded_broker import EmbeddedBroker
-    with EmbeddedBroker(port=free_port(), log=open(logs / f"broker-{name}.log", "ab")) as broker, \
+    data (measured on the H200, run BW in bench/README.md: 27 ms early in a run, 73 ms after 80,000 records); on
+    Apache Kafka a fresh one too, so that the two brokers' phases start alike."""
+    from bench.bench_broker import bench_broker
+    with bench_broker(args.broker, logs, f"broker-{name}") as broker, \
             slower_broker(broker.port, args.broker_delay_ms, logs) as (worker_bootstrap, proxy_stats):
         args.worker_bootstrap = worker_bootstrap
         yield broker, proxy_stats

@@ -44,7 +44,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.thread_cpu import measure, summary  # noqa: E402
 from worker.config import Topics  # noqa: E402
-from worker.devbroker.embedded_broker import EmbeddedBroker, free_port  # noqa: E402
+from worker.devbroker.embedded_broker import EmbeddedBroker  # noqa: E402
+from worker.devbroker.processes import free_port  # noqa: E402
 from worker.kafka_clients import create_topics  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]

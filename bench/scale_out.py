@@ -289,20 +289,20 @@ def _read_outputs(bootstrap: str, topics: Topics, partitions: int, timeout_s: fl
 
 
 def bench_runs(args, env: dict, model_dir: Path, schema_file: Path, texts: list[str], root: Path) -> dict:
-    """``bench/stream_bench.py --scale-out``: one run per rebalancing named, on an embedded broker, a worker per GPU
+    """``bench/stream_bench.py --scale-out``: one run per rebalancing named, on ``--broker``'s broker, a worker per GPU
     (``args``: the bench's, for the device, GPUs, batch and the states' lengths); prints the table, writes the results."""
     import datetime
     import json
 
     from bench.rebalances import markdown
-    from worker.devbroker.embedded_broker import EmbeddedBroker, free_port
+    from bench.bench_broker import bench_broker
 
     wait_ms = args.max_wait_ms[0] if len(args.max_wait_ms) == 1 else 20  # the phases' default list: 20 ms
     flags = ["--max-batch", str(args.max_batch), "--max-wait-ms", str(wait_ms)]
     if args.device.startswith("cuda"):
         flags += ["--warmup-state-tokens", args.warmup_state_tokens]
     results = []
-    with EmbeddedBroker(port=free_port(), log=open(root / "logs" / "broker.log", "ab")) as broker:
+    with bench_broker(args.broker, root / "logs") as broker:
         for rebalancing in args.scale_out.split(","):
             workdir = root / "logs" / rebalancing
             workdir.mkdir(parents=True)
@@ -310,7 +310,8 @@ def bench_runs(args, env: dict, model_dir: Path, schema_file: Path, texts: list[
                              device=args.device, gpus=args.gpus, partitions=max(8, args.partitions or 0),
                              rate=args.scale_out_rate or (20.0 if args.quick else 1500.0),
                              dwell_s=2.0 if args.quick else 20.0,
-                             settle_timeout_s=args.start_timeout, worker_flags=flags, expire_killed_members=True)
+                             settle_timeout_s=args.start_timeout, worker_flags=flags,
+                             expire_killed_members=args.broker == "embedded")
             results.append(run_scale_out(setup))
             print(json.dumps(results[-1]), flush=True)
     result = {"env": env, "scale_out": results}

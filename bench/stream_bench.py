@@ -49,7 +49,7 @@ from bench import capacity  # noqa: E402
 from bench.replay_phase import replay_phase  # noqa: E402
 from bench.stream_phases import latency_phase, throughput_phase  # noqa: E402
 from bench.workload import QWEN35_08B, questions, states  # noqa: E402
-from worker.devbroker.embedded_broker import EmbeddedBroker, free_port  # noqa: E402
+from bench.bench_broker import add_broker_option, bench_broker  # noqa: E402
 
 
 # The engine benchmark's Qwen3.5-0.8B shape with the offline test tokenizer's vocabulary (the worker loads a tokenizer
@@ -126,6 +126,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--capacity-samples", type=int, default=2, help="measured windows per load")
     ap.add_argument("--broker-delay-ms", type=float, default=0.0,
                     help="with --capacity: the workers reach the broker through bench/latency_proxy.py, this much each way")
+    add_broker_option(ap)
     ap.add_argument("--start-timeout", type=float, default=300)
     ap.add_argument("--scale-out", default=None, metavar="REBALANCING",
                     help="instead of the phases above: bench/scale_out.py's run (workers 1 -> 3 -> 1 under load) once "
@@ -183,7 +184,7 @@ def main(argv=None) -> dict:
     args.warmup_state_tokens = ",".join(str(n) for n in sorted({min(lengths), max(lengths)}))
     env = dict(date=datetime.date.today().isoformat(), device=args.device,
                gpu=torch.cuda.get_device_name(0) if args.device.startswith("cuda") else "cpu",
-               workers=args.workers, gpus=args.gpus, partitions=args.partitions, max_batch=args.max_batch,
+               broker=args.broker, workers=args.workers, gpus=args.gpus, partitions=args.partitions, max_batch=args.max_batch,
                state_tokens=args.state_tokens, questions=args.questions, options=args.options,
                model="tiny (engine.testing)" if args.quick else "Qwen3.5-0.8B-shaped random weights, test tokenizer")
     print(json.dumps(env), flush=True)
@@ -201,7 +202,7 @@ def main(argv=None) -> dict:
     if args.capacity:
         return capacity_result(args, capacity.capacity_run(args, env, engine_rate, model_dir, schema_file, texts, logs))
     runs = []
-    with EmbeddedBroker(port=free_port(), log=open(logs / "broker.log", "ab")) as broker:
+    with bench_broker(args.broker, logs) as broker:
         tput = throughput_phase(args, broker.bootstrap, model_dir, schema_file, texts, logs)
         tput["fraction_of_engine"] = tput["states_per_s"] / engine_rate
         if tput["all_workers_states_per_s"] is not None:
@@ -234,7 +235,8 @@ def main(argv=None) -> dict:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         kill = "-kill" if args.kill_one else ""
-        path = out / f"{env['date']}-{env['gpu'].replace(' ', '-').lower()}-stream-{args.workers}w{kill}.json"
+        on = "" if args.broker == "kafka" else f"-{args.broker}"
+        path = out / f"{env['date']}-{env['gpu'].replace(' ', '-').lower()}-stream-{args.workers}w{kill}{on}.json"
         path.write_text(json.dumps(result, indent=1))
         shutil.copytree(logs, path.with_suffix(".logs"), dirs_exist_ok=True)   # the workers' and broker's own account
         print(f"wrote {path} and its logs")
@@ -248,7 +250,8 @@ def capacity_result(args, result: dict) -> dict:
         return result
     env, out = result["env"], Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{env['date']}-{env['gpu'].replace(' ', '-').lower()}-capacity-delay{args.broker_delay_ms:g}ms.json"
+    on = "" if args.broker == "kafka" else f"-{args.broker}"
+    path = out / f"{env['date']}-{env['gpu'].replace(' ', '-').lower()}-capacity-delay{args.broker_delay_ms:g}ms{on}.json"
     path.write_text(json.dumps(result, indent=1))
     shutil.copytree(result["logs"], path.with_suffix(".logs"), dirs_exist_ok=True)
     try:

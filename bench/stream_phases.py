@@ -28,7 +28,7 @@ from bench.stream_windows import (all_workers_window, budget_plan_errors, cycle_
                                   held_partitions, read_log_events)
 from worker.cli.commands import put_schema
 from worker.config import Topics
-from worker.devbroker.embedded_broker import free_port
+from worker.devbroker.processes import free_port
 from worker.kafka_clients import create_topics, plain_producer, reader_consumer
 
 

@@ -163,3 +163,8 @@ def own_broker(workdir: Path, choice: str | None = None) -> Iterator:
         yield broker
     finally:
         broker.stop()
+
+
+def bench_broker_args() -> list[str]:
+    """The ``--broker`` flag a benchmark run in a test takes: the session's kind (an external Kafka: the pinned one)."""
+    return ["--broker", "embedded" if selection() == "embedded" else "kafka"]

@@ -2,6 +2,7 @@
 import pytest
 
 from bench.engine_bench import main
+from tests.brokers import bench_broker_args
 
 FIELDS = {"method", "batch", "state_tokens", "states_per_s", "tokens_per_s", "gemm_fraction", "p50_ms", "p99_ms"}
 
@@ -31,7 +32,7 @@ def test_stream_bench_quick_runs_end_to_end_exactly_once():
     """Embedded broker + a real worker process + load generator, on the CPU; every phase verifies exactly-once."""
     from bench.stream_bench import main as stream_main
 
-    result = stream_main(["--quick", "--states", "60", "--latency-seconds", "2", "--latency-budget-ms", "3000", "--replay",
+    result = stream_main([*bench_broker_args(), "--quick", "--states", "60", "--latency-seconds", "2", "--latency-budget-ms", "3000", "--replay",
                           "--gil-profile"])
     phases = [r["phase"] for r in result["runs"]]
     assert phases == ["throughput", "latency", "latency", "replay"]

@@ -3,6 +3,7 @@ through the latency proxy, exactly once."""
 import json
 
 from bench.capacity import capacity_of, holds, loads_from, plot
+from tests.brokers import bench_broker_args
 
 GRID = [0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95]
 
@@ -35,7 +36,7 @@ def test_a_looser_budget_starts_one_step_below_the_tighter_ones_capacity():
 def test_quick_capacity_run_through_a_slower_broker_is_exactly_once(tmp_path):
     from bench.stream_bench import main as stream_main
 
-    result = stream_main(["--capacity", "--quick", "--states", "60", "--latency-seconds", "2", "--broker-delay-ms", "2",
+    result = stream_main([*bench_broker_args(), "--capacity", "--quick", "--states", "60", "--latency-seconds", "2", "--broker-delay-ms", "2",
                           "--latency-budget-ms", "5000", "--capacity-loads", "0.2,0.4"])
     assert result["broker_delay_ms"] == 2.0 and result["full_load_states_per_s"] > 0
     # the proxy was in the workers' way, and says what it added

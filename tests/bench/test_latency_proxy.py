@@ -9,16 +9,17 @@ from confluent_kafka import Consumer, Producer
 from confluent_kafka.admin import AdminClient, NewTopic
 
 from bench.latency_proxy import DelayStats, Frames, serve
-from worker.devbroker.embedded_broker import EmbeddedBroker, free_port
+from tests.brokers import own_broker
+from worker.devbroker.processes import free_port
 
 DELAY_MS = 40.0
 
 
 @pytest.fixture(scope="module")
-def proxied():
-    """(broker bootstrap, proxy bootstrap, the proxy's stats): an embedded broker of its own, so that the address
-    rewrite is tested against a broker on 127.0.0.1 whatever broker the rest of the suite uses."""
-    with EmbeddedBroker(port=free_port()) as broker:
+def proxied(tmp_path_factory):
+    """(broker bootstrap, proxy bootstrap, the proxy's stats): a broker of its own, of the session's kind, so that the
+    address rewrite is tested against a broker on 127.0.0.1 whatever address the session's has."""
+    with own_broker(tmp_path_factory.mktemp("proxied")) as broker:
         listen = ("127.0.0.3", free_port())
         stats, ready = DelayStats(), threading.Event()
         threading.Thread(target=serve, args=(listen, ("127.0.0.1", broker.port), DELAY_MS, stats, ready),

@@ -30,7 +30,7 @@ from typing import IO
 
 from worker.exceptions import ConfigError, FatalError
 from worker.ops.ports import in_use_message, port_open
-from worker.devbroker.processes import dies_with_this_thread, free_port  # noqa: F401 - the benches import free_port from here
+from worker.devbroker.processes import dies_with_this_thread
 from worker.devbroker.reaper import Reaper
 
 

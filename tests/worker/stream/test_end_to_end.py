@@ -10,7 +10,7 @@ import urllib.request
 import pytest
 
 from tests.worker.conftest import QUESTIONS, REPO, expected_probabilities, state_texts
-from worker.devbroker.embedded_broker import free_port
+from worker.devbroker.processes import free_port
 
 
 def test_states_scored_once_each_with_engine_probabilities(stream, model_dir, schema_engine):

@@ -1,0 +1,46 @@
+"""The broker a benchmark runs on: the pinned Apache Kafka 4.4 (``--broker kafka``, the default) or the embedded
+development broker (``--broker embedded``, noida-db: for side-by-side figures, and machines without Java).
+
+One place, so that every bench starts it alike and its results say which it was (``broker`` in their JSON)."""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+from pathlib import Path
+from typing import Iterator
+
+BROKERS = ("kafka", "embedded")
+
+
+def add_broker_option(parser) -> None:
+    """``--broker kafka|embedded`` on an argparse parser."""
+    parser.add_argument("--broker", choices=BROKERS, default="kafka",
+                        help="the pinned Apache Kafka 4.4 (default; needs Java 17+ and its jars: bash dev/setup.sh) or "
+                             "the embedded development broker (noida-db)")
+
+
+@contextlib.contextmanager
+def bench_broker(kind: str, logs: Path, name: str = "broker") -> Iterator:
+    """A fresh broker of ``kind`` for the ``with`` block (``.bootstrap``, ``.port``), its log under ``logs``; stopped
+    after it. A Kafka that cannot start here is one line that names ``--broker embedded``."""
+    if kind == "kafka":
+        from worker.devbroker.apache_kafka import ApacheKafka, kafka_problem
+
+        problem = kafka_problem()
+        if problem is not None:
+            raise SystemExit(f"--broker kafka: {problem}; or run on the embedded broker with --broker embedded")
+        # Its log directory beside the logs, not in them (the logs are kept with the results), its own log copied in.
+        broker = ApacheKafka(directory=str(logs.parent / f"{name}-kafka"))
+        try:
+            with broker:
+                yield broker
+        finally:
+            if broker.log_path.is_file():
+                shutil.copy(broker.log_path, logs / f"{name}-kafka.log")
+        return
+    from worker.devbroker.embedded_broker import EmbeddedBroker
+    from worker.devbroker.processes import free_port
+
+    with EmbeddedBroker(port=free_port(), log=open(logs / f"{name}.log", "ab")) as broker:
+        yield broker
