@@ -56,7 +56,10 @@ def load_schema_engine(model_dir: str, device: str = "cpu", dtype: str | None = 
         raise ConfigError(str(exc)) from None
     except ModelLoadError as exc:
         raise ConfigError(f"--model: {exc}") from None
-    return SchemaEngine(eng)
+    try:
+        return SchemaEngine(eng)  # builds the forward, and with it the kernel table
+    except KernelsUnavailableError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def _scores(se, h, model_id: str, schema: dict, states: list[dict], batch_size: int) -> Iterator[dict]:

@@ -54,7 +54,10 @@ def load_scorer(config: WorkerConfig) -> tuple[Any, Scorer]:
         raise ConfigError(f"cannot load the model on {config.device}: {exc}") from exc
     except Exception as exc:  # a damaged checkpoint can fail anywhere in the loaders: still the user's input
         raise ConfigError(f"cannot load the model from {config.model_dir}: {type(exc).__name__}: {exc}") from exc
-    schema_engine = gpu.submit(SchemaEngine, engine).result()
+    try:
+        schema_engine = gpu.submit(SchemaEngine, engine).result()  # builds the forward, and with it the kernel table
+    except KernelsUnavailableError as exc:
+        raise ConfigError(str(exc)) from None
     return engine, Scorer(schema_engine, config.schema_memory_bytes, config.tokenizer_threads, gpu_thread=gpu,
                           warmup_state_tokens=config.warmup_state_tokens, max_batch=config.max_batch)
 
