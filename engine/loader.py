@@ -26,7 +26,7 @@ class Engine:
     """A loaded model on one device: the transformers module, its tokenizer, and the option-label read-out.
 
     Attributes: `model` (Qwen3_5ForCausalLM), `core` (its decoder), `cfg` (text config), `tok`, `dev`, `dtype`,
-    `W` ([MAX_OPTIONS, hidden]: the unembedding rows of the labels " A".." H"), `vocab` (the whole unembedding in chunks,
+    `W` ([MAX_OPTIONS, hidden]: the unembedding rows of the labels " A".." Z"), `vocab` (the whole unembedding in chunks,
     for the label mass: `engine.label_mass.FullVocabulary`), `label_ids`, `use_graphs`, `model_id`,
     `deterministic` (batch-invariant kernels: a state's probabilities do not depend on its batch).
     CUDA-graph memory pools belong to each SchemaEngine's graph manager (`engine.graphs.GraphManager`).

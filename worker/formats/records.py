@@ -17,7 +17,8 @@ from typing import Any, Callable
 
 import schemas
 
-MAX_OPTIONS = 8  # engine.MAX_OPTIONS; repeated here so the CLI can validate files without importing torch
+MAX_OPTIONS = 26  # engine.MAX_OPTIONS (labels A..Z); repeated here so the CLI can validate files without importing torch
+MAX_QUESTIONS = 64  # engine.prompt.MAX_QUESTIONS, likewise
 CALIBRATIONS = ("none", "contextual")  # engine.calibration.CALIBRATIONS, and the Calibration enum of the schema record
 
 SchemaKey = tuple[str, int]
@@ -138,6 +139,8 @@ def schema_problem(document: Any) -> str | None:
     questions = document.get("questions")
     if not isinstance(questions, list) or not questions:
         return "'questions' must be a non-empty list"
+    if len(questions) > MAX_QUESTIONS:
+        return f"has {len(questions)} questions; at most {MAX_QUESTIONS} are allowed (split them into several schemas)"
     seen: set[str] = set()
     for index, question in enumerate(questions):
         where = f"question {index}"
