@@ -263,10 +263,12 @@ def probability_record(
     truncated: bool = False,
     label_mass: list[float] | None = None,
     raw_probabilities: list[list[float] | None] | None = None,
+    fingerprint: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """The Avro ProbabilityRecord for one scored state; ``probabilities`` is per question, per option (calibrated where
-    the schema says), ``label_mass`` per question (None: not computed) and ``raw_probabilities`` per question (None,
-    or None for a question: calibration changed nothing)."""
+    the schema says), ``label_mass`` per question (None: not computed), ``raw_probabilities`` per question (None,
+    or None for a question: calibration changed nothing) and ``fingerprint`` the scoring fingerprint of the schema
+    version on this engine (``engine.fingerprint``: records with equal digests are comparable bit for bit)."""
     masses = label_mass or [None] * len(probabilities)
     raws = raw_probabilities or [None] * len(probabilities)
     return {
@@ -288,6 +290,7 @@ def probability_record(
         "truncated": truncated,
         "worker_id": worker_id,
         "metadata": state.get("metadata"),
+        "fingerprint": fingerprint,
     }
 
 
