@@ -81,7 +81,7 @@ def differing_parts(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
 # ---- the parts ----------------------------------------------------------------------------------------------------
 def model_part(model_dir: str | Path) -> str:
     """The `model` part of a model directory: its config, tokenizer files and weights, each by its sha256. Reads the
-    weights once (a 1.7 GB checkpoint takes a few seconds at 650 MB/s); a file in the Hugging Face cache (a symlink
+    weights once (about a second a GB from the page cache on the development machine); a file in the Hugging Face cache (a symlink
     to blobs/<sha256>) is named by that hash instead, for free."""
     model_dir = Path(model_dir)
     started = time.perf_counter()
