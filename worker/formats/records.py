@@ -140,7 +140,7 @@ def schema_problem(document: Any) -> str | None:
     if not isinstance(questions, list) or not questions:
         return "'questions' must be a non-empty list"
     if len(questions) > MAX_QUESTIONS:
-        return f"has {len(questions)} questions; at most {MAX_QUESTIONS} are allowed (split them into several schemas)"
+        return f"the schema has {len(questions)} questions; at most {MAX_QUESTIONS} are allowed (split them into several schemas)"
     seen: set[str] = set()
     for index, question in enumerate(questions):
         where = f"question {index}"
