@@ -1,6 +1,6 @@
 """Label mass: how much of the model's next-token distribution at an answer slot falls on the option labels.
 
-The read-out (`engine.readout`) projects the answer slots onto the label rows " A".." H" alone and renormalises over a
+The read-out (`engine.readout`) projects the answer slots onto the label rows " A".." Z" alone and renormalises over a
 question's options, so it cannot tell a confident answer from a slot where the model would rather write something
 else. The label mass is the share of the full-vocabulary softmax (temperature 1) on the question's labels, before
 renormalising: near 1 the model answers in format, low it does not.

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from engine.errors import DeviceUnavailableError, ModelLoadError
+from engine.fingerprint import decider_part, kernels_part, model_part, model_part_of_tensors
 from engine.label_mass import FullVocabulary
 from engine.prompt import label_token_ids
 
@@ -26,13 +27,16 @@ class Engine:
     """A loaded model on one device: the transformers module, its tokenizer, and the option-label read-out.
 
     Attributes: `model` (Qwen3_5ForCausalLM), `core` (its decoder), `cfg` (text config), `tok`, `dev`, `dtype`,
-    `W` ([MAX_OPTIONS, hidden]: the unembedding rows of the labels " A".." H"), `vocab` (the whole unembedding in chunks,
+    `W` ([MAX_OPTIONS, hidden]: the unembedding rows of the labels " A".." Z"), `vocab` (the whole unembedding in chunks,
     for the label mass: `engine.label_mass.FullVocabulary`), `label_ids`, `use_graphs`, `model_id`,
-    `deterministic` (batch-invariant kernels: a state's probabilities do not depend on its batch).
+    `deterministic` (batch-invariant kernels: a state's probabilities do not depend on its batch), `model_digest`
+    (the scoring fingerprint's `model` part, `engine.fingerprint`: hashed from the directory at `load`, else from the
+    weights in memory when first asked).
     CUDA-graph memory pools belong to each SchemaEngine's graph manager (`engine.graphs.GraphManager`).
     """
 
-    def __init__(self, model, tok, model_id: str, use_graphs: bool | None = None, deterministic: bool = False):
+    def __init__(self, model, tok, model_id: str, use_graphs: bool | None = None, deterministic: bool = False,
+                 model_digest: str | None = None):
         self.model = model.eval()
         self.core = model.model
         self.cfg = model.config
@@ -46,6 +50,22 @@ class Engine:
         self.use_graphs = (self.dev.type == "cuda") if use_graphs is None else (use_graphs and self.dev.type == "cuda")
         self.deterministic = bool(deterministic)
         self._forward = None
+        self._model_digest = model_digest
+        self._fingerprint_parts: tuple[str, str, str] | None = None
+
+    @property
+    def model_digest(self) -> str:
+        """The fingerprint's `model` part (`engine.fingerprint.model_part`)."""
+        if self._model_digest is None:
+            self._model_digest = model_part_of_tensors(self.model.state_dict(), self.cfg.to_dict())
+        return self._model_digest
+
+    def fingerprint_parts(self) -> tuple[str, str, str]:
+        """The scoring fingerprint's parts this engine decides, computed once: (model, decider, kernels)."""
+        if self._fingerprint_parts is None:
+            self._fingerprint_parts = (self.model_digest, decider_part(),
+                                       kernels_part(self.forward.kernels, self.dev, self.dtype))
+        return self._fingerprint_parts
 
     @property
     def forward(self):
@@ -81,7 +101,8 @@ class Engine:
         log.info("loaded %s on %s (%s): %d layers", model_dir, dev, torch_dtype, text_cfg.num_hidden_layers)
         if deterministic is None:
             deterministic = DETERMINISTIC_BY_DEFAULT[dev.type]
-        return cls(model, tok, model_id=model_dir.name, use_graphs=use_graphs, deterministic=deterministic)
+        return cls(model, tok, model_id=model_dir.name, use_graphs=use_graphs, deterministic=deterministic,
+                   model_digest=model_part(model_dir))     # once, while the weights' files are in the page cache
 
 
 def read_text_config(model_dir: Path):

@@ -25,8 +25,13 @@ from typing import Any, Sequence
 
 from engine.errors import InputError
 
-MAX_OPTIONS = 8
-"""Options per question at most: the read-out has one unembedding row per label A..H."""
+MAX_OPTIONS = 26
+"""Options per question at most: one per label A..Z (each " A" .. " Z" is a single token in the Qwen3.5 vocabulary,
+checked at load by `label_token_ids`); the read-out has one unembedding row per label, so every answer's row is
+MAX_OPTIONS wide and the options a question lacks are masked to exactly 0."""
+MAX_QUESTIONS = 64
+"""Questions per schema at most, in packed and independent mode alike: a packed row then holds up to 64 answer slots
+(`engine.graphs` keys its graphs by the power of 2 at or above a row's answers), an independent request 64 rows."""
 
 CHAT_SPECIAL_TOKENS = ["<|im_start|>", "<|im_end|>"]
 INSTRUCTIONS = ("You will read a situation and answer multiple-choice questions about it. "
@@ -41,12 +46,17 @@ MAX_QUESTION_CHARS = 2000
 """Characters of one question's text at most."""
 MAX_OPTION_CHARS = 500
 """Characters of one option at most."""
-MAX_PREFIX_TOKENS = 8192
-"""Tokens of one prefix (packed: all questions; independent: each question's own) at most."""
+MAX_PREFIX_TOKENS = 16384
+"""Tokens of one prefix (packed: all questions; independent: each question's own) at most. The widest schema (64
+questions of 26 options) must fit: with one-token options ("1".."26") its packed prefix is 10,501 Qwen3.5 tokens
+(each option line "A. 1" is 5 tokens: Qwen splits " 1" into a space and a digit). The prefix bank's K/V slots are as
+long as its longest prefix (`engine.prefix_bank`), so a long schema costs every slot its length."""
 
 
 def option_label(i: int) -> str:
-    """The letter that names option i (0 -> "A")."""
+    """The letter that names option i (0 -> "A", 25 -> "Z")."""
+    if not 0 <= i < 26:
+        raise ValueError(f"option {i}: labels run from A (0) to Z (25)")
     return chr(ord("A") + i)
 
 
@@ -80,6 +90,9 @@ def parse_questions(questions: Any) -> list[Question]:
         raise InputError("questions: expected a list of {'question': str, 'options': [str, ...]} objects")
     if not questions:
         raise InputError("questions: the schema has no questions")
+    if len(questions) > MAX_QUESTIONS:
+        raise InputError(f"questions: the schema has {len(questions)} questions; at most {MAX_QUESTIONS} are allowed "
+                         "(split them into several schemas)")
     return [_parse_question(i, q) for i, q in enumerate(questions)]
 
 
@@ -185,7 +198,8 @@ def schema_suffix_ids(tok, context: str, n_slots: int, max_ctx_tokens: int = DEF
 
 
 def label_token_ids(tok) -> list[int]:
-    """The token id of " A" .. " H" (the labels as they follow "Answer i:"); ValueError if one is not a single token."""
+    """The token ids of " A" .. " Z" (the labels as they follow "Answer i:"); InputError if one is not a single token
+    or two labels share one."""
     ids = []
     for i in range(MAX_OPTIONS):
         piece = _encode(tok, " " + option_label(i))
@@ -193,6 +207,9 @@ def label_token_ids(tok) -> list[int]:
             raise InputError(f"tokenizer: option label {' ' + option_label(i)!r} is {len(piece)} tokens, not 1; "
                              "this tokenizer is not of a supported family")
         ids.append(piece[0])
+    if len(set(ids)) != len(ids):
+        raise InputError(f"tokenizer: the option labels A..{option_label(MAX_OPTIONS - 1)} map to {len(set(ids))} "
+                         f"distinct tokens, not {MAX_OPTIONS}; this tokenizer is not of a supported family")
     return ids
 
 

@@ -32,6 +32,7 @@ import torch
 from engine.calibration import CONTENT_FREE_STATES, check_calibration, contextual_bias, option_biases
 from engine.errors import InputError
 from engine.buckets import batch_buckets
+from engine.fingerprint import Fingerprint, calibration_part, prompt_part
 from engine.graphs import GraphManager, StepShape
 from engine.label_mass import label_mass
 from engine.model import SuffixContext
@@ -69,6 +70,7 @@ class PreparedSchema:
     biases: np.ndarray | None = None   # [n_questions, MAX_OPTIONS] float32 option biases applied; None: none
     calibrated: tuple[bool, ...] = ()  # per question, whether a bias changes it (its raw probabilities are reported)
     label_mass: bool = False           # whether its scores carry the label mass
+    fingerprint: Fingerprint | None = None   # its scoring fingerprint, once `SchemaEngine.fingerprint` made it
 
     @property
     def P(self) -> int:
@@ -148,6 +150,18 @@ class SchemaEngine:
         h.calibrated = tuple(h.biases is not None and bool(np.any(h.biases[q, :n] != 0))
                              for q, n in enumerate(h.n_options))
         return h
+
+    def fingerprint(self, h: PreparedSchema) -> Fingerprint:
+        """The scoring fingerprint of `h`'s scores on this engine (`engine.fingerprint`): scores of a state with equal
+        fingerprints are bit-identical with a deterministic table. Made once (the engine's parts once per engine; the
+        model was hashed at load) and kept as `h.fingerprint`. It assumes the questions' own temperatures, as the
+        worker scores (a `temperature=` given to `score` is not in it)."""
+        if h.fingerprint is None:
+            model, decider, kernels = self.e.fingerprint_parts()
+            h.fingerprint = Fingerprint(model, decider, kernels,
+                                        prompt_part(h.questions, h.independent, self.chat, self.max_ctx_tokens),
+                                        calibration_part(h.questions, h.calibration))
+        return h.fingerprint
 
     def _content_free_scores(self, h: PreparedSchema) -> list[list[list[float]]]:
         """Per content-free state, per question, its probabilities at temperature 1 (`h` has no bias yet: raw)."""

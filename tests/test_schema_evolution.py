@@ -58,9 +58,11 @@ SAMPLES = {
 
 def _calibration_defaults(name: str, record: dict) -> dict:
     """``record`` (written by 0.1.0) as a reader with today's schema reads it: the calibration fields of issue 34
-    (label mass, raw probabilities, option biases, the schema's calibration and label-mass switch) at their defaults."""
+    (label mass, raw probabilities, option biases, the schema's calibration and label-mass switch) and the scoring
+    fingerprint of issue 47 at their defaults."""
     if name == "probability_record":
-        return {**record, "questions": [{**q, "label_mass": None, "raw_probabilities": None} for q in record["questions"]]}
+        return {**record, "fingerprint": None,
+                "questions": [{**q, "label_mass": None, "raw_probabilities": None} for q in record["questions"]]}
     if name == "question_schema":
         return {**record, "calibration": "none", "label_mass": None,
                 "questions": [{**q, "option_bias": None} for q in record["questions"]]}
@@ -91,10 +93,28 @@ def test_calibrated_records_round_trip_with_the_committed_schemas():
     schema = {**SAMPLES["question_schema"], "calibration": "contextual", "label_mass": True,
               "questions": [{**SAMPLES["question_schema"]["questions"][0], "option_bias": [0.5, -0.5]}]}
     assert schemas.decode_question_schema(schemas.encode_question_schema(schema)) == schema
-    record = {**SAMPLES["probability_record"],
+    record = {**SAMPLES["probability_record"], "fingerprint": None,
               "questions": [{**SAMPLES["probability_record"]["questions"][0], "label_mass": 0.93,
                              "raw_probabilities": [0.7, 0.3]}]}
     assert schemas.decode_probability(schemas.encode_probability(record)) == record
+
+
+FINGERPRINT = {"digest": "76cbb0c84ea6fa6f", "model": "f57a0d98b94eb3e9", "decider": "0.1.0 #acdeb2f590716bb4",
+               "kernels": "cpu float32 torch deterministic #311dba5d5d696666", "prompt": "4e9143e6597bb456",
+               "calibration": "none #661e0e7c74423ec7"}
+
+
+def test_fingerprinted_records_round_trip_and_an_old_reader_skips_the_fingerprint():
+    """Issue 47's fingerprint carries its value; a reader holding the released schema reads today's records without
+    it (FORWARD too, for consumers that upgrade after the workers)."""
+    record = {**SAMPLES["probability_record"], "fingerprint": FINGERPRINT}
+    assert schemas.decode_probability(schemas.encode_probability(record)) == _calibration_defaults(
+        "probability_record", SAMPLES["probability_record"]) | {"fingerprint": FINGERPRINT}
+    buffer = io.BytesIO(schemas.encode_probability(record))
+    old = fastavro.schemaless_reader(buffer, schemas.PROBABILITY_RECORD,
+                                     fastavro.parse_schema(released("0.1.0", "probability_record")))
+    assert "fingerprint" not in old and schemas.plain_times(old) == SAMPLES["probability_record"]
+    assert backward_problems(released("0.1.0", "probability_record"), committed("probability_record")) == []
 
 
 def _field(document: dict, name: str) -> dict:
@@ -139,6 +159,11 @@ def drop_the_calibration_default(doc: dict) -> None:
     _field(doc, "calibration").pop("default")
 
 
+def require_the_fingerprint(doc: dict) -> None:
+    _field(doc, "fingerprint").update(type=_field(doc, "fingerprint")["type"][1])
+    _field(doc, "fingerprint").pop("default")
+
+
 def require_the_label_mass(doc: dict) -> None:
     question = _field(doc, "questions")["type"]["items"]
     _field(question, "label_mass").update(type="double")
@@ -156,6 +181,7 @@ def require_the_label_mass(doc: dict) -> None:
     ("question_schema", require_an_option_bias),
     ("question_schema", drop_the_calibration_default),
     ("probability_record", require_the_label_mass),
+    ("probability_record", require_the_fingerprint),
 ])
 def test_incompatible_variants_are_caught(name, breaking_change):
     variant = copy.deepcopy(committed(name))

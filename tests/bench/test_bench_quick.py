@@ -28,6 +28,15 @@ def test_quick_many_schemas_run_times_mixed_and_per_schema_batches(capsys):
     assert "| mixed | 3 |" in capsys.readouterr().out
 
 
+def test_wide_schemas_bench_times_the_shapes_side_by_side(capsys):
+    from bench.wide_schemas import main as wide_main
+
+    runs = wide_main(["--shapes", "10x4,3x26", "--batches", "1,2", "--tables", "deterministic", "--iters", "1"])
+    assert [(r["shape"], r["batch"]) for r in runs] == [("10x4", 1), ("3x26", 1), ("10x4", 2), ("3x26", 2)]
+    assert all(r["ms"] > 0 and r["states_per_s"] > 0 for r in runs)
+    assert "3x26   batch   2:" in capsys.readouterr().out
+
+
 def test_stream_bench_quick_runs_end_to_end_exactly_once():
     """Embedded broker + a real worker process + load generator, on the CPU; every phase verifies exactly-once."""
     from bench.stream_bench import main as stream_main

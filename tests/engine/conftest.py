@@ -33,7 +33,7 @@ def make_states(n: int, seed: int = 0, max_words: int = 60) -> list[str]:
 def make_questions(n_options: list[int], temperatures: list[float] | None = None) -> list[dict]:
     qs = []
     for i, k in enumerate(n_options):
-        q = {"question": f"Question number {i} about the situation: is it {WORDS[i]}?",
+        q = {"question": f"Question number {i} about the situation: is it {WORDS[i % len(WORDS)]}?",
              "options": [f"{WORDS[(i + j) % len(WORDS)]} {j}" for j in range(k)]}
         if temperatures:
             q["temperature"] = temperatures[i]

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine import Engine, SchemaEngine
+from engine import MAX_OPTIONS, Engine, SchemaEngine
 from engine.calibration import (CONTENT_FREE_STATES, calibrated, cyclic, fit_order, fit_position_prior)
 from engine.errors import InputError
 from engine.reference import score_full_details
@@ -143,7 +143,7 @@ class PositionBiased:
     bring the orders' answers together."""
 
     def __init__(self, se, bias: list[float], content_scale: float = 0.0):
-        self.se, self.bias, self.content_scale = se, torch.tensor(bias + [0.0] * (8 - len(bias))), content_scale
+        self.se, self.bias, self.content_scale = se, torch.tensor(bias + [0.0] * (MAX_OPTIONS - len(bias))), content_scale
 
     def prepare(self, *args, **kwargs):
         return self.se.prepare(*args, **kwargs)
@@ -155,7 +155,7 @@ class PositionBiased:
         out = []
         for state, p in zip(states, self.se.score(h, states, temperature=temperature)):
             log_bias = self.bias[None, :] + torch.tensor([[self._utility(state, option) for option in q.options]
-                                                          + [0.0] * (8 - len(q.options)) for q in h.questions])
+                                                          + [0.0] * (MAX_OPTIONS - len(q.options)) for q in h.questions])
             biased = p * log_bias.exp()
             out.append(biased / biased.sum(-1, keepdim=True))
         return out

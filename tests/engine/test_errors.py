@@ -5,7 +5,7 @@ import shutil
 import pytest
 
 from engine import Engine, MAX_OPTIONS
-from engine.prompt import MAX_OPTION_CHARS, MAX_PREFIX_TOKENS, MAX_QUESTION_CHARS
+from engine.prompt import MAX_OPTION_CHARS, MAX_PREFIX_TOKENS, MAX_QUESTION_CHARS, MAX_QUESTIONS
 
 from .conftest import make_questions
 
@@ -21,6 +21,7 @@ GOOD = {"question": "Is it bad?", "options": ["yes", "no"]}
     ([{"question": "Q?", "options": ["a"]}], "has 1 options"),
     ([{"question": "Q?", "options": [str(i) for i in range(MAX_OPTIONS + 1)]}], f"has {MAX_OPTIONS + 1} options"),
     ([{"question": "Q?", "options": ["a", "b", "a"]}], "duplicate options ['a']"),
+    ([GOOD] * (MAX_QUESTIONS + 1), f"has {MAX_QUESTIONS + 1} questions; at most {MAX_QUESTIONS} are allowed"),
     ([{"question": "Q?", "options": ["a", ""]}], "non-empty string"),
     ([{"question": "Q?", "options": "ab"}], "must be a list"),
     ([GOOD, {"question": "Q?", "options": ["a", "b"], "temperature": 0}], "question 2"),

@@ -183,3 +183,29 @@ def test_bank_growth_recaptures_graphs_on_the_new_buffers(det_eng):
     assert again == before and se.graph_stats()["graphs"] == 1 and se.graph_stats()["captures"] == 2
     mixed = se.score_mixed([(h, se.tokenize(h, s)) for s in states for h in (first, second)])
     assert mixed[0::2] == before
+
+
+@pytest.mark.parametrize("independent", [False, True], ids=["packed", "independent"])
+def test_wide_schemas_on_deterministic_graphs_match_the_oracle_and_keep_their_bits(exact_eng, gpu_eng, det_eng,
+                                                                                     independent):
+    """Issue 47 on the GPU: 64 questions of 2..26 options (labels A..Z), the deterministic table with graphs: within
+    bf16's own error of the float32 oracle, and a state's bits alone are its bits in a batch. Written without a GPU
+    at hand (the CPU tests: tests/engine/test_wide_schemas.py)."""
+    from engine.prompt import MAX_OPTIONS, MAX_QUESTIONS
+
+    widths = [2 + i % (MAX_OPTIONS - 1) for i in range(MAX_QUESTIONS)]
+    qs = make_questions(widths)
+    states = make_states(5, seed=47, max_words=30)
+    se = SchemaEngine(det_eng, use_graphs=True)
+    h = se.prepare(qs, independent=independent)
+    got = torch.stack(se.score(h, states))
+    assert got.shape == (5, MAX_QUESTIONS, MAX_OPTIONS)
+    exact = torch.stack(score_full(exact_eng, qs, states, independent=independent))
+    ref_bf16 = torch.stack(score_full(gpu_eng, qs, states, independent=independent))
+    err_engine, err_oracle = (got - exact).abs(), (ref_bf16 - exact).abs()
+    assert err_engine.mean() <= 1.5 * err_oracle.mean() + 1e-3
+    assert err_engine.max() <= 2 * err_oracle.max() + ONE_LOGIT_ROUNDING
+    for q, k in enumerate(widths):
+        assert (got[:, q, k:] == 0).all()
+    alone = [se.score(h, [s])[0] for s in states]
+    assert all(torch.equal(a, g) for a, g in zip(alone, got))

@@ -59,7 +59,8 @@ def test_step_layout_stages_rows_and_unstages_views_of_the_same_values():
     from engine.prompt import MAX_OPTIONS
     from engine.step_layout import Row, StepLayout
 
-    bias = np.array([[0.5, -1.0, 0, 0, 0, 0, 0, 0], [0.25, 0, 0, 0, 0, 0, 0, 3.0]], dtype=np.float32)
+    bias = np.zeros((2, MAX_OPTIONS), dtype=np.float32)
+    bias[0, :2], bias[1, 0], bias[1, -1] = (0.5, -1.0), 0.25, 3.0
     rows = [Row(3, np.array([5, 6, 7]), [1, 2], [0.5, 2.0], [2, 4], bias), Row(1, [8, 9], [0], [1.25], [3])]
     layout = StepLayout(R=3, T=4, A=6)                 # one padding row; rows may hold 2 answers
     staged = layout.stage(rows, pad=0, pin=False)

@@ -11,7 +11,7 @@ from .conftest import make_questions, make_states
 
 
 def test_label_rows_are_the_unembedding_of_the_labels(eng):
-    assert eng.W.shape == (8, eng.cfg.hidden_size)
+    assert eng.W.shape == (26, eng.cfg.hidden_size)           # " A" .. " Z"
     assert torch.equal(eng.W, eng.model.lm_head.weight[eng.label_ids])
     assert not eng.use_graphs and eng.dtype == torch.float32
 

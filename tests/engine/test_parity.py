@@ -8,7 +8,7 @@ from engine.reference import score_full
 from .conftest import make_questions, make_states
 
 ATOL = 1e-4          # on probabilities; measured ~1e-5 (the chunked delta rule splits at other points)
-ALL_OPTION_COUNTS = list(range(2, MAX_OPTIONS + 1))
+ALL_OPTION_COUNTS = list(range(2, 9))   # 2..8 at every batch size here; 9..26 and 64 questions: test_wide_schemas.py
 
 
 def assert_valid(probs: torch.Tensor, n_options: list[int]) -> None:

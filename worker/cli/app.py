@@ -164,13 +164,15 @@ def replay(
     partitions: Optional[str] = typer.Option(None, "--partitions", help="Comma-separated partitions to replay (default: all)."),
     max_batch: int = typer.Option(REPLAY_MAX_BATCH, "--max-batch", envvar="DECIDER_MAX_BATCH", help="States per batch; a replay always waits for full batches."),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Progress bar with rate and ETA on stderr; meanwhile each transaction is logged at debug only."),
+    verify_against: Optional[str] = typer.Option(None, "--verify-against", envvar="DECIDER_REPLAY_VERIFY_AGAINST", help="Once the range is scored, compare its records with the live records of the same states in this topic (e.g. decider.probabilities): per schema version, how many were compared, bit-identical, differing, or not comparable because their scoring fingerprints differ (and in which part). Exit code 1 if any comparable state differs."),
 ) -> None:
     """Score a historical range of the states topic (offsets or timestamps) into --output-topic, exactly once.
 
     Resumable: after a kill, the same command (same --name) continues from the committed offsets and stops at
     the end offsets stored by the first run. Dead letters go to --dead-letter-topic, by default
     OUTPUT_TOPIC.dead-letter (never the live worker's). Exit codes as for worker, plus 6: stopped before the end
-    (rerun to resume).
+    (rerun to resume), and with --verify-against 1: a comparable state's replayed record differs from its live one
+    (0: every comparable state is bit-identical).
     """
     import logging
 
@@ -193,12 +195,14 @@ def replay(
 
     def run(on_event) -> None:
         summary.update(run_replay(config, start, end, chosen, stop=stop_on_signals(), on_event=on_event, progress=progress,
-                                  write=lambda line: typer.echo(line, err=True)))
+                                  write=lambda line: typer.echo(line, err=True), verify_against=verify_against))
 
     # While the progress bar runs, a line per transaction would only repeat it: those go to debug, the summary stays.
     run_logged(run, config, commits_at=logging.DEBUG if progress else logging.INFO)
     if not summary.get("complete"):
         raise typer.Exit(6)
+    if summary.get("verify", {}).get("differing"):
+        raise typer.Exit(1)
 
 
 @app.command("tail")

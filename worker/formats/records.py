@@ -18,7 +18,8 @@ from typing import Any, Callable
 import schemas
 from worker.ops.wording import counted
 
-MAX_OPTIONS = 8  # engine.MAX_OPTIONS; repeated here so the CLI can validate files without importing torch
+MAX_OPTIONS = 26  # engine.MAX_OPTIONS (labels A..Z); repeated here so the CLI can validate files without importing torch
+MAX_QUESTIONS = 64  # engine.prompt.MAX_QUESTIONS, likewise
 CALIBRATIONS = ("none", "contextual")  # engine.calibration.CALIBRATIONS, and the Calibration enum of the schema record
 
 SchemaKey = tuple[str, int]
@@ -139,6 +140,8 @@ def schema_problem(document: Any) -> str | None:
     questions = document.get("questions")
     if not isinstance(questions, list) or not questions:
         return "'questions' must be a non-empty list"
+    if len(questions) > MAX_QUESTIONS:
+        return f"the schema has {len(questions)} questions; at most {MAX_QUESTIONS} are allowed (split them into several schemas)"
     seen: set[str] = set()
     for index, question in enumerate(questions):
         where = f"question {index}"
@@ -261,10 +264,12 @@ def probability_record(
     truncated: bool = False,
     label_mass: list[float] | None = None,
     raw_probabilities: list[list[float] | None] | None = None,
+    fingerprint: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """The Avro ProbabilityRecord for one scored state; ``probabilities`` is per question, per option (calibrated where
-    the schema says), ``label_mass`` per question (None: not computed) and ``raw_probabilities`` per question (None,
-    or None for a question: calibration changed nothing)."""
+    the schema says), ``label_mass`` per question (None: not computed), ``raw_probabilities`` per question (None,
+    or None for a question: calibration changed nothing) and ``fingerprint`` the scoring fingerprint of the schema
+    version on this engine (``engine.fingerprint``: records with equal digests are comparable bit for bit)."""
     masses = label_mass or [None] * len(probabilities)
     raws = raw_probabilities or [None] * len(probabilities)
     return {
@@ -286,6 +291,7 @@ def probability_record(
         "truncated": truncated,
         "worker_id": worker_id,
         "metadata": state.get("metadata"),
+        "fingerprint": fingerprint,
     }
 
 

@@ -85,7 +85,7 @@ class Outputs:
     def _probabilities(self, pending: Pending, schema: dict[str, Any], scored: ScoredState, out: CycleOutputs) -> OutgoingRecord:
         record = probability_record(pending.state, schema, scored.probabilities, self._model_id, pending.source,
                                     self._worker_id, truncated=scored.truncated, label_mass=scored.label_mass,
-                                    raw_probabilities=scored.raw_probabilities)
+                                    raw_probabilities=scored.raw_probabilities, fingerprint=scored.fingerprint)
         out.scored[record["schema_id"]] += 1
         if scored.label_mass:
             # as records are made: a cycle whose transaction aborts is scored, and observed, again

@@ -13,6 +13,11 @@ fences the first). The range is stored in the committed offsets' metadata at the
 flags that chose it; a rerun with the same NAME and the same flags (after a kill -9, say) resumes from the committed
 offsets and stops at the stored end offsets, whatever those flags would resolve to now. A rerun with different range
 flags is refused: a replay's range never changes (a new --name starts a new one).
+
+Verified (``--verify-against TOPIC``, ``worker.stream.verify``): once the range is complete, the replay's records of
+it are compared with the live records of the same states in TOPIC, per schema version: compared, bit-identical,
+differing, and not comparable because their scoring fingerprints differ (naming the part). A rerun of a finished
+replay scores nothing and verifies again.
 """
 
 from __future__ import annotations
@@ -28,13 +33,14 @@ from typing import Any, Callable
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
 from worker.stream.assignment import DropUncommitted, EventSink
-from worker.config import WorkerConfig
+from worker.config import Topics, WorkerConfig
 from worker.exceptions import AbortableError, ConfigError, FatalError
 from worker.kafka_clients import replay_consumer_config, require_topics
 from worker.ops.wording import counted
 from worker.stream.loop import Worker
 from worker.stream.replay_range import Bound, ReplayRange, resolve_range, shown
 from worker.stream.transactions import Transactions
+from worker.stream.verify import verify_replay
 
 log = logging.getLogger(__name__)
 
@@ -241,8 +247,12 @@ class _Tally:
 
 def run_replay(config: WorkerConfig, start: Bound, end: Bound, partitions: list[int] | None = None,
                stop: threading.Event | None = None, on_event: EventSink | None = None, progress: bool = True,
-               write: Callable[[str], None] = print) -> dict[str, Any]:
-    """Replay the range with a progress bar (rate, ETA) on stderr; returns the summary it wrote (its last line)."""
+               write: Callable[[str], None] = print, verify_against: str | None = None) -> dict[str, Any]:
+    """Replay the range with a progress bar (rate, ETA) on stderr; returns the summary it wrote (its last line), with
+    the verification's report under ``verify`` when ``verify_against`` names the live records' topic (checked to
+    exist before anything is scored; the report's lines are written after the summary)."""
+    if verify_against is not None:
+        require_topics(config.cluster, [verify_against], roles=Topics(probabilities=verify_against))
     forward = on_event or (lambda kind, info: None)
     tally: _Tally | None = None
 
@@ -260,7 +270,16 @@ def run_replay(config: WorkerConfig, start: Bound, end: Bound, partitions: list[
             Worker(config, assignment, stop=stop, on_event=on_loop_event).run()
     finally:
         tally.close()
-    return _summary(config, assignment, tally, write)
+    summary = _summary(config, assignment, tally, write)
+    if verify_against is not None and assignment.complete:
+        report = verify_replay(config.cluster, config.topics.probabilities, verify_against, config.topics.states,
+                               assignment.range.starts, assignment.range.ends, config.registry)
+        for line in report.lines():
+            write(line)
+        summary["verify"] = report.as_dict()
+    elif verify_against is not None:
+        write("verify: skipped, the replay stopped before the end of its range (rerun it to finish and verify)")
+    return summary
 
 
 def _logging_redirect_tqdm():

@@ -92,6 +92,7 @@ class ScoredState:
     truncated: bool = False
     reason: Reason | None = None  # set when scoring did not happen
     error: str | None = None
+    fingerprint: dict[str, str] | None = None  # the scoring fingerprint (``engine.fingerprint``) of its schema version
 
 
 def _warn_captured(requests: Sequence[tuple[Any, Any]], seconds: float) -> None:
@@ -195,6 +196,7 @@ class Scorer:
 
     def _prepare(self, key: SchemaKey, questions: list[dict], options: dict[str, Any]) -> Any:
         handle = self._se.prepare(questions, **options)
+        self._se.fingerprint(handle)  # made once per schema version, here on the GPU thread, for every record of it
         with self._lock:
             entry = self._entries.get(key)
             if entry is not None:
@@ -347,7 +349,9 @@ class Scorer:
             if problem:
                 outcomes.append(ScoredState(reason=Reason.SCORING_ERROR, error=f"unusable engine output: {problem}"))
             else:
-                outcomes.append(ScoredState(scores.probabilities, scores.raw_probabilities, scores.label_mass))
+                fingerprint = handle.fingerprint.as_record() if handle.fingerprint is not None else None
+                outcomes.append(ScoredState(scores.probabilities, scores.raw_probabilities, scores.label_mass,
+                                            fingerprint=fingerprint))
         return outcomes
 
     def graph_stats(self) -> dict[str, int]:

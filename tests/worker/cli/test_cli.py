@@ -142,7 +142,7 @@ def test_bad_schema_file_is_rejected_before_publishing(kafka_bootstrap, tmp_path
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"questions": [{"id": "q", "question": "Q?", "options": ["only one"]}]}))
     result = decider("schema", "put", "-b", kafka_bootstrap, "--id", "x", str(bad))
-    assert result.returncode == 2 and "has 1 option; 2 to 8 are allowed" in result.stderr
+    assert result.returncode == 2 and "has 1 option; 2 to 26 are allowed" in result.stderr
 
 
 def test_topics_schema_produce_tail_through_env_vars(kafka_bootstrap, tmp_path):

@@ -159,7 +159,10 @@ SCHEMA_MISTAKES = [
     (_schema_with(options=["yes", "n" * 501]), ["option of 501 characters", "at most 500"]),
     ({"questions": [{"id": f"q{i}", "question": "x" * 1990, "options": ["a", "b"]} for i in range(20)]}, ["at most 32000"]),
     (_schema_with(question="Is it \ud800 fine?"), ["unpaired surrogate"]),
-    (_schema_with(options=["yes"]), ["has 1 option; 2 to 8"]),
+    (_schema_with(options=["yes"]), ["has 1 option; 2 to 26"]),
+    (_schema_with(options=[f"option {n}" for n in range(27)]), ["27 options; 2 to 26 are allowed"]),
+    ({"questions": [{"id": f"q{i}", "question": "Is it fine?", "options": ["yes", "no"]} for i in range(65)]},
+     ["65 questions; at most 64 are allowed"]),
 ]
 
 
@@ -271,4 +274,4 @@ def test_score_refuses_a_schema_whose_prefix_is_over_the_token_limit(decider, mo
     (tmp_path / "states.jsonl").write_text(GOOD_LINE + "\n")
     result = decider("score", "--model", str(model_dir), "--schema", str(tmp_path / "schema.json"),
                      "--states", str(tmp_path / "states.jsonl"))
-    assert_one_line_exit_2(result, "prefix is", "tokens; at most 8192 are allowed")
+    assert_one_line_exit_2(result, "prefix is", "tokens; at most 16384 are allowed")

@@ -95,3 +95,23 @@ def test_a_closed_pipe_ends_the_command_quietly(model_dir, tmp_path):
         score.stdout.close()  # what head does after its line
         assert score.wait(120) == 0
         assert score.stderr.read() == ""
+
+
+def test_the_wide_example_with_ordinal_scales_and_26_options_scores_like_the_engine(model_dir, schema_engine, tmp_path):
+    """worker/examples/support_schema_wide.json: an ordinal scale "1".."10" (options like any others: labels A..J), one
+    "1".."5", and 26 topics (labels A..Z)."""
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parents[3] / "worker" / "examples" / "support_schema_wide.json"
+    schema = json.loads(example.read_text())
+    texts = state_texts(3, seed=47)
+    (tmp_path / "states.jsonl").write_text("".join(json.dumps({"id": f"w-{i}", "state": t}) + "\n" for i, t in enumerate(texts)))
+    out = run_score("--model", str(model_dir), "--schema", str(example), "--states", str(tmp_path / "states.jsonl"))
+    assert out.returncode == 0, out.stderr
+    lines = [json.loads(line) for line in out.stdout.splitlines()]
+    assert [[len(q["options"]) for q in r["questions"]] for r in lines] == [[10, 5, 26]] * 3
+    assert lines[0]["questions"][0]["options"] == [str(n) for n in range(1, 11)]
+    for record, probs in zip(lines, expected_probabilities(schema_engine, schema, texts)):
+        for q, p in zip(record["questions"], probs):
+            assert len(q["probabilities"]) == len(q["options"]) and abs(sum(q["probabilities"]) - 1) < 1e-5
+            assert max(abs(a - b) for a, b in zip(q["probabilities"], p)) < 1e-5

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from worker.cli import user_files
+from worker.formats import records
 from worker.cli.user_files import event_time_ms
 
 
@@ -42,5 +43,6 @@ def test_the_cli_limits_are_the_engines():
 
     assert user_files.MAX_QUESTION_CHARS == prompt.MAX_QUESTION_CHARS
     assert user_files.MAX_OPTION_CHARS == prompt.MAX_OPTION_CHARS
+    assert (records.MAX_OPTIONS, records.MAX_QUESTIONS) == (prompt.MAX_OPTIONS, prompt.MAX_QUESTIONS) == (26, 64)
     # English runs about 4 characters a token: a schema within the character limit fits the token limit.
     assert user_files.MAX_SCHEMA_CHARS <= 4 * prompt.MAX_PREFIX_TOKENS

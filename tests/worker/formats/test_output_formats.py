@@ -23,6 +23,9 @@ PROBABILITY = {
                    "raw_probabilities": [0.5, 0.5]}],
     "source_topic": "in", "source_partition": 1, "source_offset": 42, "event_time": 1_700_000_000_000,
     "scored_at": 1_700_000_000_123, "truncated": False, "worker_id": "w-0", "metadata": {"channel": "email"},
+    "fingerprint": {"digest": "76cbb0c84ea6fa6f", "model": "f57a0d98b94eb3e9", "decider": "0.1.0 #acdeb2f590716bb4",
+                    "kernels": "cpu float32 torch deterministic #311dba5d5d696666", "prompt": "4e9143e6597bb456",
+                    "calibration": "none #661e0e7c74423ec7"},
 }
 DEAD = {
     "reason": "undecodable", "message": "the value is not JSON", "source_topic": "in", "source_partition": 0,

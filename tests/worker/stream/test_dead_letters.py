@@ -14,9 +14,9 @@ FAULT_MARKER = "#inject-fault#"
 def test_each_bad_input_goes_to_dead_letters_between_scored_states(stream_factory, model_dir):
     stream = stream_factory(partitions=1)  # one partition: input order is output order
     stream.put_schema("tickets", QUESTIONS)
-    # A schema the engine cannot prepare (9 options, published raw: `decider schema put` would refuse it) ...
+    # A schema the engine cannot prepare (27 options, published raw: `decider schema put` would refuse it) ...
     too_many = {"schema_id": "nine", "version": 1, "mode": "packed", "created_at": None,
-                "questions": [{"id": "q", "question": "Pick one", "options": [f"o{i}" for i in range(9)], "temperature": None}]}
+                "questions": [{"id": "q", "question": "Pick one", "options": [f"o{i}" for i in range(27)], "temperature": None}]}
     stream.produce_raw(b"nine", schemas.encode_question_schema(too_many), topic=stream.topics.schemas)
     # ... one over the engine's size limits (a question of 2,500 characters) ...
     too_long = {"schema_id": "long", "version": 1, "mode": "packed", "created_at": None,
@@ -71,7 +71,7 @@ def test_each_bad_input_goes_to_dead_letters_between_scored_states(stream_factor
         assert letter["state_id"] == (decoded and decoded["state_id"] or None), letter
         assert letter["schema_id"] == (decoded and decoded["schema_id"]), letter
     assert "no-such-schema" in by_offset[_offset(sent, "unknown_schema")]["message"]
-    assert "9 options" in by_offset[_offset(sent, "schema_unpreparable")]["message"]
+    assert "27 options" in by_offset[_offset(sent, "schema_unpreparable")]["message"]
     assert "2500 characters; at most 2000" in by_offset[_offset(sent, "schema_unpreparable-long")]["message"]
     assert "600 characters" in by_offset[_offset(sent, "state_too_large")]["message"]
     assert "injected" in by_offset[_offset(sent, "scoring_error")]["message"]

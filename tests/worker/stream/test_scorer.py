@@ -75,7 +75,7 @@ def test_unpreparable_schema_and_failing_state_are_isolated(schema_engine):
     scorer = Scorer(failing_on("#boom#")(schema_engine.e), memory_budget=1 << 30)
     try:
         bad = _schema("bad", QUESTIONS_V2)
-        bad["questions"][0]["options"] = [f"o{i}" for i in range(9)]
+        bad["questions"][0]["options"] = [f"o{i}" for i in range(27)]
         assert {o.reason for o in _score(scorer, bad, ["a", "b"])} == {Reason.SCHEMA_UNPREPARABLE}
 
         texts = ["fine one", "this one goes #boom#", "fine two"]
