@@ -57,7 +57,7 @@ def replay_phase(args, bootstrap, model_dir, live_name: str, logs) -> dict:
     cmd = [sys.executable, "-m", "worker", "replay", "-b", bootstrap, "--model", str(model_dir), "--device", device,
            "--name", f"bench-{live_name}", "--states-topic", live.states, "--schemas-topic", live.schemas,
            "--output-topic", out.probabilities, "--dead-letter-topic", out.dead_letter,
-           "--max-batch", str(args.max_batch), "--log-format", "json", *gpu_flags]
+           "--max-batch", str(args.max_batch), "--log-format", "json", "--no-progress", *gpu_flags]  # commits at info
     launched = time.time()
     done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=args.states / 5 + 300)
     process_s = time.time() - launched

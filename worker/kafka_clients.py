@@ -209,12 +209,6 @@ def worker_consumer_config(config: WorkerConfig, protocol: str = "classic") -> d
         **_group_membership(config, protocol),
         **base_config(config.cluster),
         "group.id": config.group,
-        # Static membership: a worker restarted with the same --worker-id (after a crash or kill -9) takes
-        # its partitions back at once instead of waiting for the dead member's session to expire. A clean
-        # stop leaves the group explicitly (Worker unsubscribes before closing), so its partitions move
-        # to the other workers right away (classic protocol; KIP-848's keeps a static member's partitions for it
-        # until the broker's session timeout, see docs/tuning.md, "Scaling out").
-        "group.instance.id": config.worker_id,
         # Offsets are committed only inside our transactions (send_offsets_to_transaction).
         "enable.auto.commit": False,
         # Never read another producer's aborted output; inputs produced transactionally stay atomic too.
@@ -237,10 +231,20 @@ def _group_membership(config: WorkerConfig, protocol: str) -> dict[str, Any]:
     roundrobin) revokes every partition of every member on each rebalance. A group switches from one kind to the other
     only with all its workers stopped: librdkafka refuses a list that mixes them, so no worker speaks both."""
     if protocol == "consumer":
+        # No static membership here: Apache Kafka 4.4 refuses a second member with a static id while the first
+        # still heartbeats (UNRELEASED_INSTANCE_ID, fatal in librdkafka), so a worker started in place of a live one
+        # with the same --worker-id would die instead of taking over; and a static member's partitions wait for the
+        # broker's session timeout even after a clean stop. The transactional id still fences the older worker
+        # (its next transaction fails: exit 3), and a member that leaves hands its partitions over at once.
         return {"group.protocol": "consumer"}
     session_ms = config.session_timeout_ms or CLASSIC_SESSION_TIMEOUT_MS
     return {"partition.assignment.strategy": "cooperative-sticky", "group.protocol": "classic",
-            "session.timeout.ms": session_ms, "heartbeat.interval.ms": max(100, session_ms // 5)}
+            "session.timeout.ms": session_ms, "heartbeat.interval.ms": max(100, session_ms // 5),
+            # Static membership: a worker restarted with the same --worker-id (after a crash or kill -9) takes its
+            # partitions back at once instead of waiting for the dead member's session to expire; a newer one with
+            # the same id replaces the older in the group. A clean stop leaves the group explicitly (Worker
+            # unsubscribes before closing), so its partitions move to the other workers right away.
+            "group.instance.id": config.worker_id}
 
 
 def incremental_rebalancing(consumer_config: dict[str, Any]) -> bool:

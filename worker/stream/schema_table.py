@@ -42,6 +42,9 @@ class BrokenSchema(dict):
         self.problem = problem
 
 
+_LEADER_MOVING = (KafkaError.NOT_LEADER_FOR_PARTITION, KafkaError.LEADER_NOT_AVAILABLE, KafkaError.UNKNOWN_TOPIC_OR_PART)
+
+
 class SchemaTable:
     """Latest QuestionSchema record per schema id, kept current from the schema topic."""
 
@@ -91,13 +94,25 @@ class SchemaTable:
                 changes.append(change)
         return changes
 
+    def _end_offset(self, tp: TopicPartition, deadline: float) -> int:
+        """The partition's end offset, asked again while its leader is moving or not yet elected (Apache Kafka answers
+        NOT_LEADER_FOR_PARTITION for a moment after the topic's creation, its metadata already naming the leader)."""
+        while True:
+            try:
+                return self._ends.get_watermark_offsets(TopicPartition(tp.topic, tp.partition),
+                                                        timeout=max(0.1, deadline - time.monotonic()), cached=False)[1]
+            except KafkaException as exc:
+                error = exc.args[0]
+                if not (error.retriable() or error.code() in _LEADER_MOVING) or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+
     def catch_up(self, timeout_s: float = 5.0) -> list[Change]:
         """Read until every partition's position reaches the end it had when called."""
         deadline = time.monotonic() + timeout_s
         ends = {}
         for tp in self._partitions:
-            _low, high = self._ends.get_watermark_offsets(TopicPartition(tp.topic, tp.partition), timeout=timeout_s, cached=False)
-            ends[tp.partition] = high
+            ends[tp.partition] = self._end_offset(tp, deadline)
         changes: list[Change] = []
         while not self._reached(ends):
             if time.monotonic() > deadline:

@@ -1,6 +1,7 @@
 """A second worker started with the same --worker-id takes over; the first exits non-zero with a message
 saying why, and no state is output twice: on every consumer group protocol the broker has (the producer's epoch
-fences the older one whatever the group does with the two members of one static id)."""
+fences the older one whatever the group does: on the classic protocol the newer takes the older's static id, on the
+consumer protocol both are members of their own until the older's next transaction fails)."""
 
 from __future__ import annotations
 

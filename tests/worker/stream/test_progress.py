@@ -16,6 +16,7 @@ import uuid
 import pytest
 from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
 
+from tests import brokers
 from tests.worker.conftest import QUESTIONS, state_texts
 from worker.ops import liveness, metrics
 from worker.devbroker.processes import free_port
@@ -23,7 +24,7 @@ from worker.kafka_clients import create_topics, reader_consumer, reader_consumer
 from worker.config import Topics
 from worker.stream.progress import InputProgress, ProgressWatch, read_back
 
-EMBEDDED = not os.environ.get("KAFKA_BOOTSTRAP") and os.environ.get("DECIDER_TEST_BROKER", "embedded") == "embedded"
+EMBEDDED = brokers.selection() == "embedded"
 
 
 # ---- the input check, on the clock alone ---------------------------------------------------------------------------
