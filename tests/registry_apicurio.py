@@ -26,7 +26,7 @@ import urllib.request
 from pathlib import Path
 from typing import Iterator, Mapping
 
-from worker.devbroker.processes import dies_with_this_thread, free_port
+from worker.devbroker.processes import cache_home, dies_with_this_thread, end_process, free_port
 from worker.devbroker.reaper import Reaper
 
 APICURIO_VERSION = "3.3.3"
@@ -38,10 +38,7 @@ CCOMPAT = "/apis/ccompat/v7"
 
 def apicurio_home(environ: Mapping[str, str] = os.environ) -> Path:
     """Where the registry is unpacked: ``$DECIDER_APICURIO_HOME``, else ``~/.cache/decider/apicurio-3.3.3``."""
-    if environ.get(HOME_ENV):
-        return Path(environ[HOME_ENV]).expanduser()
-    cache = Path(environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return cache / "decider" / f"apicurio-{APICURIO_VERSION}"
+    return cache_home(f"apicurio-{APICURIO_VERSION}", HOME_ENV, environ)
 
 
 def _java_major(java: str) -> int:
@@ -125,12 +122,7 @@ def apicurio_process(log_path: Path, timeout_s: float = 180.0) -> Iterator[str]:
             time.sleep(0.25)
         yield url
     finally:
-        process.terminate()
-        try:
-            process.wait(20)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        end_process(process, timeout_s=20)
         reaper.release()
 
 

@@ -35,7 +35,7 @@ from importlib.resources import files
 from pathlib import Path
 from typing import Mapping
 
-from worker.devbroker.processes import dies_with_this_thread, free_port
+from worker.devbroker.processes import cache_home, dies_with_this_thread, end_process, free_port
 from worker.devbroker.reaper import Reaper
 from worker.exceptions import ConfigError, FatalError
 from worker.ops.ports import in_use_message, port_open
@@ -49,10 +49,7 @@ _READY_LINE = "Kafka Server started"
 
 def kafka_home(environ: Mapping[str, str] = os.environ) -> Path:
     """Where the broker's jars are kept: ``$DECIDER_KAFKA_HOME``, else ``$XDG_CACHE_HOME/decider/kafka-4.4.0``."""
-    if environ.get(HOME_ENV):
-        return Path(environ[HOME_ENV]).expanduser()
-    cache = Path(environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return cache / "decider" / f"kafka-{KAFKA_VERSION}"
+    return cache_home(f"kafka-{KAFKA_VERSION}", HOME_ENV, environ)
 
 
 def java_problem() -> str | None:
@@ -314,13 +311,8 @@ class ApacheKafka:
         self._release_reapers()
 
     def _halt(self, signum: int, timeout_s: float = 30.0) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.send_signal(signum)
-            try:
-                self.process.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        if self.process is not None:
+            end_process(self.process, signum, timeout_s)
         self.process = None
         if self._log is not None:
             self._log.close()

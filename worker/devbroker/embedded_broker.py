@@ -30,7 +30,7 @@ from typing import IO
 
 from worker.exceptions import ConfigError, FatalError
 from worker.ops.ports import in_use_message, port_open
-from worker.devbroker.processes import dies_with_this_thread
+from worker.devbroker.processes import dies_with_this_thread, end_process
 from worker.devbroker.reaper import Reaper
 
 
@@ -120,13 +120,8 @@ class EmbeddedBroker:
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Stop the broker process by PID (SIGTERM, then SIGKILL) and delete a temporary data dir."""
-        if self.process is not None and self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        if self.process is not None:
+            end_process(self.process, signal.SIGTERM, timeout_s)
         self.process = None
         if self._own_dir is not None:
             shutil.rmtree(self._own_dir, ignore_errors=True)

@@ -1,5 +1,5 @@
-"""What both development brokers' launchers need of their child process: a free loopback port, and a child that
-dies with the thread that started it."""
+"""What the local brokers' launchers need of their child process: a free loopback port, a child that dies with the
+thread that started it, its end (a signal, then SIGKILL), and the cache directory its jars are fetched into."""
 
 from __future__ import annotations
 
@@ -7,8 +7,10 @@ import ctypes
 import os
 import signal
 import socket
+import subprocess
 import sys
-from typing import Callable
+from pathlib import Path
+from typing import Callable, Mapping
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
@@ -35,3 +37,22 @@ def dies_with_this_thread() -> Callable[[], None] | None:
             os._exit(1)
 
     return die_with_parent
+
+
+def end_process(process: subprocess.Popen, signum: int = signal.SIGTERM, timeout_s: float = 10.0) -> None:
+    """Send ``signum`` to a running ``process`` and wait for it; SIGKILL after ``timeout_s``."""
+    if process.poll() is not None:
+        return
+    process.send_signal(signum)
+    try:
+        process.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+def cache_home(name: str, env_var: str, environ: Mapping[str, str] = os.environ) -> Path:
+    """Where a fetched tool is kept: ``$env_var``, else ``$XDG_CACHE_HOME/decider/NAME`` (``~/.cache/decider/NAME``)."""
+    if environ.get(env_var):
+        return Path(environ[env_var]).expanduser()
+    return Path(environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "decider" / name
