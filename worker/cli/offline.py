@@ -52,8 +52,6 @@ def load_schema_engine(model_dir: str, device: str = "cpu", dtype: str | None = 
         eng = Engine.load(model_dir, device=device, dtype=dtype, deterministic=deterministic)
     except DeviceUnavailableError as exc:
         raise ConfigError.device_unavailable(device, exc.reason) from None
-    except KernelsUnavailableError as exc:
-        raise ConfigError(str(exc)) from None
     except ModelLoadError as exc:
         raise ConfigError(f"--model: {exc}") from None
     try:

@@ -212,10 +212,10 @@ class ApacheKafka:
         properties = self._write_properties()
         if not (self.path / "data" / "meta.properties").is_file():
             self._format(properties)
-        started_before = self._started_lines()
+        log_start = self.log_path.stat().st_size if self.log_path.is_file() else 0
         self._launch(properties)
         try:
-            self._wait_ready(timeout_s, started_before)
+            self._wait_ready(timeout_s, log_start)
         except BaseException:
             self._halt(signal.SIGKILL)
             if self._own_dir is not None:  # its directory goes with the reaper: the log stays, beside it
@@ -254,13 +254,17 @@ class ApacheKafka:
                                         start_new_session=True, preexec_fn=dies_with_this_thread())
         self._reapers.append(Reaper([self.process.pid], [self._own_dir] if self._own_dir else []))
 
-    def _started_lines(self) -> int:
+    def _started_since(self, log_start: int) -> bool:
+        """Whether the log holds this start's 'Kafka Server started' line (past ``log_start`` bytes: earlier starts on
+        the same directory wrote theirs before)."""
         try:
-            return self.log_path.read_text(errors="replace").count(_READY_LINE)
+            with open(self.log_path, "rb") as log:
+                log.seek(log_start)
+                return _READY_LINE.encode() in log.read()
         except OSError:
-            return 0
+            return False
 
-    def _wait_ready(self, timeout_s: float, started_before: int) -> None:
+    def _wait_ready(self, timeout_s: float, log_start: int) -> None:
         """Until this start's 'Kafka Server started' line and an Admin metadata answer. The line matters after a
         SIGKILL: the restarted node answers metadata while its controller still holds the killed incarnation's
         broker registration, which it fences some seconds later (every partition leaderless for a moment, the
@@ -268,7 +272,7 @@ class ApacheKafka:
         from confluent_kafka.admin import AdminClient
 
         deadline = time.monotonic() + timeout_s
-        while not port_open(self.port) or self._started_lines() <= started_before:
+        while not port_open(self.port) or not self._started_since(log_start):
             self._check_running(deadline, timeout_s)
             time.sleep(0.1)
         admin = AdminClient({"bootstrap.servers": self.bootstrap, "log_level": 0})

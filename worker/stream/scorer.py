@@ -46,8 +46,6 @@ def load_scorer(config: WorkerConfig) -> tuple[Any, Scorer]:
                             deterministic=config.deterministic).result()
     except DeviceUnavailableError as exc:
         raise ConfigError.device_unavailable(config.device, exc.reason) from exc
-    except KernelsUnavailableError as exc:
-        raise ConfigError(str(exc)) from None
     except (ValueError, OSError) as exc:
         raise ConfigError(f"cannot load the model from {config.model_dir}: {exc}") from exc
     except RuntimeError as exc:  # e.g. CUDA requested on a machine without it
