@@ -279,8 +279,11 @@ class Stream:
         return "\n".join(lines)
 
     def committed_offsets(self, group: str | None = None) -> dict[int, int]:
-        """A group's (default: the workers') committed offset per states partition (-1001 if none)."""
-        consumer = reader_consumer(self.bootstrap, group=group or self.group)
+        """A group's (default: the workers') committed offset per states partition (-1001 if none). Offsets of an open
+        transaction (a worker killed in one) are not among them: read_committed would ask for stable offsets only, and
+        Apache Kafka refuses those (UNSTABLE_OFFSET_COMMIT, retried until the timeout) until the transaction ends."""
+        consumer = Consumer({**reader_consumer_config(self.bootstrap, group=group or self.group),
+                             "isolation.level": "read_uncommitted"})
         try:
             parts = consumer.committed([TopicPartition(self.topics.states, p) for p in range(self.partitions)], timeout=10)
             return {tp.partition: tp.offset for tp in parts}

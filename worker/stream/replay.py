@@ -78,22 +78,30 @@ class RangeAssignment:
         return sum(max(0, min(self.committed.get(p, s), self.range.ends[p]) - s) for p, s in self.range.starts.items())
 
     def consumer(self) -> Consumer:
-        if self._consumer is None:  # check() made it already
+        if self._consumer is None:
             self._consumer = Consumer(replay_consumer_config(self._config))
         return self._consumer
 
     def check(self) -> None:
         """What the range needs of the broker, checked before the model loads (seconds on a CPU, minutes for a large
         model on a GPU): the topics and partitions exist, the range does not end before it starts, and a rerun of this
-        replay gives the range it was started with. ``ConfigError`` (exit 2) otherwise."""
+        replay gives the range it was started with. ``ConfigError`` (exit 2) otherwise.
+
+        It reads the committed offsets as they were before any open transaction: an earlier run killed mid-
+        transaction leaves its offsets pending until this run's producer aborts them (``init_transactions``, after
+        the model loads), and a read_committed consumer asks for stable offsets only (Apache Kafka answers
+        UNSTABLE_OFFSET_COMMIT, which librdkafka retries until its timeout). The stored range is in the first
+        transaction, long committed; ``start`` reads the positions again, stable, once the producer has fenced."""
         topics = self._config.topics
         require_topics(self._config.cluster, topics.all(), roles=topics)
+        settings = {**replay_consumer_config(self._config), "isolation.level": "read_uncommitted"}
+        for key in ("stats_cb", "statistics.interval.ms"):  # a peek, not the reader the metrics watch
+            settings.pop(key)
+        peek = Consumer(settings)
         try:
-            self._plan(self.consumer())
-        except FatalError:
-            self._consumer.close()
-            self._consumer = None
-            raise
+            self._plan(peek)
+        finally:
+            peek.close()
 
     def _plan(self, consumer: Consumer) -> tuple[list[int], ReplayRange, dict[int, int], ReplayRange | None]:
         """(the partitions replayed, the range the flags give now, the committed positions, the range an earlier run
