@@ -33,7 +33,7 @@ from bench.rebalances import Step, dropped_states, rebalance_table
 from bench.stream_windows import held_partitions, read_log_events
 from worker.cli.commands import put_schema
 from worker.config import Topics
-from worker.kafka_clients import create_topics, plain_producer, reader_consumer, whole_pass_reader
+from worker.kafka_clients import create_topics, last_committed, plain_producer, reader_consumer, whole_pass_reader
 
 REBALANCING = ("incremental", "eager", "consumer")
 STEPS = (("worker 1 joins", "start", 1), ("worker 2 joins", "start", 2), ("worker 1 SIGTERM", "stop", 1),
@@ -236,9 +236,10 @@ def _expire(pool: Pool, killed: Step) -> None:
 
 def _uncommitted(setup: ScaleOut, topics: Topics, group: str, partitions: set[int]) -> int:
     """States of ``partitions`` past the group's committed offsets."""
-    consumer = reader_consumer(setup.bootstrap, group=group)
+    # A killed worker's offsets stay in its open transaction until it times out: read past it, not wait on it.
+    committed = last_committed(setup.bootstrap, group, [TopicPartition(topics.states, p) for p in partitions])
+    consumer = reader_consumer(setup.bootstrap)
     try:
-        committed = consumer.committed([TopicPartition(topics.states, p) for p in partitions], timeout=10)
         ends = {p: consumer.get_watermark_offsets(TopicPartition(topics.states, p), timeout=10)[1] for p in partitions}
         return sum(max(0, ends[tp.partition] - max(tp.offset, 0)) for tp in committed)
     finally:

@@ -161,6 +161,21 @@ def reader_consumer(cluster: Cluster | str, group: str | None = None) -> Consume
     return Consumer(reader_consumer_config(cluster, group))
 
 
+def last_committed(cluster: Cluster | str, group: str, partitions: list[TopicPartition],
+                   timeout_s: float = 10.0) -> list[TopicPartition]:
+    """``group``'s committed offsets (and their metadata) of ``partitions`` as they stand, whatever transaction is open.
+
+    A read_committed consumer asks for stable offsets only, and while a transaction holds offsets of the group (a
+    worker killed inside one, until its successor fences it or the transaction times out) Apache Kafka answers
+    UNSTABLE_OFFSET_COMMIT, which librdkafka retries until the timeout. Read uncommitted, the answer is the last
+    offsets a transaction committed."""
+    consumer = Consumer({**reader_consumer_config(cluster, group), "isolation.level": "read_uncommitted"})
+    try:
+        return consumer.committed(partitions, timeout=timeout_s)
+    finally:
+        consumer.close()
+
+
 def whole_pass_reader(cluster: Cluster | str) -> Consumer:
     """A ``reader_consumer`` that fetches each partition whole in one response where it fits (64 MiB), for reading
     topics from offset 0 to their end. On the embedded broker a read_committed reader must: noida-db 0.2.3 lists every

@@ -25,7 +25,7 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, Producer, To
 import schemas
 from worker.cli import commands
 from worker.config import Topics
-from worker.kafka_clients import create_topics, reader_consumer, reader_consumer_config, whole_pass_reader
+from worker.kafka_clients import create_topics, last_committed, reader_consumer, reader_consumer_config, whole_pass_reader
 
 REPO = Path(__file__).resolve().parents[2]
 SCHEMA_FILE = REPO / "worker" / "examples" / "support_schema.json"
@@ -279,16 +279,11 @@ class Stream:
         return "\n".join(lines)
 
     def committed_offsets(self, group: str | None = None) -> dict[int, int]:
-        """A group's (default: the workers') committed offset per states partition (-1001 if none). Offsets of an open
-        transaction (a worker killed in one) are not among them: read_committed would ask for stable offsets only, and
-        Apache Kafka refuses those (UNSTABLE_OFFSET_COMMIT, retried until the timeout) until the transaction ends."""
-        consumer = Consumer({**reader_consumer_config(self.bootstrap, group=group or self.group),
-                             "isolation.level": "read_uncommitted"})
-        try:
-            parts = consumer.committed([TopicPartition(self.topics.states, p) for p in range(self.partitions)], timeout=10)
-            return {tp.partition: tp.offset for tp in parts}
-        finally:
-            consumer.close()
+        """A group's (default: the workers') committed offset per states partition (-1001 if none), whatever
+        transaction is open (``worker.kafka_clients.last_committed``)."""
+        parts = last_committed(self.bootstrap, group or self.group,
+                               [TopicPartition(self.topics.states, p) for p in range(self.partitions)])
+        return {tp.partition: tp.offset for tp in parts}
 
     def end_offsets(self) -> dict[int, int]:
         """The states topic's end offset per partition."""
