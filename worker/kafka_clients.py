@@ -343,6 +343,13 @@ def transactional_producer_config(config: WorkerConfig) -> dict:
         # transaction timeouts of 20 s and 60 s. Without re-bootstrap the call returns once the broker answers
         # (Java clients before Kafka 4.0 never re-bootstrap either). The [kafka] table may set it back.
         "metadata.recovery.strategy": "none",
+        # Apache Kafka answers EndTxn before the transaction's markers are written, and refuses the next
+        # transaction's AddOffsetsToTxn and AddPartitionsToTxn with CONCURRENT_TRANSACTIONS until they are (a few to
+        # tens of ms on one node). librdkafka retries those after retry.backoff.ms, doubling up to
+        # retry.backoff.max.ms: at the defaults (100 ms, 1 s) back-to-back transactions spent ~110 ms of ~115 in
+        # send_offsets_to_transaction; at 5 ms and 25 ms, ~30 ms in all (docs/brokers.md). The [kafka] table may set both.
+        "retry.backoff.ms": 5,
+        "retry.backoff.max.ms": 25,
         **base_config(config.cluster),
         # Derived from --worker-id: a restarted worker fences its predecessor and aborts its open transaction.
         "transactional.id": config.transactional_id,
