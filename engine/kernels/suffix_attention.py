@@ -295,20 +295,27 @@ SUFFIX_SPLITS = (2, 4)
 launch; `D_SPLIT` picks among those that agree."""
 
 D_SPLIT = 1
-"""The D split the batch-invariant table's small launch runs at, where the load-time check showed it giving the large
-launch's bits (else 1: the small launch as checked). Read at each call, so a CUDA graph keeps the setting it was
-captured under and `bench/probes/variant_ab.py` can time splits in one process. 1 until the H200 shows a split
-paying: at batch 1 the 64-row launch runs 24 programs (45 us a layer, run CI) at 255 registers a thread with spills;
-split 4 runs 96 at 183 registers without."""
+"""The largest D split the batch-invariant table's small launch may run at (1: none), among those the load-time check
+showed giving the large launch's bits; a call takes the largest of them that keeps the launch within
+`SPLIT_FILL_PROGRAMS` programs, else none. Read at each call, so a CUDA graph keeps the setting it was captured under
+and `bench/probes/variant_ab.py` can time splits in one process. 1 until the H200 shows a split paying: at batch 1
+the 64-row launch runs 24 programs (45 us a layer, run CI) at 255 registers a thread with spills; split 4 runs 96 at
+183 registers without (`bench/probes/kernel_registers.py`)."""
+
+SPLIT_FILL_PROGRAMS = 132
+"""A D split only while the split launch's programs fit one an SM of the H200's 132: a split adds no work per
+program where the launch is short of programs (batch 1: 24) but repeats the score's MMAs split times, so at batch 8
+(184 programs unsplit) it would only add waves. Read at each call, like `D_SPLIT`."""
 
 
 class InvariantSuffixAttention:
     """`Kernels.suffix_attention` whose result for a row does not depend on the batch: this module's kernel, which
     computes a query from its own row alone at any one launch configuration, with the large launch (`CONFIG`) at every
     size, and the small one where the large gives too few programs (batch 1 to ~20 at the 0.8B shape) only where
-    `suffix_configs_agree` holds on the device for one of `SUFFIX_SMALL_CANDIDATES`, at the D split `D_SPLIT` where
-    that split of it agrees too (`splits`: those of `SUFFIX_SPLITS` that do). The launches are checked at
-    construction: a later change of the module's candidates does not reach this table."""
+    `suffix_configs_agree` holds on the device for one of `SUFFIX_SMALL_CANDIDATES`, at a D split up to `D_SPLIT`
+    where that split of it agrees too (`splits`: those of `SUFFIX_SPLITS` that do; every launch taken gives a row the
+    same bits, so which one a batch's size picks changes none). The launches are checked at construction: a later
+    change of the module's candidates does not reach this table."""
 
     def __init__(self, heads: tuple[int, int, int] | None, dtype: torch.dtype, device):
         self.large = CONFIG
@@ -321,18 +328,24 @@ class InvariantSuffixAttention:
             self.splits = tuple(n for n in SUFFIX_SPLITS if launch(self.small)[4] == 1 and heads[2] % (16 * n) == 0
                                 and suffix_configs_agree(heads, dtype, device, self.large, (*self.small[:4], n)))
 
-    def small_launch(self) -> tuple[int, ...] | None:
-        """The small launch as a call now takes it: at `D_SPLIT` where that split was checked."""
-        if self.small is not None and D_SPLIT in self.splits:
-            return (*self.small[:4], D_SPLIT)
-        return self.small
+    def small_launch(self, programs: int) -> tuple[int, ...] | None:
+        """The small launch for a call whose small launch unsplit starts `programs` programs: at the largest checked
+        split up to `D_SPLIT` that keeps them within `SPLIT_FILL_PROGRAMS`, else as checked."""
+        split = max((n for n in self.splits if n <= D_SPLIT and programs * n <= SPLIT_FILL_PROGRAMS), default=1)
+        return self.small if split == 1 else (*self.small[:4], split)
 
     def __call__(self, q, k, v, bank_k, bank_v, key_lengths, slots, gate, scale):
-        return suffix_attention(q, k, v, bank_k, bank_v, key_lengths, slots, gate, scale,
-                                configs=(self.large, self.small_launch()))
+        small = self.small
+        if small is not None and self.splits:
+            B, Hq, T, _ = q.shape
+            small = self.small_launch(triton.cdiv(Hq // k.shape[1] * T, small[0]) * k.shape[1] * B)
+        return suffix_attention(q, k, v, bank_k, bank_v, key_lengths, slots, gate, scale, configs=(self.large, small))
 
     def __repr__(self) -> str:
-        # part of the table's name, and so of the scoring fingerprint: a split changes the bits
-        small = self.small_launch()
+        # part of the table's name, and so of the scoring fingerprint: another launch, another kernel
+        split = max((n for n in self.splits if n <= D_SPLIT), default=1)
+        small = f", {self.small} below the fill" if self.small else " always"
+        if split > 1:
+            small += f" (D split up to {split} within {SPLIT_FILL_PROGRAMS} programs)"
         answers = f"; answers {ANSWER_CONFIG}" if launch(ANSWER_CONFIG)[4] > 1 else ""
-        return f"suffix attention {self.large}" + (f", {small} below the fill" if small else " always") + answers
+        return f"suffix attention {self.large}{small}{answers}"

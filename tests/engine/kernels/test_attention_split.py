@@ -74,31 +74,37 @@ def test_a_split_launch_gives_a_row_the_same_bits_in_any_batch(base, monkeypatch
 
 def test_the_invariant_table_takes_a_split_only_where_the_device_check_held(monkeypatch):
     """`InvariantSuffixAttention` checks the splits of `SUFFIX_SPLITS` that leave >= 16 columns against the large
-    launch at load; `D_SPLIT` (read at each call) takes one of those, else the small launch as checked. Its launch
-    then starts `split` programs a query block, and its name (the scoring fingerprint's) says so."""
+    launch at load; a call takes the largest of them up to `D_SPLIT` (read at each call) that keeps its programs
+    within `SPLIT_FILL_PROGRAMS`, else the small launch as checked. Its launch then starts `split` programs a query
+    block, and its name (the scoring fingerprint's) says so."""
     checked = []
     monkeypatch.setattr(sa, "suffix_configs_agree",
                         lambda heads, dtype, device, large, small: checked.append(small) or small[:4] == (64, 64, 4, 2))
     attention = sa.InvariantSuffixAttention((4, 2, 64), torch.float32, DEV)      # D 64: splits 2 and 4
     assert checked == [*sa.SUFFIX_SMALL_CANDIDATES, (64, 64, 4, 2, 2), (64, 64, 4, 2, 4)]
     assert attention.small == (64, 64, 4, 2) and attention.splits == (2, 4)
-    assert attention.small_launch() == (64, 64, 4, 2) and repr(attention).endswith("(64, 64, 4, 2) below the fill")
+    assert attention.small_launch(24) == (64, 64, 4, 2) and repr(attention).endswith("(64, 64, 4, 2) below the fill")
     monkeypatch.setattr(sa, "D_SPLIT", 4)
-    assert attention.small_launch() == (64, 64, 4, 2, 4) and "(64, 64, 4, 2, 4) below the fill" in repr(attention)
+    # batch 1 of the 0.8B shape (24 programs unsplit) splits 4, batch 2 (48) 2, batch 4 (96) not at all
+    assert [attention.small_launch(n) for n in (24, 48, 96)] == [(64, 64, 4, 2, 4), (64, 64, 4, 2, 2), (64, 64, 4, 2)]
+    assert "(D split up to 4 within 132 programs)" in repr(attention)
+    monkeypatch.setattr(sa, "D_SPLIT", 2)
+    assert attention.small_launch(24) == (64, 64, 4, 2, 2)
     monkeypatch.setattr(sa, "suffix_configs_agree", lambda heads, dtype, device, large, small: len(small) == 4)
     refused = sa.InvariantSuffixAttention((4, 2, 64), torch.float32, DEV)        # the splits disagree: none taken
-    assert refused.splits == () and refused.small_launch() == refused.small
+    assert refused.splits == () and refused.small_launch(24) == refused.small and "split" not in repr(refused)
     monkeypatch.setattr(sa, "ANSWER_CONFIG", (*sa.ANSWER_CONFIG, 4))
     assert repr(refused).endswith(f"; answers {sa.ANSWER_CONFIG}")
-    # a one-row step: the small launch at split 4, 4 programs a 64-row query block
+    # a one-row step of 40 tokens (2 query blocks of 64 rows a kv head): split 4, then 1
     launches = []
     monkeypatch.setattr(sa, "_suffix_attention_kernel", _LaunchSpy(sa._suffix_attention_kernel, launches))
     case = Case((4, 2, 64), (80, 5, 33, 1), 80, torch.float32, DEV, seed=7)
     args = case.suffix_args(case.batch(case.row(40), 1, 1, 40, 0, random.Random(0)))
-    attention(*args, 0.2)
+    monkeypatch.setattr(sa, "D_SPLIT", 4)
+    split = attention(*args, 0.2)
     monkeypatch.setattr(sa, "D_SPLIT", 1)
-    attention(*args, 0.2)
-    assert [grid for _, grid in launches] == [(2 * 4, 2, 1), (2, 2, 1)]          # 80 query rows: 2 blocks of 64
+    assert same_across_tiles(attention(*args, 0.2), split)
+    assert [grid for _, grid in launches] == [(2 * 4, 2, 1), (2, 2, 1)]
 
 
 def test_a_split_must_leave_a_power_of_two_of_at_least_16_columns():
