@@ -123,14 +123,14 @@ def _online_softmax_step(q, k, v, keep, m_i, l_i, acc, qk_scale, PRECISION: tl.c
 
 def suffix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bank_k: torch.Tensor, bank_v: torch.Tensor,
                      key_lengths: torch.Tensor, slots: torch.Tensor, gate: torch.Tensor, scale: float,
-                     configs: tuple[tuple[int, int, int, int], tuple[int, int, int, int] | None] | None = None
-                     ) -> torch.Tensor:
+                     configs: tuple[tuple[int, ...], tuple[int, ...] | None] | None = None,
+                     fill: int | None = None) -> torch.Tensor:
     """q [B, Hq, T, D], k, v [B, Hkv, T, D] (the suffix's, after RoPE; any strides with the last dimension
     contiguous), bank_k, bank_v [S, Hkv, N, D] (the prefix bank's), key_lengths [S] int32 (each entry's prefix
     length), slots [B] int64 (row b continues entry slots[b]), gate [B, T, Hq, D] (a strided view) -> the gated
     attention output [B, T, Hq * D]: `Kernels.suffix_attention`. configs: (large, small) launches instead of
-    (`CONFIG`, `SMALL_CONFIG`), the small one where the large one gives fewer programs than `FILL_PROGRAMS`; small
-    None: the large one at every size."""
+    (`CONFIG`, `SMALL_CONFIG`), the small one where the large one gives fewer programs than `fill` (default
+    `FILL_PROGRAMS`); small None: the large one at every size."""
     B, Hq, T, D = q.shape
     Hkv = k.shape[1]
     G = Hq // Hkv
@@ -143,7 +143,7 @@ def suffix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bank_k: 
         return out
     large, small = configs or (CONFIG, SMALL_CONFIG)
     BM, BN, warps, stages, split = launch(large, D)
-    if small is not None and triton.cdiv(G * T, BM) * Hkv * split * B < FILL_PROGRAMS:
+    if small is not None and triton.cdiv(G * T, BM) * Hkv * split * B < (FILL_PROGRAMS if fill is None else fill):
         BM, BN, warps, stages, split = launch(small, D)
     grid = (triton.cdiv(G * T, BM) * split, Hkv, B)
     _suffix_attention_kernel[grid](
@@ -308,6 +308,12 @@ program where the launch is short of programs (batch 1: 24) but repeats the scor
 (184 programs unsplit) it would only add waves. Read at each call, like `D_SPLIT`."""
 
 
+INVARIANT_FILL_PROGRAMS: int | None = None
+"""The batch-invariant table's `fill` (None: `FILL_PROGRAMS`, as the fast table's): below it the small launch. Read at
+each call, like `D_SPLIT`. At batch 8 the 64-row launch runs 184 programs, a wave and a half of the H200's SMs (81 us a
+layer, run CI); 96 would give batch 8 the large launch's 96 programs instead (38 us a layer at batch 1 with 12)."""
+
+
 class InvariantSuffixAttention:
     """`Kernels.suffix_attention` whose result for a row does not depend on the batch: this module's kernel, which
     computes a query from its own row alone at any one launch configuration, with the large launch (`CONFIG`) at every
@@ -339,7 +345,8 @@ class InvariantSuffixAttention:
         if small is not None and self.splits:
             B, Hq, T, _ = q.shape
             small = self.small_launch(triton.cdiv(Hq // k.shape[1] * T, small[0]) * k.shape[1] * B)
-        return suffix_attention(q, k, v, bank_k, bank_v, key_lengths, slots, gate, scale, configs=(self.large, small))
+        return suffix_attention(q, k, v, bank_k, bank_v, key_lengths, slots, gate, scale, configs=(self.large, small),
+                                fill=INVARIANT_FILL_PROGRAMS)
 
     def __repr__(self) -> str:
         # part of the table's name, and so of the scoring fingerprint: another launch, another kernel

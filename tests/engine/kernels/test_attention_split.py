@@ -76,7 +76,7 @@ def test_the_invariant_table_takes_a_split_only_where_the_device_check_held(monk
     """`InvariantSuffixAttention` checks the splits of `SUFFIX_SPLITS` that leave >= 16 columns against the large
     launch at load; a call takes the largest of them up to `D_SPLIT` (read at each call) that keeps its programs
     within `SPLIT_FILL_PROGRAMS`, else the small launch as checked. Its launch then starts `split` programs a query
-    block, and its name (the scoring fingerprint's) says so."""
+    block, and its name (the scoring fingerprint's) says so. `INVARIANT_FILL_PROGRAMS` moves its small/large limit."""
     checked = []
     monkeypatch.setattr(sa, "suffix_configs_agree",
                         lambda heads, dtype, device, large, small: checked.append(small) or small[:4] == (64, 64, 4, 2))
@@ -104,7 +104,10 @@ def test_the_invariant_table_takes_a_split_only_where_the_device_check_held(monk
     split = attention(*args, 0.2)
     monkeypatch.setattr(sa, "D_SPLIT", 1)
     assert same_across_tiles(attention(*args, 0.2), split)
-    assert [grid for _, grid in launches] == [(2 * 4, 2, 1), (2, 2, 1)]
+    # the table's own fill (the fast table's `FILL_PROGRAMS` untouched): at 1 the large launch even for one row
+    monkeypatch.setattr(sa, "INVARIANT_FILL_PROGRAMS", 1)
+    assert same_across_tiles(attention(*args, 0.2), split)
+    assert launches == [(64, (2 * 4, 2, 1)), (64, (2, 2, 1)), (sa.CONFIG[0], (1, 2, 1))]
 
 
 def test_a_split_must_leave_a_power_of_two_of_at_least_16_columns():
