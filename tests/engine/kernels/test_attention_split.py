@@ -128,13 +128,14 @@ def test_split_launches_give_a_row_the_large_launchs_bits_at_the_08b_shape(split
     from tests.engine.test_gpu_invariance import PLACEMENTS
 
     attention = sa.InvariantSuffixAttention((8, 2, 256), torch.bfloat16, "cuda")
-    print(f"{attention!r}; D splits giving the large launch's bits: {attention.splits}")
+    # "exact" in the line: `bench/gpu_session.sh tests` shows it
+    print(f"D splits giving the large launch's bits exactly: {attention.splits} ({attention!r})")
     assert split in attention.splits
     monkeypatch.setattr(sa, "D_SPLIT", split)
     monkeypatch.setattr(sa, "ANSWER_CONFIG", (*sa.ANSWER_CONFIG[:4], split))
     case = Case((8, 2, 256), (400, 37, 129, 512, 300), 512, torch.bfloat16, "cuda", seed=11)
     rows = probe_in_placements(case, attention, sa.answer_attention, PLACEMENTS, L=182, slot=0,
                                probe_answers=list(range(163, 182, 2)), per_row=16, scale=256 ** -0.5)
-    print(f"split {split}: " + ", ".join(f"{r['R']}x{r['T']}: suffix {r['suffix_equal']}, answers {r['answers_equal']}"
-                                         for r in rows))
+    print(f"split {split}, same bits exactly: " + ", ".join(
+        f"{r['R']}x{r['T']}: suffix {r['suffix_equal']}, answers {r['answers_equal']}" for r in rows))
     assert all(r["suffix_equal"] and r["answers_equal"] for r in rows), rows
