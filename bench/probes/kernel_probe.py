@@ -202,7 +202,7 @@ def probe_prefix_attention(B: int, T: int, prefix: int = 400) -> dict:
 def probe_suffix_attention(B: int, T: int, prefix: int = 400) -> dict:
     """The suffix pass's attention: the split path's three launches (prefix half from the bank, causal half by torch's
     flash op, their merge with the output gate) against `engine.kernels.suffix_attention` at several launch
-    configurations, each with its max |diff| from the split path."""
+    configurations, each with its max |diff| from the split path and whether it gives `CONFIG`'s bits."""
     from engine.kernels import cuda_deterministic as bi
     from engine.kernels import suffix_attention as sa
     from engine.kernels.attention import AttentionOut, sdpa_with_lse
@@ -236,14 +236,17 @@ def probe_suffix_attention(B: int, T: int, prefix: int = 400) -> dict:
     out = {"rows": B, "tokens": T, "prefix": prefix, "split_ms": split_ms, "configs": []}
     print(json.dumps(out), file=sys.stderr, flush=True)
     run = lambda: sa.suffix_attention(q, k, v, bank_k, bank_v, lengths, slots, gate, scale)  # noqa: E731
+    large = sa.suffix_attention(q, k, v, bank_k, bank_v, lengths, slots, gate, scale, configs=(sa.CONFIG, None))
+    # the last two: the batch-invariant table's 64-row launch at D splits 2 and 4 (`suffix_attention.launch`)
     for config in ((64, 64, 8, 2), (128, 64, 8, 2), (128, 32, 8, 2), (128, 32, 8, 3), (64, 32, 4, 2), (32, 64, 4, 2),
-                   (16, 64, 4, 2), (16, 32, 2, 2)):
+                   (16, 64, 4, 2), (16, 32, 2, 2), (64, 64, 4, 2), (64, 64, 4, 2, 2), (64, 64, 4, 2, 4)):
         # FILL_PROGRAMS 0: this launch at every batch size
         with patched([("engine.kernels.suffix_attention", "CONFIG", config),
                       ("engine.kernels.suffix_attention", "FILL_PROGRAMS", 0)]):
             try:
                 got = run()
-                row = dict(config=config, ms=round(gpu_ms(run, graph=True), 4), max_diff=(got - ref).abs().max().item())
+                row = dict(config=config, ms=round(gpu_ms(run, graph=True), 4), max_diff=(got - ref).abs().max().item(),
+                           same_bits_as_config=torch.equal(got, large))
             except Exception as exc:  # noqa: BLE001 - a configuration the GPU refuses
                 row = dict(config=config, error=f"{type(exc).__name__}: {str(exc)[:200]}")
         print(json.dumps(row), file=sys.stderr, flush=True)

@@ -53,52 +53,55 @@ def _suffix_attention_kernel(Q, K, V, KP, VP, PLENS, SLOTS, GATE, Y, T,
                              skp_s, skp_h, skp_n, svp_s, svp_h, svp_n, g_token, g_head, scale,
                              G: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                              PRECISION: tl.constexpr, KEY_CAP: tl.constexpr, T_CAP: tl.constexpr,
-                             PDL: tl.constexpr = False):
+                             PDL: tl.constexpr = False, DSPLIT: tl.constexpr = 1):
     await_previous_kernel(PDL)
     b = tl.program_id(2).to(tl.int64)
     kvh = tl.program_id(1)
-    m = tl.program_id(0) * BM + tl.arange(0, BM)
+    block = tl.program_id(0) // DSPLIT               # DSPLIT programs per query block, one per D / DSPLIT columns
+    m = block * BM + tl.arange(0, BM)
     t = m // G                                       # each query row's position, and its query head
     h = kvh * G + m % G
     row_ok = t < T
     d = tl.arange(0, D)
+    dv = (tl.program_id(0) % DSPLIT) * (D // DSPLIT) + tl.arange(0, D // DSPLIT)      # this program's output columns
     q = tl.load(Q + b * sq_b + (h * sq_h + t.to(tl.int64) * sq_t)[:, None] + d[None, :], mask=row_ok[:, None],
                 other=0.0)
     qk_scale = scale * 1.4426950408889634           # exp2 instead of exp
     m_i = tl.full((BM,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BM,), dtype=tl.float32)
-    acc = tl.zeros((BM, D), dtype=tl.float32)
+    acc = tl.zeros((BM, D // DSPLIT), dtype=tl.float32)
 
     # the prefix's keys, from the bank entry of this row's slot, up to the prefix's length; then the suffix's own
     # keys, causal: up to the last position of this block
     slot = tl.load(SLOTS + b).to(tl.int64)
     n_prefix = tl.load(PLENS + slot)
     m_i, l_i, acc = _attend_keys(q, KP + slot * skp_s + kvh * skp_h, VP + slot * svp_s + kvh * svp_h, n_prefix, t, d,
-                                 m_i, l_i, acc, qk_scale, skp_n, svp_n, BN, KEY_CAP, PRECISION, False)
-    last = tl.minimum((tl.program_id(0) * BM + BM - 1) // G, T - 1)      # this block's last position
-    m_i, l_i, acc = _attend_keys(q, K + b * sk_b + kvh * sk_h, V + b * sv_b + kvh * sv_h, last + 1, t, d, m_i, l_i,
-                                 acc, qk_scale, sk_t, sv_t, BN, T_CAP, PRECISION, True)
+                                 dv, m_i, l_i, acc, qk_scale, skp_n, svp_n, BN, KEY_CAP, PRECISION, False)
+    last = tl.minimum((block * BM + BM - 1) // G, T - 1)      # this block's last position
+    m_i, l_i, acc = _attend_keys(q, K + b * sk_b + kvh * sk_h, V + b * sv_b + kvh * sv_h, last + 1, t, d, dv, m_i,
+                                 l_i, acc, qk_scale, sk_t, sv_t, BN, T_CAP, PRECISION, True)
 
     # transformers: the attention output in the model's dtype, times sigmoid(gate) rounded to it
     ty = Y.dtype.element_ty
     o = (acc / l_i[:, None]).to(ty).to(tl.float32)
     token = b * T + t
-    g = tl.load(GATE + (token * g_token + h * g_head)[:, None] + d[None, :], mask=row_ok[:, None], other=0.0)
+    g = tl.load(GATE + (token * g_token + h * g_head)[:, None] + dv[None, :], mask=row_ok[:, None], other=0.0)
     y = o * tl.sigmoid(g.to(tl.float32)).to(ty).to(tl.float32)
     Hq = G * tl.num_programs(1)
-    tl.store(Y + (token * Hq + h)[:, None] * D + d[None, :], y.to(ty), mask=row_ok[:, None])
+    tl.store(Y + (token * Hq + h)[:, None] * D + dv[None, :], y.to(ty), mask=row_ok[:, None])
 
 
 @triton.jit
-def _attend_keys(q, keys, values, n_keys, t, d, m_i, l_i, acc, qk_scale, k_stride, v_stride, BN: tl.constexpr,
+def _attend_keys(q, keys, values, n_keys, t, d, dv, m_i, l_i, acc, qk_scale, k_stride, v_stride, BN: tl.constexpr,
                  CAP: tl.constexpr, PRECISION: tl.constexpr, CAUSAL: tl.constexpr):
     # the first n_keys keys at keys / values (a row's prefix in the bank, or its own suffix) in blocks of BN, into the
-    # running softmax; CAUSAL: each query row sees the keys up to its own position t. CAP: the interpreter's bound
+    # running softmax; CAUSAL: each query row sees the keys up to its own position t. CAP: the interpreter's bound.
+    # The scores take every column d of q and k; the output (acc) only the value columns dv
     for start in range(0, CAP if CAP else n_keys, BN):
         n = start + tl.arange(0, BN)
         key_ok = n < n_keys
         k = tl.load(keys + n[None, :].to(tl.int64) * k_stride + d[:, None], mask=key_ok[None, :], other=0.0)
-        v = tl.load(values + n[:, None].to(tl.int64) * v_stride + d[None, :], mask=key_ok[:, None], other=0.0)
+        v = tl.load(values + n[:, None].to(tl.int64) * v_stride + dv[None, :], mask=key_ok[:, None], other=0.0)
         keep = n[None, :] <= t[:, None] if CAUSAL else key_ok[None, :]
         m_i, l_i, acc = _online_softmax_step(q, k, v, keep, m_i, l_i, acc, qk_scale, PRECISION)
     return m_i, l_i, acc
@@ -120,14 +123,14 @@ def _online_softmax_step(q, k, v, keep, m_i, l_i, acc, qk_scale, PRECISION: tl.c
 
 def suffix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bank_k: torch.Tensor, bank_v: torch.Tensor,
                      key_lengths: torch.Tensor, slots: torch.Tensor, gate: torch.Tensor, scale: float,
-                     configs: tuple[tuple[int, int, int, int], tuple[int, int, int, int] | None] | None = None
-                     ) -> torch.Tensor:
+                     configs: tuple[tuple[int, ...], tuple[int, ...] | None] | None = None,
+                     fill: int | None = None) -> torch.Tensor:
     """q [B, Hq, T, D], k, v [B, Hkv, T, D] (the suffix's, after RoPE; any strides with the last dimension
     contiguous), bank_k, bank_v [S, Hkv, N, D] (the prefix bank's), key_lengths [S] int32 (each entry's prefix
     length), slots [B] int64 (row b continues entry slots[b]), gate [B, T, Hq, D] (a strided view) -> the gated
     attention output [B, T, Hq * D]: `Kernels.suffix_attention`. configs: (large, small) launches instead of
-    (`CONFIG`, `SMALL_CONFIG`), the small one where the large one gives fewer programs than `FILL_PROGRAMS`; small
-    None: the large one at every size."""
+    (`CONFIG`, `SMALL_CONFIG`), the small one where the large one gives fewer programs than `fill` (default
+    `FILL_PROGRAMS`); small None: the large one at every size."""
     B, Hq, T, D = q.shape
     Hkv = k.shape[1]
     G = Hq // Hkv
@@ -139,17 +142,34 @@ def suffix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bank_k: 
     if B * T == 0:
         return out
     large, small = configs or (CONFIG, SMALL_CONFIG)
-    BM, BN, warps, stages = large
-    if small is not None and triton.cdiv(G * T, BM) * Hkv * B < FILL_PROGRAMS:
-        BM, BN, warps, stages = small
-    grid = (triton.cdiv(G * T, BM), Hkv, B)
+    BM, BN, warps, stages, split = launch(large, D)
+    if small is not None and triton.cdiv(G * T, BM) * Hkv * split * B < (FILL_PROGRAMS if fill is None else fill):
+        BM, BN, warps, stages, split = launch(small, D)
+    grid = (triton.cdiv(G * T, BM) * split, Hkv, B)
     _suffix_attention_kernel[grid](
         q, k, v, bank_k, bank_v, key_lengths, slots, gate, out, T, *q.stride()[:3],
         *k.stride()[:3], *v.stride()[:3], *bank_k.stride()[:3], *bank_v.stride()[:3], gate.stride(1),
         gate.stride(2), scale, G=G, D=D, BM=BM, BN=BN, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        KEY_CAP=bank_k.shape[2] if _INTERPRETED else 0, T_CAP=T if _INTERPRETED else 0, num_warps=warps,
-        num_stages=stages, **pdl_launch())
+        KEY_CAP=bank_k.shape[2] if _INTERPRETED else 0, T_CAP=T if _INTERPRETED else 0, DSPLIT=split,
+        num_warps=warps, num_stages=stages, **pdl_launch())
     return out
+
+
+def launch(config: tuple[int, ...], D: int | None = None) -> tuple[int, int, int, int, int]:
+    """A launch (query rows, keys, warps, stages[, D split]) -> all five, the D split 1 where it is not given; with
+    the head dim D, checked to leave a program a power of 2 of at least 16 columns.
+
+    The D split: D / split output columns a program, so split programs per query block. Each computes the block's
+    scores from all D columns of q and k (the same tile and instruction as without the split) and accumulates only
+    its columns of the values: a query's scores, softmax and output columns are summed as without it, by MMAs of a
+    narrower output (on the H200, the matmul's 64- and 256-wide tiles gave the same bits: `kernels/test_small_tile.py`).
+    More programs for few rows, and a quarter of the accumulator's registers at split 4: the 64-row launch at split 1
+    holds 255 registers a thread and spills (ptxas for sm_90a: `bench/probes/kernel_registers.py`)."""
+    BM, BN, warps, stages, *rest = config
+    split = rest[0] if rest else 1
+    if split not in (1, 2, 4, 8) or (D is not None and (D % (16 * split) or D & (D - 1))):
+        raise ValueError(f"attention launch {config}: a D split of 1, 2, 4 or 8 leaving >= 16 columns of D={D}")
+    return BM, BN, warps, stages, split
 
 
 ANSWER_CONFIG = (64, 64, 4, 2)
@@ -158,17 +178,21 @@ G answers of one kv head's G query heads), so at the 0.8B shape (G = 4, 10 quest
 answers. One launch at every batch size: answer j of a row is query row j * G + (its head in the group) of the row's
 own programs, whatever the answers of the rows before it, its keys are read in blocks of BN from the first, and the
 keys past its position add exact zeros, so an answer's result does not depend on the batch (the batch-invariant table
-takes it as it is)."""
+takes it as it is). A fifth element is a D split (`launch`): the same launch at every size too, so as invariant; at
+batch 1 it gives the row's 2 programs 2 x split (51 us of the step at split 1 in run CI). Read at each call, for
+`bench/probes/variant_ab.py`."""
 
 
 @triton.jit(do_not_specialize=["T"])
 def _answer_attention_kernel(Q, K, V, KP, VP, PLENS, SLOTS, ROWS, STARTS, COUNTS, GATE, Y, T,
                              sq_s, sq_h, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, skp_s, skp_h, skp_n, svp_s, svp_h,
                              svp_n, g_s, g_h, scale, G: tl.constexpr, D: tl.constexpr, BM: tl.constexpr,
-                             BN: tl.constexpr, PRECISION: tl.constexpr, KEY_CAP: tl.constexpr, T_CAP: tl.constexpr):
+                             BN: tl.constexpr, PRECISION: tl.constexpr, KEY_CAP: tl.constexpr, T_CAP: tl.constexpr,
+                             DSPLIT: tl.constexpr = 1):
     b = tl.program_id(2).to(tl.int64)
     kvh = tl.program_id(1)
-    m = tl.program_id(0) * BM + tl.arange(0, BM)
+    block = tl.program_id(0) // DSPLIT               # as `_suffix_attention_kernel`
+    m = block * BM + tl.arange(0, BM)
     j = m // G                                      # each query row's answer (of row b's), and its query head
     h = kvh * G + m % G
     count = tl.load(COUNTS + b)
@@ -177,28 +201,29 @@ def _answer_attention_kernel(Q, K, V, KP, VP, PLENS, SLOTS, ROWS, STARTS, COUNTS
     t = tl.load(ROWS + s, mask=ok, other=0) - b * T      # its position in row b's suffix
     t = tl.where(ok, t, 0)
     d = tl.arange(0, D)
+    dv = (tl.program_id(0) % DSPLIT) * (D // DSPLIT) + tl.arange(0, D // DSPLIT)
     q = tl.load(Q + (s * sq_s + h * sq_h)[:, None] + d[None, :], mask=ok[:, None], other=0.0)
     qk_scale = scale * 1.4426950408889634
     m_i = tl.full((BM,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BM,), dtype=tl.float32)
-    acc = tl.zeros((BM, D), dtype=tl.float32)
+    acc = tl.zeros((BM, D // DSPLIT), dtype=tl.float32)
 
     # as `_suffix_attention_kernel`: the prefix's keys from the bank entry of row b's slot, then the suffix's own keys
     # up to the block's last answer, each query masked at its own position; a row with no answers here reads none
     slot = tl.load(SLOTS + b).to(tl.int64)
-    n_prefix = tl.where(tl.program_id(0) * BM < count * G, tl.load(PLENS + slot), 0)
+    n_prefix = tl.where(block * BM < count * G, tl.load(PLENS + slot), 0)
     m_i, l_i, acc = _attend_keys(q, KP + slot * skp_s + kvh * skp_h, VP + slot * svp_s + kvh * svp_h, n_prefix, t, d,
-                                 m_i, l_i, acc, qk_scale, skp_n, svp_n, BN, KEY_CAP, PRECISION, False)
+                                 dv, m_i, l_i, acc, qk_scale, skp_n, svp_n, BN, KEY_CAP, PRECISION, False)
     last = tl.max(tl.where(ok, t, -1), 0)
-    m_i, l_i, acc = _attend_keys(q, K + b * sk_b + kvh * sk_h, V + b * sv_b + kvh * sv_h, last + 1, t, d, m_i, l_i,
-                                 acc, qk_scale, sk_t, sv_t, BN, T_CAP, PRECISION, True)
+    m_i, l_i, acc = _attend_keys(q, K + b * sk_b + kvh * sk_h, V + b * sv_b + kvh * sv_h, last + 1, t, d, dv, m_i,
+                                 l_i, acc, qk_scale, sk_t, sv_t, BN, T_CAP, PRECISION, True)
 
     ty = Y.dtype.element_ty
     o = (acc / l_i[:, None]).to(ty).to(tl.float32)
-    g = tl.load(GATE + (s * g_s + h * g_h)[:, None] + d[None, :], mask=ok[:, None], other=0.0)
+    g = tl.load(GATE + (s * g_s + h * g_h)[:, None] + dv[None, :], mask=ok[:, None], other=0.0)
     y = o * tl.sigmoid(g.to(tl.float32)).to(ty).to(tl.float32)
     Hq = G * tl.num_programs(1)
-    tl.store(Y + (s * Hq + h)[:, None] * D + d[None, :], y.to(ty), mask=ok[:, None])
+    tl.store(Y + (s * Hq + h)[:, None] * D + dv[None, :], y.to(ty), mask=ok[:, None])
 
 
 def answer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bank_k: torch.Tensor, bank_v: torch.Tensor,
@@ -218,14 +243,14 @@ def answer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bank_k: 
     out = torch.zeros(S, Hq * D, dtype=q.dtype, device=q.device)
     if S == 0 or B == 0:
         return out
-    BM, BN, warps, stages = ANSWER_CONFIG
-    grid = (triton.cdiv(G * triton.cdiv(S, B), BM), Hkv, B)
+    BM, BN, warps, stages, split = launch(ANSWER_CONFIG, D)
+    grid = (triton.cdiv(G * triton.cdiv(S, B), BM) * split, Hkv, B)
     _answer_attention_kernel[grid](
         q, k, v, bank_k, bank_v, key_lengths, slots, rows, starts, counts, gate, out, T, q.stride(0), q.stride(1),
         *k.stride()[:3], *v.stride()[:3], *bank_k.stride()[:3], *bank_v.stride()[:3], gate.stride(0), gate.stride(1),
         scale, G=G, D=D, BM=BM, BN=BN, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        KEY_CAP=bank_k.shape[2] if _INTERPRETED else 0, T_CAP=T if _INTERPRETED else 0, num_warps=warps,
-        num_stages=stages)
+        KEY_CAP=bank_k.shape[2] if _INTERPRETED else 0, T_CAP=T if _INTERPRETED else 0, DSPLIT=split,
+        num_warps=warps, num_stages=stages)
     return out
 
 
@@ -265,23 +290,69 @@ def suffix_configs_agree(heads: tuple[int, int, int], dtype: torch.dtype, device
     return True
 
 
+SUFFIX_SPLITS = (2, 4)
+"""D splits (`launch`) of the chosen small launch that `InvariantSuffixAttention` checks at load against the large
+launch; `D_SPLIT` picks among those that agree."""
+
+D_SPLIT = 1
+"""The largest D split the batch-invariant table's small launch may run at (1: none), among those the load-time check
+showed giving the large launch's bits; a call takes the largest of them that keeps the launch within
+`SPLIT_FILL_PROGRAMS` programs, else none. Read at each call, so a CUDA graph keeps the setting it was captured under
+and `bench/probes/variant_ab.py` can time splits in one process. 1 until the H200 shows a split paying: at batch 1
+the 64-row launch runs 24 programs (45 us a layer, run CI) at 255 registers a thread with spills; split 4 runs 96 at
+183 registers without (`bench/probes/kernel_registers.py`)."""
+
+SPLIT_FILL_PROGRAMS = 132
+"""A D split only while the split launch's programs fit one an SM of the H200's 132: a split adds no work per
+program where the launch is short of programs (batch 1: 24) but repeats the score's MMAs split times, so at batch 8
+(184 programs unsplit) it would only add waves. Read at each call, like `D_SPLIT`."""
+
+
+INVARIANT_FILL_PROGRAMS: int | None = None
+"""The batch-invariant table's `fill` (None: `FILL_PROGRAMS`, as the fast table's): below it the small launch. Read at
+each call, like `D_SPLIT`. At batch 8 the 64-row launch runs 184 programs, a wave and a half of the H200's SMs (81 us a
+layer, run CI); 96 would give batch 8 the large launch's 96 programs instead (38 us a layer at batch 1 with 12)."""
+
+
 class InvariantSuffixAttention:
     """`Kernels.suffix_attention` whose result for a row does not depend on the batch: this module's kernel, which
     computes a query from its own row alone at any one launch configuration, with the large launch (`CONFIG`) at every
     size, and the small one where the large gives too few programs (batch 1 to ~20 at the 0.8B shape) only where
-    `suffix_configs_agree` holds on the device for one of `SUFFIX_SMALL_CANDIDATES`. The launches are fixed at
-    construction: a later change of the module's constants does not reach this table."""
+    `suffix_configs_agree` holds on the device for one of `SUFFIX_SMALL_CANDIDATES`, at a D split up to `D_SPLIT`
+    where that split of it agrees too (`splits`: those of `SUFFIX_SPLITS` that do; every launch taken gives a row the
+    same bits, so which one a batch's size picks changes none). The launches are checked at construction: a later
+    change of the module's candidates does not reach this table."""
 
     def __init__(self, heads: tuple[int, int, int] | None, dtype: torch.dtype, device):
         self.large = CONFIG
         self.small = None
+        self.splits: tuple[int, ...] = ()
         if heads is not None:
             self.small = next((c for c in SUFFIX_SMALL_CANDIDATES
                                if suffix_configs_agree(heads, dtype, device, self.large, c)), None)
+        if self.small is not None and heads is not None and heads[2] > 16:
+            self.splits = tuple(n for n in SUFFIX_SPLITS if launch(self.small)[4] == 1 and heads[2] % (16 * n) == 0
+                                and suffix_configs_agree(heads, dtype, device, self.large, (*self.small[:4], n)))
+
+    def small_launch(self, programs: int) -> tuple[int, ...] | None:
+        """The small launch for a call whose small launch unsplit starts `programs` programs: at the largest checked
+        split up to `D_SPLIT` that keeps them within `SPLIT_FILL_PROGRAMS`, else as checked."""
+        split = max((n for n in self.splits if n <= D_SPLIT and programs * n <= SPLIT_FILL_PROGRAMS), default=1)
+        return self.small if split == 1 else (*self.small[:4], split)
 
     def __call__(self, q, k, v, bank_k, bank_v, key_lengths, slots, gate, scale):
-        return suffix_attention(q, k, v, bank_k, bank_v, key_lengths, slots, gate, scale,
-                                configs=(self.large, self.small))
+        small = self.small
+        if small is not None and self.splits:
+            B, Hq, T, _ = q.shape
+            small = self.small_launch(triton.cdiv(Hq // k.shape[1] * T, small[0]) * k.shape[1] * B)
+        return suffix_attention(q, k, v, bank_k, bank_v, key_lengths, slots, gate, scale, configs=(self.large, small),
+                                fill=INVARIANT_FILL_PROGRAMS)
 
     def __repr__(self) -> str:
-        return f"suffix attention {self.large}" + (f", {self.small} below the fill" if self.small else " always")
+        # part of the table's name, and so of the scoring fingerprint: another launch, another kernel
+        split = max((n for n in self.splits if n <= D_SPLIT), default=1)
+        small = f", {self.small} below the fill" if self.small else " always"
+        if split > 1:
+            small += f" (D split up to {split} within {SPLIT_FILL_PROGRAMS} programs)"
+        answers = f"; answers {ANSWER_CONFIG}" if launch(ANSWER_CONFIG)[4] > 1 else ""
+        return f"suffix attention {self.large}{small}{answers}"

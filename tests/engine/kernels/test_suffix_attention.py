@@ -178,8 +178,9 @@ def test_the_invariant_suffix_attention_takes_the_small_launch_only_where_it_giv
     monkeypatch.setattr(sa, "suffix_configs_agree",
                         lambda heads, dtype, device, large, small: checked.append(small) or small == (64, 64, 4, 2))
     attention = sa.InvariantSuffixAttention((4, 2, 32), torch.float32, DEV)
-    assert checked == list(sa.SUFFIX_SMALL_CANDIDATES) and attention.small == (64, 64, 4, 2)
-    assert attention.large == sa.CONFIG and "(64, 64, 4, 2)" in repr(attention)
+    # then the D splits of the small launch that leave >= 16 of D's 32 columns (`test_attention_split.py`)
+    assert checked == [*sa.SUFFIX_SMALL_CANDIDATES, (64, 64, 4, 2, 2)] and attention.small == (64, 64, 4, 2)
+    assert attention.splits == () and attention.large == sa.CONFIG and "(64, 64, 4, 2)" in repr(attention)
     monkeypatch.setattr(sa, "suffix_configs_agree", lambda *a: False)
     attention = sa.InvariantSuffixAttention((4, 2, 32), torch.float32, DEV)
     assert attention.small is None and "always" in repr(attention)

@@ -59,17 +59,20 @@ def _counted(fn, calls: list):
     return counted
 
 
-def test_the_deterministic_forward_with_triton_attention_scores_a_state_the_same_in_any_batch(tmp_path):
+@pytest.mark.parametrize("answer_split", [1, 2], ids=["answers", "answers-d-split"])
+def test_the_deterministic_forward_with_triton_attention_scores_a_state_the_same_in_any_batch(tmp_path, answer_split,
+                                                                                              monkeypatch):
     """The deterministic table's attention in a whole forward: the CPU's batch-invariant table with the one-kernel
     suffix attention (launched as the deterministic CUDA table launches it) and the answers' attention in place of its
     row-by-row attention, on an 8-layer tiny model (two full-attention layers: the first runs the suffix kernel, the
-    last the answers' kernel, at every batch size, one row included). A state's probabilities are the same bits alone
-    and in shuffled batches of other states (other lengths, so other padded lengths), packed and independent; and
-    they match the oracle."""
+    last the answers' kernel, at every batch size, one row included), the answers' launch at a D split too. A state's
+    probabilities are the same bits alone and in shuffled batches of other states (other lengths, so other padded
+    lengths), packed and independent; and they match the oracle."""
     import dataclasses
     import random
 
     from engine import Engine, SchemaEngine
+    from engine.kernels import suffix_attention as sa
     from engine.kernels.suffix_attention import InvariantSuffixAttention
     from engine.reference import score_full
     from engine.kernels.suffix_attention import answer_attention
@@ -77,6 +80,7 @@ def test_the_deterministic_forward_with_triton_attention_scores_a_state_the_same
 
     from ..conftest import make_questions, make_states
 
+    monkeypatch.setattr(sa, "ANSWER_CONFIG", (*sa.ANSWER_CONFIG[:4], answer_split))
     eng = Engine.load(write_tiny_model(tmp_path / "tiny8", seed=3, num_hidden_layers=8), device=DEV, dtype="float32",
                       deterministic=True)
     assert eng.forward.kernels.batch_invariant

@@ -130,14 +130,15 @@ def test_suffix_attention_kernel_loads_queries_keys_values_and_gate_in_16_byte_v
              "svp_s", "svp_h", "svp_n", "g_token", "g_head"]
     sig = {**{n: "*bf16" for n in ("Q", "K", "V", "KP", "VP")}, "PLENS": "*i32", "SLOTS": "*i64", "GATE": "*bf16",
            "Y": "*bf16", **{n: "i32" for n in names}, "scale": "fp32",
-           **{n: "constexpr" for n in ("G", "D", "BM", "BN", "PRECISION", "KEY_CAP", "T_CAP")}}
+           **{n: "constexpr" for n in ("G", "D", "BM", "BN", "PRECISION", "KEY_CAP", "T_CAP", "PDL", "DSPLIT")}}
     ints = _ints(names, T=184, sq_b=8 * 184 * 256, sq_h=184 * 256, sq_t=256, sk_b=2 * 184 * 256, sk_h=184 * 256,
                  sk_t=256, sv_b=184 * 5120, sv_h=256, sv_t=5120, skp_s=2 * 512 * 256, skp_h=512 * 256, skp_n=256,
                  svp_s=2 * 512 * 256, svp_h=512 * 256, svp_n=256, g_token=5120, g_head=512)
-    BM, BN, warps, _stages = sa.CONFIG
-    ptx = _ptx(sa._suffix_attention_kernel, sig, dict(G=4, D=256, BM=BM, BN=BN, PRECISION="tf32", KEY_CAP=0, T_CAP=0),
-               ints, num_warps=warps)
-    assert _scalar_bf16_loads(ptx) == 0 and "ld.global.v4.b32" in ptx
+    for config in (sa.CONFIG, (64, 64, 4, 2, 4)):          # and a D split's narrower value and gate columns
+        BM, BN, warps, _stages, split = sa.launch(config)
+        ptx = _ptx(sa._suffix_attention_kernel, sig, dict(G=4, D=256, BM=BM, BN=BN, PRECISION="tf32", KEY_CAP=0,
+                                                          T_CAP=0, PDL=False, DSPLIT=split), ints, num_warps=warps)
+        assert _scalar_bf16_loads(ptx) == 0 and "ld.global.v4.b32" in ptx, config
 
 
 
@@ -151,13 +152,14 @@ def test_answer_attention_kernel_loads_queries_keys_values_and_gate_in_16_byte_v
     sig = {**{n: "*bf16" for n in ("Q", "K", "V", "KP", "VP")}, "PLENS": "*i32",
            **{n: "*i64" for n in ("SLOTS", "ROWS", "STARTS", "COUNTS")}, "GATE": "*bf16", "Y": "*bf16",
            **{n: "i32" for n in names}, "scale": "fp32",
-           **{n: "constexpr" for n in ("G", "D", "BM", "BN", "PRECISION", "KEY_CAP", "T_CAP")}}
+           **{n: "constexpr" for n in ("G", "D", "BM", "BN", "PRECISION", "KEY_CAP", "T_CAP", "DSPLIT")}}
     ints = _ints(names, T=184, sq_s=8 * 256, sq_h=256, sk_b=2 * 184 * 256, sk_h=184 * 256, sk_t=256, sv_b=184 * 1024,
                  sv_h=256, sv_t=1024, skp_s=2 * 512 * 256, skp_h=512 * 256, skp_n=256, svp_s=2 * 512 * 256,
                  svp_h=512 * 256, svp_n=256, g_s=4096, g_h=512)
-    BM, BN, warps, _stages = sa.ANSWER_CONFIG
+    BM, BN, warps, _stages, split = sa.launch(sa.ANSWER_CONFIG)
     ptx = _ptx(sa._answer_attention_kernel, sig,
-               dict(G=4, D=256, BM=BM, BN=BN, PRECISION="tf32", KEY_CAP=0, T_CAP=0), ints, num_warps=warps)
+               dict(G=4, D=256, BM=BM, BN=BN, PRECISION="tf32", KEY_CAP=0, T_CAP=0, DSPLIT=split), ints,
+               num_warps=warps)
     assert _scalar_bf16_loads(ptx) == 0 and "ld.global.v4.b32" in ptx
 
 def _vocab_logsumexp_launches() -> list[tuple]:
