@@ -22,7 +22,9 @@ calibrated one, all in the same step.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import NamedTuple, Sequence
 
@@ -33,7 +35,7 @@ from engine.calibration import CONTENT_FREE_STATES, check_calibration, contextua
 from engine.errors import InputError
 from engine.buckets import batch_buckets
 from engine.fingerprint import Fingerprint, calibration_part, prompt_part
-from engine.graphs import GraphManager, StepShape
+from engine.graphs import GraphManager, StepShape, StepSpec
 from engine.label_mass import label_mass
 from engine.model import SuffixContext
 from engine.prefix_bank import PrefixBank
@@ -42,6 +44,12 @@ from engine.prompt import (DEFAULT_MAX_CTX_TOKENS, MAX_OPTIONS, ChatTemplate, Qu
 from engine.readout import MASS, PROBABILITIES, RAW, SCORE_COLUMNS, read_rows
 from engine.scores import PendingScores, Scores
 from engine.step_layout import Row, StepLayout
+
+log = logging.getLogger(__name__)
+
+PLAN_SEEN_LENGTHS = 8
+"""How many of the state lengths scored so far (the most frequent, in steps of 8 tokens) a new schema's graph plan
+covers besides the lengths it is given (`SchemaEngine.graph_plan`)."""
 
 LABEL_MASS_BY_DEFAULT = True
 """Whether a schema's records carry the label mass when neither it (`prepare(..., label_mass=)`) nor the
@@ -103,20 +111,28 @@ class SchemaEngine:
     """
 
     def __init__(self, engine, use_graphs: bool = True, chat: ChatTemplate | None = None,
-                 max_ctx_tokens: int = DEFAULT_MAX_CTX_TOKENS, prefix_slots: int = 8, label_mass: bool | None = None):
+                 max_ctx_tokens: int = DEFAULT_MAX_CTX_TOKENS, prefix_slots: int = 8, label_mass: bool | None = None,
+                 background_captures: bool = False):
         """chat: wrap prompts in a chat template (`engine.prompt.QWEN_CHAT` for Qwen3.5 instruct models);
         prefix_slots: the prefix bank's first size (a packed schema takes one slot, an independent one a slot per
         question); it doubles when full, which drops the graphs captured so far (they are recaptured as batches
         come), so a deployment that knows its schema count can size it once; label_mass: whether schemas that do not
-        say carry the label mass (None: `LABEL_MASS_BY_DEFAULT`)."""
+        say carry the label mass (None: `LABEL_MASS_BY_DEFAULT`); background_captures: never capture a CUDA graph on
+        a step's path: a batch whose graph is missing runs on a larger captured graph that serves it, or eagerly,
+        while a thread captures its graph (and those `announce` asks for) beside the scoring (`engine.graphs`; the
+        worker's choice). Off: a step captures its missing graph before it runs (what a benchmark wants)."""
         self.e, self.fwd, self.chat, self.max_ctx_tokens = engine, engine.forward, chat, max_ctx_tokens
         self.label_mass = LABEL_MASS_BY_DEFAULT if label_mass is None else bool(label_mass)
         # a table that attends row by row needs each batch's lengths, which a captured graph cannot take
         by_request = self.fwd.kernels.attend_by_request
-        self.graphs = GraphManager(enabled=use_graphs and engine.use_graphs and not by_request, device=engine.dev)
+        self.graphs = GraphManager(enabled=use_graphs and engine.use_graphs and not by_request, device=engine.dev,
+                                   background=background_captures, serves=_serves)
         self.bank = PrefixBank(engine.dev, prefix_slots)
         self._graphs_generation = self.bank.generation
         self._ids = itertools.count()
+        self._live: dict[int, PreparedSchema] = {}       # prepared and not released: what mixed batches can hold
+        self._overheads: dict[int, int] = {}             # answer slots a row -> suffix tokens of an empty state
+        self._seen_lengths: Counter[int] = Counter()     # state tokens of each step's longest row, in steps of 8
 
     # ---- schemas ---------------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -149,6 +165,7 @@ class SchemaEngine:
         h.biases = None if bias is None else bias.astype(np.float32)
         h.calibrated = tuple(h.biases is not None and bool(np.any(h.biases[q, :n] != 0))
                              for q, n in enumerate(h.n_options))
+        self._live[h.id] = h
         return h
 
     def fingerprint(self, h: PreparedSchema) -> Fingerprint:
@@ -170,7 +187,12 @@ class SchemaEngine:
 
     def release(self, h: PreparedSchema) -> None:
         """Give the schema's bank slots back (their memory is reused by the next schema prepared; graphs stay)."""
+        self._live.pop(h.id, None)
         self.bank.free(h.prefix_slots)
+
+    def live_schemas(self) -> int:
+        """Schemas prepared and not released."""
+        return len(self._live)
 
     def memory(self) -> dict[str, int]:
         """Device memory of prepared schemas: the prefix bank's `bank_bytes`, its `slots` and `live_slots`, and
@@ -184,29 +206,107 @@ class SchemaEngine:
 
     @torch.no_grad()
     def warmup(self, h: PreparedSchema, batch_sizes=(1, 8, 32), state_tokens=(64, 128, 256)) -> float:
-        """Capture the graphs batches of this schema run at, for these batch sizes (in states) and state lengths,
-        ahead of traffic; graphs are shared by every schema, so a later schema of the same shape captures nothing.
-        No-op without graphs. Returns the seconds spent."""
+        """Capture the graphs batches of this schema run at, for these batch sizes (in states) and state lengths, now,
+        on this thread; graphs are shared by every schema, so a later schema of the same shape captures nothing.
+        No-op without graphs. Returns the seconds spent. (`announce`: the same and more, off the caller's path.)"""
         t = time.perf_counter()
-        empty = self.tokenize(h, "")
+        self._sync_graphs()
         rows = [n * h.P for n in batch_sizes]
         shapes = self.graphs.warmup_order([min(r, self.graphs.max_batch) for r in rows],
-                                          [n + len(empty.ids) for n in state_tokens])
+                                          [n + self._overhead(h.slots_per_row) for n in state_tokens])
         key = (_answers_per_row(h.slots_per_row), h.label_mass)
         for shape in shapes:
-            if self.graphs.holds(key, shape) and self.bank.generation == self._graphs_generation:
-                continue            # captured for an earlier schema: graphs are shared
-            row = self._rows_of(h, TokenizedState([self.e.tok.pad_token_id] * shape.T, empty.slots),
-                                [1.0] * h.n_questions)[0]
-            self._score_step([row] * shape.R)
+            self.graphs.capture_now(key, shape, self._spec(key, shape))
         if shapes:
-            torch.cuda.synchronize()
+            self._synchronize()
         return time.perf_counter() - t
 
+    def graph_plan(self, h: PreparedSchema, max_batch: int = 32, state_tokens: Sequence[int] = ()
+                   ) -> list[tuple[tuple, StepShape]]:
+        """The (key, shape) of every graph a batch holding `h`'s states can run at that is not captured yet, largest
+        first: batches of up to `max_batch` states of `h` alone and mixed with each live schema (a mixed batch's key is
+        its rows' most answers a row and whether any wants the label mass; its rows are every state's, P a state), at
+        the state lengths `state_tokens` and the `PLAN_SEEN_LENGTHS` lengths met most so far (each at every schema of
+        the mix's suffix overhead). Empty without graphs, or when no length is known."""
+        if not self.graphs.enabled:
+            return []
+        lengths = set(state_tokens) | {n for n, _ in self._seen_lengths.most_common(PLAN_SEEN_LENGTHS)}
+        if not lengths:
+            return []
+        kinds = {(x.slots_per_row, x.label_mass, x.P) for x in list(self._live.values()) if x is not h}
+        own = (h.slots_per_row, h.label_mass, h.P)
+        wanted: set[tuple[tuple, StepShape]] = set()
+        for group in [(own,)] + [(own, other) for other in kinds]:
+            key = (_answers_per_row(max(g[0] for g in group)), any(g[1] for g in group))
+            rows = min(max_batch * max(g[2] for g in group), self.graphs.max_batch)
+            tokens = {n + self._overhead(g[0]) for n in lengths for g in group}
+            for shape in self.graphs.warmup_order(batch_buckets(rows), tokens):
+                if not self.graphs.holds(key, shape):
+                    wanted.add((key, shape))
+        return sorted(wanted, key=lambda ks: (ks[1].R * ks[1].T, ks[1].R, ks[0]), reverse=True)
+
+    def announce(self, h: PreparedSchema, max_batch: int = 32, state_tokens: Sequence[int] = ()
+                 ) -> list[tuple[tuple, StepShape]]:
+        """Request the capture of `graph_plan(h, max_batch, state_tokens)` and return at once: with
+        `background_captures` the manager's thread captures them beside the scoring, largest first (the first one
+        serves every smaller shape of its key while the rest come); without, they are captured now, here. -> the plan
+        (what was requested)."""
+        self._sync_graphs()         # graphs captured now must not be dropped by the next step for an old reallocation
+        plan = self.graph_plan(h, max_batch, state_tokens)
+        if not plan:
+            return plan
+        if self.graphs.background:
+            for key, shape in plan:
+                self.graphs.request(key, shape, self._spec(key, shape), tag=h.id)
+            log.info("schema #%d (%d questions, %d rows a state): %d CUDA graphs requested for capture in the "
+                     "background: keys (answers a row, label mass) %s, batch buckets %s, length buckets %s", h.id,
+                     h.n_questions, h.P, len(plan), sorted({k for k, _ in plan}), sorted({s.R for _, s in plan}),
+                     sorted({s.T for _, s in plan}))
+        else:
+            with torch.no_grad():
+                for key, shape in plan:
+                    self.graphs.capture_now(key, shape, self._spec(key, shape))
+        return plan
+
+    def close(self) -> None:
+        """End the background capture thread (after the capture under way); scoring goes on with the graphs held."""
+        self.graphs.close()
+
+    def wait_for_captures(self, timeout: float | None = None) -> bool:
+        """Wait until the graphs requested so far are captured (`announce`, batches that missed theirs). -> False if
+        `timeout` passed first."""
+        return self.graphs.wait_idle(timeout)
+
+    def _overhead(self, slots_per_row: int) -> int:
+        """Suffix tokens of an empty state, for rows of this many answer slots (the state's own tokens come on top)."""
+        n = self._overheads.get(slots_per_row)
+        if n is None:
+            n = self._overheads[slots_per_row] = len(schema_suffix_ids(self.e.tok, "", slots_per_row,
+                                                                       self.max_ctx_tokens, chat=self.chat)[0])
+        return n
+
+    def _spec(self, key: tuple, shape: StepShape):
+        """-> make(): what capturing `key` at `shape` needs (`engine.graphs.StepSpec`), built when its turn comes:
+        a step of padding rows continuing a live prefix (a graph's work depends on the shape alone), on the bank as it
+        is then; valid while the bank keeps its buffers."""
+        def make() -> StepSpec:
+            generation = self.bank.generation
+            per_row, with_mass = key
+            layout = StepLayout(shape.R, shape.T, shape.R * per_row)
+            slot = next((x.prefix_slots[0] for x in list(self._live.values())), 0)
+            pad = self.e.tok.pad_token_id
+            row = Row(slot, np.full(shape.T, pad, dtype=np.int64), [shape.T - 1], [1.0], [MAX_OPTIONS], None,
+                      with_mass)
+            staged = layout.stage([row], pad, pin=self.e.dev.type == "cuda")
+            fn, keep = self._step_fn(shape, layout, self.bank.capacity_tokens, None, None, with_mass)
+            return (staged,), fn, keep, lambda: self.bank.generation == generation
+        return make
+
     def graph_stats(self) -> dict[str, int]:
-        """How batches ran so far: CUDA graph `captures` and `replays` (0 without graphs), `eager` steps, and the
-        `graphs` held now."""
-        return {**self.graphs.stats, "graphs": len(self.graphs)}
+        """How batches ran so far: CUDA graph `captures` (`inline`: of those, on a step's path) and `replays` (0
+        without graphs), steps `covered` by a larger graph than their own (`background_captures`, while theirs is
+        being captured), `eager` steps, the `graphs` held now and the captures `pending`."""
+        return {**self.graphs.stats, "graphs": len(self.graphs), "pending": self.graphs.pending()}
 
     # ---- requests --------------------------------------------------------------------------------------------------
     def tokenize(self, h: PreparedSchema, context: str, max_ctx_tokens: int | None = None) -> TokenizedState:
@@ -265,7 +365,10 @@ class SchemaEngine:
         inv_temps = self._inv_temps(h, temperature)
         chunks = self._launch_requests([(h, r, inv_temps) for r in rows])
         self._synchronize()
-        return torch.cat(chunks).view(len(rows), h.n_questions, SCORE_COLUMNS)
+        table = torch.cat(chunks).view(len(rows), h.n_questions, SCORE_COLUMNS)
+        if not h.label_mass:
+            table[:, :, MASS] = float("nan")      # a step it shared with (or ran on the graph of) a schema that wants it
+        return table
 
     @staticmethod
     def _inv_temps(h: PreparedSchema, temperature) -> list[float]:
@@ -311,13 +414,14 @@ class SchemaEngine:
         """Queue one step over up to `graphs.max_batch` rows -> [their answers, SCORE_COLUMNS] float32 on the host, in
         pinned memory the step's copy fills when the stream reaches it (on CUDA: read it after an event behind it).
         The step computes the label mass when any of its rows wants it (a graph per choice)."""
-        if self.bank.generation != self._graphs_generation:      # graphs read the bank's old buffers
-            self._synchronize()     # a launched batch may still be replaying one of the graphs dropped here
-            self.graphs.clear()
-            self._graphs_generation = self.bank.generation
-        n = len(rows)
-        shape = self.graphs.shape(n, max(len(r.ids) for r in rows))
-        per_row = _answers_per_row(max(len(r.answers) for r in rows))
+        self._sync_graphs()
+        longest = max(rows, key=_ids_length)
+        tmax = len(longest.ids)
+        self._seen_lengths[-(-(tmax - self._overhead(len(longest.answers))) // 8) * 8] += 1
+        shape = self.graphs.shape(len(rows), tmax)
+        key = (_answers_per_row(max(len(r.answers) for r in rows)), any(r.label_mass for r in rows))
+        key, shape = self.graphs.pick(key, shape)           # with background captures: a larger graph while its own
+        per_row, with_mass = key                            # is missing
         layout = StepLayout(shape.R, shape.T, shape.R * per_row)
         pin = self.e.dev.type == "cuda"
         staged = layout.stage(rows, self.e.tok.pad_token_id, pin=pin)
@@ -326,15 +430,32 @@ class SchemaEngine:
         lengths = [len(r.ids) for r in rows] if by_row else None
         host_slots = slots if by_row else None
         key_span = self.bank.capacity_tokens if shape.graphed else max(self.bank.host_lengths[s] for s in slots)
-        with_mass = any(r.label_mass for r in rows)
-        probs = self.graphs.run((per_row, with_mass), shape, (staged,),
+        probs = self.graphs.run(key, shape, (staged,),
                                 lambda s: self._step_fn(s, layout, key_span, lengths, host_slots, with_mass),
-                                out_rows=sum(len(r.answers) for r in rows))
+                                out_rows=sum(len(r.answers) for r in rows), on_miss=self._missed)
         if not pin:
             return probs.float()
         # a graph's output buffer is overwritten by the next replay, but this copy is queued before it
         host_probs = torch.empty(probs.shape, dtype=torch.float32, pin_memory=True)
         return host_probs.copy_(probs, non_blocking=True)
+
+    def _sync_graphs(self) -> None:
+        """Drop the graphs when the bank reallocated its buffers (they read the old ones); with background captures,
+        ask for them again, most replayed first."""
+        if self.bank.generation == self._graphs_generation:
+            return
+        self._synchronize()     # a launched batch may still be replaying one of the graphs dropped here
+        held = self.graphs.clear()
+        self._graphs_generation = self.bank.generation
+        if self.graphs.background and held:
+            for full in held:
+                key, shape = full[:-2], StepShape(full[-2], full[-1], graphed=True)
+                self.graphs.request(key, shape, self._spec(key, shape))
+            log.info("prefix bank reallocated: %d CUDA graphs dropped, captured again in the background", len(held))
+
+    def _missed(self, key: tuple, shape: StepShape) -> None:
+        """A step ran eagerly for want of a graph that serves it (background captures): capture its own next."""
+        self.graphs.request(key, shape, self._spec(key, shape), first=True)
 
     def _step_fn(self, shape: StepShape, layout: StepLayout, key_span: int, lengths: list[int] | None,
                  host_slots: list[int] | None, with_mass: bool):
@@ -354,6 +475,16 @@ class SchemaEngine:
             return read_rows(hidden, self.fwd.final_norm, self.e.W, inv_temp[:, None], bias, mask, kernels.linear,
                              mass)
         return step, None
+
+
+def _ids_length(row: Row) -> int:
+    return len(row.ids)
+
+
+def _serves(held: tuple, wanted: tuple) -> bool:
+    """Whether a graph of key `held` (answers a row, label mass) computes a step of key `wanted`: room for as many
+    answers a row, and the label mass if it is wanted (computed and left unread where it is not)."""
+    return held[0] >= wanted[0] and held[1] >= wanted[1]
 
 
 def _answers_per_row(n: int) -> int:

@@ -37,7 +37,7 @@ def test_eager_steps_are_counted_and_sliced():
     shape = g.shape(3, 10)
     out = g.run(("k",), shape, (torch.arange(12.0).view(6, 2),), lambda s: ((lambda x: x * 2), None), out_rows=4)
     assert torch.equal(out, torch.arange(8.0).view(4, 2) * 2)
-    assert g.stats == {"captures": 0, "replays": 0, "eager": 1}
+    assert g.stats == {"captures": 0, "replays": 0, "eager": 1, "covered": 0, "inline": 0}
     assert len(g) == 0 and not g.holds(("k",), shape)         # an eager step keeps nothing
 
 
@@ -46,10 +46,11 @@ def test_schema_engine_reports_its_graph_stats(eng):
 
     se = SchemaEngine(eng)
     h = se.prepare(make_questions([2, 3]))
-    assert se.graph_stats() == {"captures": 0, "replays": 0, "eager": 0, "graphs": 0}
+    none = {"captures": 0, "replays": 0, "eager": 0, "covered": 0, "inline": 0, "graphs": 0, "pending": 0}
+    assert se.graph_stats() == none
     se.score(h, make_states(3))
     se.score(h, make_states(2, seed=1))
-    assert se.graph_stats() == {"captures": 0, "replays": 0, "eager": 2, "graphs": 0}
+    assert se.graph_stats() == {**none, "eager": 2}
     assert se.warmup(h, batch_sizes=(1, 8), state_tokens=(32,)) >= 0 and se.graph_stats()["eager"] == 2
 
 

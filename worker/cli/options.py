@@ -53,9 +53,10 @@ LOOP_OPTIONS = [
     _option("tokenizer_threads", int, typer.Option(DEFAULTS["tokenizer_threads"], "--tokenizer-threads", envvar="DECIDER_TOKENIZER_THREADS", min=1, help="Threads tokenizing states off the GPU thread.")),
     _option("warmup_state_tokens", str, typer.Option(
         "", "--warmup-state-tokens", envvar="DECIDER_WARMUP_STATE_TOKENS",
-        help="Comma-separated state lengths in tokens (e.g. 96,128,192): on CUDA, capture the graphs of every batch "
-             "size at these lengths when a schema is prepared, instead of on first sight (a short stall of the stream "
-             "each). Default: capture on first sight.")),
+        help="Comma-separated state lengths in tokens (e.g. 96,128,192): on CUDA, the graphs of every batch size at "
+             "these lengths (and at the lengths the stream's states had so far) are captured when a schema is "
+             "prepared, beside the stream (the first schema waits for its own). Default: the lengths seen so far; "
+             "a batch no captured graph serves runs eagerly once while its graph is captured beside the stream.")),
     _option("transaction_timeout_ms", int, typer.Option(DEFAULTS["transaction_timeout_ms"], "--transaction-timeout-ms", envvar="DECIDER_TRANSACTION_TIMEOUT_MS", help="Broker-side timeout of an open transaction.")),
     _option("broker_outage_s", float, typer.Option(DEFAULTS["broker_outage_s"], "--broker-outage-s", envvar="DECIDER_BROKER_OUTAGE_S", help="How long to ride out an unreachable broker (nothing commits meanwhile; the worker resumes by itself when it returns) before exiting with code 5.")),
     _option("stall_after_s", float, typer.Option(

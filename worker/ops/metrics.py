@@ -55,8 +55,9 @@ GC_PAUSE_SECONDS = Histogram(
     "decider_gc_pause_seconds", "Python garbage collections by generation (each pauses every thread of the worker)",
     ["generation"], buckets=(0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1),
 )
-ENGINE_PATHS = Gauge("decider_engine_batches", "Engine batches by path: CUDA graph captures and replays, eager runs",
-                     ["path"])
+ENGINE_PATHS = Gauge("decider_engine_batches", "Engine batches by path: CUDA graph captures (inline: of those, on "
+                     "a batch's path) and replays, replays on a larger graph while a batch's own was being captured "
+                     "(covered), eager runs", ["path"])
 ENGINE_GRAPHS = Gauge("decider_engine_graphs", "CUDA graphs held: one per step shape, shared by every schema "
                       "(the count does not grow with the schemas)")
 LATENCY_BUDGET_SECONDS = Gauge("decider_latency_budget_seconds", "--latency-budget-ms: a cycle's first state's record "
@@ -137,7 +138,7 @@ def on_consumer_stats(stats_json: str) -> None:
 def watch_scorer(engine_stats: Callable[[], dict[str, int]], prepared: Callable[[], tuple[int, int]],
                  bank_bytes: Callable[[], int] = lambda: 0) -> None:
     """Read the engine's counters and the prepared-schema figures at every scrape (no bookkeeping in the loop)."""
-    for path in ("captures", "replays", "eager"):
+    for path in ("captures", "inline", "replays", "covered", "eager"):
         ENGINE_PATHS.labels(path).set_function(lambda path=path: engine_stats().get(path, 0))
     ENGINE_GRAPHS.set_function(lambda: engine_stats().get("graphs", 0))
     PREPARED_SCHEMAS.set_function(lambda: prepared()[0])

@@ -53,7 +53,9 @@ def load_scorer(config: WorkerConfig) -> tuple[Any, Scorer]:
     except Exception as exc:  # a damaged checkpoint can fail anywhere in the loaders: still the user's input
         raise ConfigError(f"cannot load the model from {config.model_dir}: {type(exc).__name__}: {exc}") from exc
     try:
-        schema_engine = gpu.submit(SchemaEngine, engine).result()  # builds the forward, and with it the kernel table
+        # builds the forward, and with it the kernel table; a batch never waits for a CUDA graph's capture: a thread
+        # of the engine's captures them beside the scoring (``SchemaEngine.announce``)
+        schema_engine = gpu.submit(SchemaEngine, engine, background_captures=True).result()
     except KernelsUnavailableError as exc:
         raise ConfigError(str(exc)) from None
     return engine, Scorer(schema_engine, config.schema_memory_bytes, config.tokenizer_threads, gpu_thread=gpu,
@@ -94,13 +96,18 @@ class ScoredState:
 
 
 def _warn_captured(requests: Sequence[tuple[Any, Any]], seconds: float) -> None:
-    """A batch captured a CUDA graph on the stream's path (a batch size or length not warmed up): say what it cost
-    and how to avoid it. A first capture at a new length can also compile kernels: seconds, not milliseconds."""
+    """A batch captured a CUDA graph on the stream's path (an engine made without background captures, and a batch
+    size or length not warmed up): say what it cost. A first capture at a new length can also compile kernels:
+    seconds, not milliseconds."""
     lengths = [len(row.ids) for _, row in requests]
     log.warning("a batch of %d states (rows of %d to %d tokens: state and answer slots) captured a CUDA graph on the "
                 "stream's path, which held it %.0f ms; --warmup-state-tokens with the lengths your states have "
                 "captures their graphs when a schema is prepared instead", len(requests), min(lengths), max(lengths),
                 seconds * 1000)
+
+
+EAGER_NOTE_INTERVAL_S = 30.0
+"""At most one log line this often for batches that ran without a CUDA graph (each one is a capture's request)."""
 
 
 @dataclass(frozen=True)
@@ -158,6 +165,7 @@ class Scorer:
         self._lock = threading.Lock()  # guards _entries between the main thread and the GPU thread
         self._entries: OrderedDict[SchemaKey, _Entry] = OrderedDict()
         self._held_bytes = 0  # by the prepared schemas in _entries
+        self._eager_noted_at = -EAGER_NOTE_INTERVAL_S  # when a batch without a graph was last logged (GPU thread)
         # Called (from the GPU thread) as on_event("schema_prepared", {...}); the demo prints it.
         self.on_event: Callable[[str, dict[str, Any]], None] | None = None
 
@@ -200,21 +208,30 @@ class Scorer:
             if entry is not None:
                 entry.nbytes = int(handle.nbytes)
             self._evict_to_fit(keep=key)
-        if self._warmup_state_tokens:
-            self._warm_up(key, handle)
+        self._announce(key, handle)
         if self.on_event is not None:
             self.on_event("schema_prepared", {"schema_id": key[0], "version": key[1], "questions": handle.n_questions,
                                               "nbytes": int(handle.nbytes), "held_bytes": self._held_bytes})
         return handle
 
-    def _warm_up(self, key: SchemaKey, handle: Any) -> None:
-        """Capture the schema's graphs for every batch size up to --max-batch at the --warmup-state-tokens lengths
-        now, once, rather than one by one as batches of new sizes first arrive (each a stall of the stream)."""
-        batch_sizes = self._se.batch_buckets(self._max_batch)
-        seconds = self._se.warmup(handle, batch_sizes=batch_sizes, state_tokens=self._warmup_state_tokens)
-        if seconds:
-            log.info("warmed up schema %s v%d: graphs for batches %s x states of %s tokens in %.1f s", key[0], key[1],
-                     batch_sizes, list(self._warmup_state_tokens), seconds)
+    def _announce(self, key: SchemaKey, handle: Any) -> None:
+        """Have the graphs this schema's batches can run at captured (every batch bucket up to --max-batch, alone and
+        mixed with the schemas prepared, at the --warmup-state-tokens lengths and those the stream's states had so
+        far), once, off the stream's path: the engine's capture thread takes them while the GPU thread goes on
+        scoring, and a batch that comes first runs on a larger graph that serves it, or eagerly. Only the schema that
+        no other is prepared beside (the worker's first) waits for them here: no other schema's states can be held up,
+        and its own would otherwise run eagerly while its graphs compile."""
+        started = time.perf_counter()
+        plan = self._se.announce(handle, max_batch=self._max_batch, state_tokens=self._warmup_state_tokens)
+        if not plan:
+            return
+        if self._se.live_schemas() == 1:
+            self._se.wait_for_captures()
+            log.info("schema %s v%d: %d CUDA graphs captured before its first batch in %.1f s (no other schema's "
+                     "states to hold up)", key[0], key[1], len(plan), time.perf_counter() - started)
+        else:
+            log.info("schema %s v%d: %d CUDA graphs to capture in the background; its batches run on larger graphs "
+                     "or eagerly until then", key[0], key[1], len(plan))
 
     def _evict_to_fit(self, keep: SchemaKey) -> None:
         """Release least recently used, unpinned schemas until the held bytes fit the budget (lock held)."""
@@ -274,19 +291,34 @@ class Scorer:
             launch = _Launch(*gathered, time.perf_counter())
             requests = launch.requests()
             if requests:
-                captures = self._se.graph_stats()["captures"]
+                before = self._se.graph_stats()
                 try:
                     launch.pending = self._se.launch_mixed(requests)
                 except Exception as batch_error:
                     launch.results = self._one_by_one(requests, batch_error)
                 metrics.LAUNCH_SECONDS.observe(time.perf_counter() - started)
-                if self._se.graph_stats()["captures"] > captures:
+                after = self._se.graph_stats()
+                if after.get("inline", after["captures"]) > before.get("inline", before["captures"]):
                     _warn_captured(requests, time.perf_counter() - started)
+                elif after["eager"] > before["eager"] and after.get("pending", 0) > 0:
+                    self._note_eager(requests, time.perf_counter() - started)
                 if on_launched is not None:
                     on_launched(LaunchTimes(taken_at, gathered_at, time.monotonic()))
             self._collector.submit(self._collect, launch, scored)
         except BaseException as error:  # noqa: BLE001 - the loop must hear of it, not a thread's log
             scored.set_exception(error)
+
+    def _note_eager(self, requests: Sequence[tuple[Any, Any]], seconds: float) -> None:
+        """(GPU thread) A batch ran without a CUDA graph on an engine that has graphs: no captured graph served its
+        shape yet (its graph is being captured). Logged at most every EAGER_NOTE_INTERVAL_S."""
+        now = time.monotonic()
+        if now - self._eager_noted_at < EAGER_NOTE_INTERVAL_S:
+            return
+        self._eager_noted_at = now
+        lengths = [len(row.ids) for _, row in requests]
+        log.info("a batch of %d states (rows of %d to %d tokens) ran without a CUDA graph (%.0f ms to launch): none "
+                 "captured serves its shape yet; its own is being captured in the background", len(requests),
+                 min(lengths), max(lengths), seconds * 1000)
 
     def _collect(self, launch: "_Launch", scored: Future) -> None:
         """(Collector thread, in launch order) Wait for a launched batch and turn its scores into outcomes."""
@@ -370,3 +402,4 @@ class Scorer:
         self._tokenizers.shutdown(wait=False, cancel_futures=True)
         self._gpu.shutdown(wait=True, cancel_futures=True)
         self._collector.shutdown(wait=True, cancel_futures=True)
+        self._se.close()  # the engine's capture thread, if it has one

@@ -31,5 +31,7 @@ def test_worker_on_cuda_scores_like_schema_engine(stream, model_dir):
         i = int(record["state_id"].split("-")[1])
         for question, want in zip(record["questions"], expected[i]):
             assert question["probabilities"] == pytest.approx(want, abs=1e-4)
-    assert "warmed up schema" in worker.log(), worker.log()     # graphs for batches 1-16 at 32 and 64 tokens
+    # the worker's first schema: its graphs (batches 1-16 at 32 and 64 tokens) captured when it was prepared
+    assert "CUDA graphs captured before its first batch" in worker.log(), worker.log()
+    assert "on the stream's path" not in worker.log(), worker.log()
     assert worker.stop() == 0, worker.log()

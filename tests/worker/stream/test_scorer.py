@@ -114,3 +114,44 @@ def test_a_cycles_schemas_score_as_one_engine_batch(schema_engine):
             assert got.reason is None
             for g, w in zip(got.probabilities, want):
                 assert g == pytest.approx(w, abs=1e-6)
+
+
+def test_a_schema_met_mid_stream_holds_up_no_batch_for_its_graphs(schema_engine):
+    """The worker's first schema waits for its graphs when it is prepared (no other schema's states to hold up); a
+    schema met later is prepared without waiting for its own, and batches of it, alone or mixed with the first one's
+    states, are scored while those are still to be captured (on a larger captured graph: graphs that replay eagerly,
+    `tests/engine/eager_graphs.py`, stand in for CUDA's)."""
+    from tests.engine.eager_graphs import background_engine
+    from worker.formats.records import engine_questions
+
+    texts = state_texts(4, seed=3)
+    probe = schema_engine.prepare(engine_questions(_schema("probe", QUESTIONS)))
+    lengths = sorted({len(schema_engine.tokenize(probe, t).ids) - schema_engine._overhead(3) for t in texts})
+    schema_engine.release(probe)
+    se = background_engine(schema_engine.e)
+    scorer = Scorer(se, memory_budget=1 << 30, warmup_state_tokens=lengths, max_batch=4)
+    try:
+        first = scorer.acquire(_schema("a", QUESTIONS))
+        first.result(120)
+        assert se.graph_stats()["pending"] == 0 and se.graph_stats()["graphs"] > 0      # captured before it returned
+        se.graphs.gate.clear()                                     # from now on no capture finishes
+        second = scorer.acquire(_schema("b", QUESTIONS_V2))         # 2 answers a row: graphs not captured yet
+        second.result(30)
+        assert se.graph_stats()["pending"] > 0
+        mixed = [BatchJob(first, [scorer.tokenize(first, t) for t in texts[:2]]),
+                 BatchJob(second, [scorer.tokenize(second, t) for t in texts[2:]])]
+        alone = [BatchJob(second, [scorer.tokenize(second, t) for t in texts])]
+        outcomes = scorer.submit(mixed).result(30) + scorer.submit(alone).result(30)
+        stats = se.graph_stats()
+        assert stats["pending"] > 0 and stats["eager"] == 0 and stats["covered"] >= 1 and stats["inline"] == 0
+    finally:
+        se.graphs.gate.set()
+        scorer.close()
+    want = (expected_probabilities(schema_engine, QUESTIONS, texts[:2])
+            + expected_probabilities(schema_engine, QUESTIONS_V2, texts[2:])
+            + expected_probabilities(schema_engine, QUESTIONS_V2, texts))
+    got = [state for job in outcomes for state in job]
+    assert all(state.reason is None for state in got)
+    for state, expected in zip(got, want):
+        for g, w in zip(state.probabilities, expected):
+            assert g == pytest.approx(w, abs=1e-5)
