@@ -10,6 +10,7 @@ import torch
 
 from engine import SchemaEngine
 from engine.buckets import batch_buckets, bucket, TS_BUCKETS
+from engine.graph_plans import serves
 from engine.graphs import GraphManager, StepShape
 
 from .conftest import make_questions, make_states
@@ -90,7 +91,7 @@ def test_a_new_schema_runs_on_a_larger_graph_while_its_own_are_captured(eng, pla
     assert end["covered"] == mid["covered"] and end["replays"] == mid["replays"] + 1   # its own graph now
 
 
-def test_a_batch_no_graph_serves_runs_eagerly_and_its_graph_is_captured_next(eng, plain):
+def test_a_batch_no_graphserves_runs_eagerly_and_its_graph_is_captured_next(eng, plain):
     se = background_engine(eng)
     questions = make_questions([2, 2])
     h = se.prepare(questions)
@@ -120,10 +121,8 @@ def test_a_capture_under_way_does_not_hold_the_scoring_thread(eng):
     assert se.wait_for_captures(60)
 
 
-def test_the_cheapest_held_graph_that_serves_a_step_is_picked():
-    from engine.schema_engine import _serves
-
-    g = GraphManager(enabled=True, background=True, serves=_serves)
+def test_the_cheapest_held_graph_thatserves_a_step_is_picked():
+    g = GraphManager(enabled=True, background=True, serves=serves)
     for full in [(16, True, 8, 64), (16, True, 32, 64), (4, False, 8, 128), (32, True, 8, 72)]:
         g._steps[full] = object()
     assert g.pick((4, False), StepShape(5, 64, True)) == ((16, True), StepShape(8, 64, True))   # 512 tokens
@@ -132,7 +131,7 @@ def test_the_cheapest_held_graph_that_serves_a_step_is_picked():
     assert g.pick((16, True), StepShape(8, 100, True)) == ((16, True), StepShape(8, 100, True))  # none: its own
     assert g.pick((16, True), StepShape(8, 64, True)) == ((16, True), StepShape(8, 64, True))    # held: its own
     assert g.stats["covered"] == 3
-    inline = GraphManager(enabled=True, serves=_serves)
+    inline = GraphManager(enabled=True, serves=serves)
     inline._steps[(16, True, 32, 64)] = object()
     assert inline.pick((4, False), StepShape(5, 64, True)) == ((4, False), StepShape(5, 64, True))
 

@@ -95,17 +95,6 @@ class ScoredState:
     fingerprint: dict[str, str] | None = None  # the scoring fingerprint (``engine.fingerprint``) of its schema version
 
 
-def _warn_captured(requests: Sequence[tuple[Any, Any]], seconds: float) -> None:
-    """A batch captured a CUDA graph on the stream's path (an engine made without background captures, and a batch
-    size or length not warmed up): say what it cost. A first capture at a new length can also compile kernels:
-    seconds, not milliseconds."""
-    lengths = [len(row.ids) for _, row in requests]
-    log.warning("a batch of %d states (rows of %d to %d tokens: state and answer slots) captured a CUDA graph on the "
-                "stream's path, which held it %.0f ms; --warmup-state-tokens with the lengths your states have "
-                "captures their graphs when a schema is prepared instead", len(requests), min(lengths), max(lengths),
-                seconds * 1000)
-
-
 EAGER_NOTE_INTERVAL_S = 30.0
 """At most one log line this often for batches that ran without a CUDA graph (each one is a capture's request)."""
 
@@ -215,12 +204,10 @@ class Scorer:
         return handle
 
     def _announce(self, key: SchemaKey, handle: Any) -> None:
-        """Have the graphs this schema's batches can run at captured (every batch bucket up to --max-batch, alone and
-        mixed with the schemas prepared, at the --warmup-state-tokens lengths and those the stream's states had so
-        far), once, off the stream's path: the engine's capture thread takes them while the GPU thread goes on
-        scoring, and a batch that comes first runs on a larger graph that serves it, or eagerly. Only the schema that
-        no other is prepared beside (the worker's first) waits for them here: no other schema's states can be held up,
-        and its own would otherwise run eagerly while its graphs compile."""
+        """Have the graphs this schema's batches can run at captured (``SchemaEngine.announce``: every batch bucket up
+        to --max-batch, alone and mixed, at the --warmup-state-tokens lengths and those met so far) by the engine's
+        capture thread, beside the scoring. Only a schema prepared alone (the worker's first) waits for them: no other
+        schema's states to hold up, and its own would otherwise run eagerly while its kernels compile."""
         started = time.perf_counter()
         plan = self._se.announce(handle, max_batch=self._max_batch, state_tokens=self._warmup_state_tokens)
         if not plan:
@@ -298,27 +285,28 @@ class Scorer:
                     launch.results = self._one_by_one(requests, batch_error)
                 metrics.LAUNCH_SECONDS.observe(time.perf_counter() - started)
                 after = self._se.graph_stats()
-                if after.get("inline", after["captures"]) > before.get("inline", before["captures"]):
-                    _warn_captured(requests, time.perf_counter() - started)
-                elif after["eager"] > before["eager"] and after.get("pending", 0) > 0:
-                    self._note_eager(requests, time.perf_counter() - started)
+                if after.get("inline", after["captures"]) > before.get("inline", before["captures"]) or (
+                        after["eager"] > before["eager"] and after.get("pending", 0) > 0):
+                    self._note_path(requests, time.perf_counter() - started, after["eager"] > before["eager"])
                 if on_launched is not None:
                     on_launched(LaunchTimes(taken_at, gathered_at, time.monotonic()))
             self._collector.submit(self._collect, launch, scored)
         except BaseException as error:  # noqa: BLE001 - the loop must hear of it, not a thread's log
             scored.set_exception(error)
 
-    def _note_eager(self, requests: Sequence[tuple[Any, Any]], seconds: float) -> None:
-        """(GPU thread) A batch ran without a CUDA graph on an engine that has graphs: no captured graph served its
-        shape yet (its graph is being captured). Logged at most every EAGER_NOTE_INTERVAL_S."""
-        now = time.monotonic()
-        if now - self._eager_noted_at < EAGER_NOTE_INTERVAL_S:
-            return
-        self._eager_noted_at = now
+    def _note_path(self, requests: Sequence[tuple[Any, Any]], seconds: float, eager: bool) -> None:
+        """(GPU thread) A batch captured a CUDA graph on the stream's path (an engine without background captures: a
+        warning), or ran without one while its own is captured beside the stream (at most every
+        EAGER_NOTE_INTERVAL_S). A first capture or step at a new length can also compile kernels: seconds."""
         lengths = [len(row.ids) for _, row in requests]
-        log.info("a batch of %d states (rows of %d to %d tokens) ran without a CUDA graph (%.0f ms to launch): none "
-                 "captured serves its shape yet; its own is being captured in the background", len(requests),
-                 min(lengths), max(lengths), seconds * 1000)
+        what = (len(requests), min(lengths), max(lengths), seconds * 1000)
+        if not eager:
+            log.warning("a batch of %d states (rows of %d to %d tokens: state and answer slots) captured a CUDA graph "
+                        "on the stream's path, which held it %.0f ms", *what)
+        elif time.monotonic() - self._eager_noted_at >= EAGER_NOTE_INTERVAL_S:
+            self._eager_noted_at = time.monotonic()
+            log.info("a batch of %d states (rows of %d to %d tokens) ran without a CUDA graph (%.0f ms to launch): none "
+                     "captured serves its shape yet; its own is being captured beside the stream", *what)
 
     def _collect(self, launch: "_Launch", scored: Future) -> None:
         """(Collector thread, in launch order) Wait for a launched batch and turn its scores into outcomes."""
