@@ -57,8 +57,8 @@ def test_a_new_schemas_first_batch_waits_for_no_capture_and_keeps_its_bits(det_e
     mid = se.graph_stats()
     print(f"first batch of a new schema: {first_s * 1000:.1f} ms (a capture: median {capture_s * 1000:.0f} ms over "
           f"{len(se.graphs.records)}); graphs {graphs_before} -> pending {mid['pending']}; stats {mid}")
-    assert mid["inline"] == 0 and mid["eager"] == before["eager"]
-    assert mid["covered"] == before["covered"] + 1                                   # on a graph of 16 answers a row
+    # replayed: on a graph of 16 answers a row (covered), or on its own if the capture thread was that quick
+    assert mid["inline"] == 0 and mid["eager"] == before["eager"] and mid["replays"] == before["replays"] + 1
     assert first_s < FIRST_BATCH_BUDGET_S and first_s < capture_s / 2
 
     assert se.wait_for_captures(120)
@@ -66,7 +66,8 @@ def test_a_new_schemas_first_batch_waits_for_no_capture_and_keeps_its_bits(det_e
     print(f"the new schema added {se.graph_stats()['graphs'] - graphs_before} graphs, "
           f"{sum(r.nbytes for r in added) / 2**20:.1f} MiB, in {sum(r.seconds for r in added):.2f} s")
     again = se.score_lists(new, rows)
-    assert se.graph_stats()["covered"] == mid["covered"]                             # its own graph now
+    assert se.graph_stats()["covered"] == mid["covered"] and se.graphs.holds((8, new.label_mass),
+                                                                            se.graphs.shape(8, max(len(r.ids) for r in rows)))
     assert again == first                                                            # batch-invariant: same bits
     inline = SchemaEngine(det_eng)                                                   # captures on the path
     assert inline.score_lists(inline.prepare(questions), [inline.tokenize(new, t) for t in texts]) == first
@@ -97,6 +98,7 @@ def test_a_replay_runs_beside_a_capture_under_way_with_its_bits(det_eng):
           f"{statistics.median(r.seconds for r in captured) * 1000:.0f} ms, "
           f"{sum(r.nbytes for r in captured) / 2**20:.1f} MiB): {len(busy)} batches, median "
           f"{statistics.median(busy) * 1000:.2f} ms, max {max(busy) * 1000:.2f} ms")
-    assert busy and all(r == want for r in results)
-    assert se.graph_stats()["inline"] == 0
-    assert max(busy) < statistics.median(r.seconds for r in captured)
+    assert busy and all(r == want for r in results)                                   # the same bits beside them
+    assert se.graph_stats()["inline"] == 0 and se.graph_stats()["eager"] == 1        # only the very first batch
+    # a batch beside the captures is not held for one: typically far quicker than a capture
+    assert statistics.median(busy) < statistics.median(r.seconds for r in captured) / 2

@@ -95,6 +95,8 @@ class ScoredState:
     fingerprint: dict[str, str] | None = None  # the scoring fingerprint (``engine.fingerprint``) of its schema version
 
 
+FIRST_SCHEMA_CAPTURE_WAIT_S = 300.0
+"""The longest a schema prepared alone (the worker's first) waits for its graphs before scoring goes on beside them."""
 EAGER_NOTE_INTERVAL_S = 30.0
 """At most one log line this often for batches that ran without a CUDA graph (each one is a capture's request)."""
 
@@ -213,7 +215,9 @@ class Scorer:
         if not plan:
             return
         if self._se.live_schemas() == 1:
-            self._se.wait_for_captures()
+            if not self._se.wait_for_captures(FIRST_SCHEMA_CAPTURE_WAIT_S):
+                log.warning("schema %s v%d: its CUDA graphs were not all captured after %.0f s; scoring goes on "
+                            "beside the captures", key[0], key[1], FIRST_SCHEMA_CAPTURE_WAIT_S)
             log.info("schema %s v%d: %d CUDA graphs captured before its first batch in %.1f s (no other schema's "
                      "states to hold up)", key[0], key[1], len(plan), time.perf_counter() - started)
         else:
