@@ -25,9 +25,11 @@ from engine.step_layout import Row, StepLayout
 
 log = logging.getLogger(__name__)
 
-PLAN_SEEN_LENGTHS = 8
+PLAN_SEEN_LENGTHS = 4
 """How many of the state lengths scored so far (the most frequent, in steps of 8 tokens) a new schema's graph plan
-covers besides the lengths it is given (`SchemaEngine.graph_plan`)."""
+covers besides the lengths it is given (`SchemaEngine.graph_plan`): each length is about one length bucket, i.e. up to
+one graph per batch bucket and key (16 at --max-batch 32), so this bounds what a schema adds; other lengths run on a
+larger graph, or eagerly once, until theirs is captured."""
 
 
 class GraphPlans:
