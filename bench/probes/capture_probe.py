@@ -39,10 +39,11 @@ from engine import graphs as graphs_module  # noqa: E402
 
 
 def timed(fn):
-    torch.cuda.synchronize()
+    # the stream the scoring runs on, not the device: a capture may be under way on another thread
+    torch.cuda.current_stream().synchronize()
     t = time.perf_counter()
     out = fn()
-    torch.cuda.synchronize()
+    torch.cuda.current_stream().synchronize()
     return out, time.perf_counter() - t
 
 

@@ -29,10 +29,11 @@ def det_eng(tiny_dir):
 
 
 def _timed(fn):
-    torch.cuda.synchronize()
+    # the stream the scoring runs on, not the device: a capture may be under way on another thread
+    torch.cuda.current_stream().synchronize()
     started = time.perf_counter()
     out = fn()
-    torch.cuda.synchronize()
+    torch.cuda.current_stream().synchronize()
     return out, time.perf_counter() - started
 
 
@@ -55,7 +56,7 @@ def test_a_new_schemas_first_batch_waits_for_no_capture_and_keeps_its_bits(det_e
     before = se.graph_stats()
     first, first_s = _timed(lambda: se.score_lists(new, rows))
     mid = se.graph_stats()
-    print(f"first batch of a new schema: {first_s * 1000:.1f} ms (a capture: median {capture_s * 1000:.0f} ms over "
+    print(f"batch 8 of a new schema, first: {first_s * 1000:.1f} ms (a capture: median {capture_s * 1000:.0f} ms over "
           f"{len(se.graphs.records)}); graphs {graphs_before} -> pending {mid['pending']}; stats {mid}")
     # replayed: on a graph of 16 answers a row (covered), or on its own if the capture thread was that quick
     assert mid["inline"] == 0 and mid["eager"] == before["eager"] and mid["replays"] == before["replays"] + 1
@@ -63,7 +64,7 @@ def test_a_new_schemas_first_batch_waits_for_no_capture_and_keeps_its_bits(det_e
 
     assert se.wait_for_captures(120)
     added = [r for r in se.graphs.records if r.key == (8, new.label_mass)]
-    print(f"the new schema added {se.graph_stats()['graphs'] - graphs_before} graphs, "
+    print(f"batch 8 of a new schema, own graphs: the schema added {se.graph_stats()['graphs'] - graphs_before} graphs, "
           f"{sum(r.nbytes for r in added) / 2**20:.1f} MiB, in {sum(r.seconds for r in added):.2f} s")
     again = se.score_lists(new, rows)
     assert se.graph_stats()["covered"] == mid["covered"] and se.graphs.holds((8, new.label_mass),
@@ -93,7 +94,7 @@ def test_a_replay_runs_beside_a_capture_under_way_with_its_bits(det_eng):
         results.append(got)
     assert se.wait_for_captures(120)
     captured = [r for r in se.graphs.records if r.where == "background"]
-    print(f"replays of 8 states: quiet median {statistics.median(quiet) * 1000:.2f} ms max {max(quiet) * 1000:.2f}; "
+    print(f"batch 8 replays: quiet median {statistics.median(quiet) * 1000:.2f} ms max {max(quiet) * 1000:.2f}; "
           f"beside {len(captured)} background captures ({sum(r.seconds for r in captured):.2f} s, median "
           f"{statistics.median(r.seconds for r in captured) * 1000:.0f} ms, "
           f"{sum(r.nbytes for r in captured) / 2**20:.1f} MiB): {len(busy)} batches, median "
