@@ -172,7 +172,7 @@ def launch(config: tuple[int, ...], D: int | None = None) -> tuple[int, int, int
     return BM, BN, warps, stages, split
 
 
-ANSWER_CONFIG = (64, 64, 4, 2)
+ANSWER_CONFIG = (64, 64, 4, 2, 4)
 """`answer_attention`'s launch: (query rows, keys, warps, stages). A program takes one row's answer queries (up to BM /
 G answers of one kv head's G query heads), so at the 0.8B shape (G = 4, 10 questions) one program holds a row's
 answers. One launch at every batch size: answer j of a row is query row j * G + (its head in the group) of the row's
@@ -294,7 +294,7 @@ SUFFIX_SPLITS = (2, 4)
 """D splits (`launch`) of the chosen small launch that `InvariantSuffixAttention` checks at load against the large
 launch; `D_SPLIT` picks among those that agree."""
 
-D_SPLIT = 1
+D_SPLIT = 4
 """The largest D split the batch-invariant table's small launch may run at (1: none), among those the load-time check
 showed giving the large launch's bits; a call takes the largest of them that keeps the launch within
 `SPLIT_FILL_PROGRAMS` programs, else none. Read at each call, so a CUDA graph keeps the setting it was captured under
@@ -308,7 +308,7 @@ program where the launch is short of programs (batch 1: 24) but repeats the scor
 (184 programs unsplit) it would only add waves. Read at each call, like `D_SPLIT`."""
 
 
-INVARIANT_FILL_PROGRAMS: int | None = None
+INVARIANT_FILL_PROGRAMS: int | None = 96
 """The batch-invariant table's `fill` (None: `FILL_PROGRAMS`, as the fast table's): below it the small launch. Read at
 each call, like `D_SPLIT`. At batch 8 the 64-row launch runs 184 programs, a wave and a half of the H200's SMs (81 us a
 layer, run CI); 96 would give batch 8 the large launch's 96 programs instead (38 us a layer at batch 1 with 12)."""
