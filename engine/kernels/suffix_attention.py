@@ -172,6 +172,16 @@ def launch(config: tuple[int, ...], D: int | None = None) -> tuple[int, int, int
     return BM, BN, warps, stages, split
 
 
+def fitted(config: tuple[int, ...], D: int) -> tuple[int, int, int, int, int]:
+    """`launch(config, D)` with its D split halved until a program keeps at least 16 columns of D: a model of small
+    heads (the tests' tiny ones, D 32) takes the answers' launch at split 2 where the 0.8B shape (D 256) takes 4. One
+    model's D is fixed, so every batch still gets the same launch."""
+    BM, BN, warps, stages, split = launch(config)
+    while split > 1 and D % (16 * split):
+        split //= 2
+    return launch((BM, BN, warps, stages, split), D)
+
+
 ANSWER_CONFIG = (64, 64, 4, 2, 4)
 """`answer_attention`'s launch: (query rows, keys, warps, stages). A program takes one row's answer queries (up to BM /
 G answers of one kv head's G query heads), so at the 0.8B shape (G = 4, 10 questions) one program holds a row's
@@ -243,7 +253,7 @@ def answer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bank_k: 
     out = torch.zeros(S, Hq * D, dtype=q.dtype, device=q.device)
     if S == 0 or B == 0:
         return out
-    BM, BN, warps, stages, split = launch(ANSWER_CONFIG, D)
+    BM, BN, warps, stages, split = fitted(ANSWER_CONFIG, D)
     grid = (triton.cdiv(G * triton.cdiv(S, B), BM) * split, Hkv, B)
     _answer_attention_kernel[grid](
         q, k, v, bank_k, bank_v, key_lengths, slots, rows, starts, counts, gate, out, T, q.stride(0), q.stride(1),
@@ -327,6 +337,7 @@ class InvariantSuffixAttention:
         self.large = CONFIG
         self.small = None
         self.splits: tuple[int, ...] = ()
+        self.head_dim = heads[2] if heads is not None else None
         if heads is not None:
             self.small = next((c for c in SUFFIX_SMALL_CANDIDATES
                                if suffix_configs_agree(heads, dtype, device, self.large, c)), None)
@@ -354,5 +365,6 @@ class InvariantSuffixAttention:
         small = f", {self.small} below the fill" if self.small else " always"
         if split > 1:
             small += f" (D split up to {split} within {SPLIT_FILL_PROGRAMS} programs)"
-        answers = f"; answers {ANSWER_CONFIG}" if launch(ANSWER_CONFIG)[4] > 1 else ""
+        answers = fitted(ANSWER_CONFIG, self.head_dim) if self.head_dim else launch(ANSWER_CONFIG)
+        answers = f"; answers {answers}" if answers[4] > 1 else ""
         return f"suffix attention {self.large}{small}{answers}"

@@ -50,7 +50,7 @@ def test_a_split_launch_computes_the_attention_with_the_unsplit_launchs_result(b
     torch.testing.assert_close(answers[:n].cpu(), want.reshape(-1, want.shape[-1])[kw["rows"][:n].cpu()],
                                atol=2e-5, rtol=2e-5)
     try:
-        sa.ANSWER_CONFIG, saved = (*sa.ANSWER_CONFIG, 2), sa.ANSWER_CONFIG
+        sa.ANSWER_CONFIG, saved = (*sa.ANSWER_CONFIG[:4], 2), sa.ANSWER_CONFIG
         answers_split = sa.answer_attention(*answer_args(kw), 0.2)
     finally:
         sa.ANSWER_CONFIG = saved
@@ -62,7 +62,7 @@ def test_a_split_launch_gives_a_row_the_same_bits_in_any_batch(base, monkeypatch
     """At one split launch (the suffix kernel's, and the answers' at theirs split 2, as `ANSWER_CONFIG` would hold
     it) a probe row's outputs are the same bits alone and among random neighbours in batches of other sizes padded
     to other lengths: the batch-invariance the table needs of every launch it takes."""
-    monkeypatch.setattr(sa, "ANSWER_CONFIG", (*sa.ANSWER_CONFIG, 2))
+    monkeypatch.setattr(sa, "ANSWER_CONFIG", (*sa.ANSWER_CONFIG[:4], 2))
 
     def attention(*args):
         return sa.suffix_attention(*args, configs=((*base, 2), None))
@@ -77,6 +77,9 @@ def test_the_invariant_table_takes_a_split_only_where_the_device_check_held(monk
     launch at load; a call takes the largest of them up to `D_SPLIT` (read at each call) that keeps its programs
     within `SPLIT_FILL_PROGRAMS`, else the small launch as checked. Its launch then starts `split` programs a query
     block, and its name (the scoring fingerprint's) says so. `INVARIANT_FILL_PROGRAMS` moves its small/large limit."""
+    # from the settings before the splits were the default (run CN), so that each step below is one change
+    monkeypatch.setattr(sa, "D_SPLIT", 1)
+    monkeypatch.setattr(sa, "ANSWER_CONFIG", sa.ANSWER_CONFIG[:4])
     checked = []
     monkeypatch.setattr(sa, "suffix_configs_agree",
                         lambda heads, dtype, device, large, small: checked.append(small) or small[:4] == (64, 64, 4, 2))
