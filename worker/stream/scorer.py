@@ -22,6 +22,7 @@ from worker.ops import metrics
 from worker.config import WorkerConfig
 from worker.exceptions import ConfigError
 from worker.formats.records import Reason, SchemaKey, engine_options, engine_questions, probabilities_problem
+from worker.stream.tokenizing import RowSlot, tokenized_rows
 
 log = logging.getLogger(__name__)
 
@@ -127,10 +128,11 @@ class _Launch:
 
 @dataclass
 class BatchJob:
-    """One schema's batch: the future of its prepared schema and, per state, the future of its tokenized row."""
+    """One schema's batch: the future of its prepared schema and, per state, the future of its tokenized row (a
+    ``Future`` or a ``RowSlot``)."""
 
     handle: Future
-    rows: list[Future]
+    rows: list[Any]
 
 
 class Scorer:
@@ -256,6 +258,13 @@ class Scorer:
         """A future of the engine's tokenized row for ``text`` (runs on the tokenizer pool)."""
         return self._tokenizers.submit(lambda: self._se.tokenize(handle_future.result(), text))
 
+    def tokenize_many(self, handle_future: Future, texts: Sequence[str], slots: Sequence[RowSlot]) -> None:
+        """Tokenize ``texts`` on the tokenizer pool as one job (one submit, one tokenizer call): ``slots[i]`` then holds
+        the row of ``texts[i]``, or the error that state alone met."""
+        rows = self._tokenizers.submit(tokenized_rows, self._se, handle_future, list(texts))
+        for index, slot in enumerate(slots):
+            slot.bind(rows, index)
+
     def submit(self, jobs: Sequence[BatchJob], on_launched: Callable[[LaunchTimes], None] | None = None) -> Future:
         """Score a cycle's batches, every schema's states in one mixed GPU batch (the engine reads each row's prefix by
         index): a future of, per job, one ``ScoredState`` per state.
@@ -366,14 +375,18 @@ class Scorer:
     def _checked(requests: list[tuple[Any, Any]], results: list[Any]) -> list[ScoredState]:
         """The engine's ``StateScores`` as outcomes, a state whose probabilities are unusable as a scoring error."""
         outcomes = []
+        by_schema: dict[int, tuple[list[int], dict[str, str] | None]] = {}   # a schema's option counts and fingerprint
         for (handle, _), scores in zip(requests, results):
-            problem = probabilities_problem(scores.probabilities, list(handle.n_options), scores.label_mass)
+            known = by_schema.get(id(handle))
+            if known is None:
+                known = by_schema[id(handle)] = (list(handle.n_options), handle.fingerprint.as_record()
+                                                 if handle.fingerprint is not None else None)
+            problem = probabilities_problem(scores.probabilities, known[0], scores.label_mass)
             if problem:
                 outcomes.append(ScoredState(reason=Reason.SCORING_ERROR, error=f"unusable engine output: {problem}"))
             else:
-                fingerprint = handle.fingerprint.as_record() if handle.fingerprint is not None else None
                 outcomes.append(ScoredState(scores.probabilities, scores.raw_probabilities, scores.label_mass,
-                                            fingerprint=fingerprint))
+                                            fingerprint=known[1]))
         return outcomes
 
     def graph_stats(self) -> dict[str, int]:
