@@ -88,6 +88,11 @@ class ProbabilityWriter:
         # per question: its id and its options (an array of strings, never empty: a question has 2 to 26)
         self._questions = [string_bytes(q["id"]) + long_bytes(len(q["options"]))
                            + b"".join(string_bytes(o) for o in q["options"]) + _NULL for q in questions]
+        # the usual question, with its label mass and no raw probabilities, as one pack: its constant part, the
+        # probabilities' array (count, doubles, end), the mass's union branch and double, the raw ones' null branch
+        self._with_mass = [(constant + long_bytes(len(q["options"])),
+                            struct.Struct(f"<{len(constant) + len(long_bytes(len(q['options'])))}s{len(q['options'])}dBBdB"))
+                           for constant, q in zip(self._questions, questions)]
         self._tail = ((_NULL if worker_id is None else _SECOND + string_bytes(worker_id)),
                       _NULL if fingerprint is None else
                       _SECOND + b"".join(string_bytes(fingerprint[f]) for f in LAYOUT["ScoringFingerprint"]))
@@ -98,13 +103,17 @@ class ProbabilityWriter:
               raw_probabilities: Sequence[Sequence[float] | None] | None = None) -> bytes:
         """The record of one scored state (``records.probability_record``'s arguments, its source's position)."""
         parts = [string_bytes(state["state_id"]), self._head]
-        masses = label_mass or (None,) * len(self._questions)
-        raws = raw_probabilities or (None,) * len(self._questions)
-        for constant, probs, mass, raw in zip(self._questions, probabilities, masses, raws):
-            parts.append(constant)
-            parts.append(_doubles(probs))
-            parts.append(_NULL if mass is None else _SECOND + _DOUBLE.pack(mass))
-            parts.append(_NULL if raw is None else _SECOND + _doubles(raw))
+        if label_mass and not raw_probabilities:         # (every row's length was checked: probabilities_problem)
+            for (constant, packer), probs, mass in zip(self._with_mass, probabilities, label_mass):
+                parts.append(packer.pack(constant, *probs, 0, 2, mass, 0))
+        else:
+            masses = label_mass or (None,) * len(self._questions)
+            raws = raw_probabilities or (None,) * len(self._questions)
+            for constant, probs, mass, raw in zip(self._questions, probabilities, masses, raws):
+                parts.append(constant)
+                parts.append(_doubles(probs))
+                parts.append(_NULL if mass is None else _SECOND + _DOUBLE.pack(mass))
+                parts.append(_NULL if raw is None else _SECOND + _doubles(raw))
         parts.append(_NULL)                                   # the end of the questions' array
         topic_bytes = self._topics.get(topic)
         if topic_bytes is None:
