@@ -126,6 +126,7 @@ class SchemaEngine(GraphPlans):
         self._live: dict[int, PreparedSchema] = {}       # prepared and not released: what mixed batches can hold
         self._overheads: dict[int, int] = {}             # answer slots a row -> suffix tokens of an empty state
         self._seen_lengths: Counter[int] = Counter()     # state tokens of each step's longest row, in steps of 8
+        self._pad_id = engine.tok.pad_token_id      # read once: transformers answers it through __getattr__ (~15 us)
 
     # ---- schemas ---------------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -326,7 +327,7 @@ class SchemaEngine(GraphPlans):
         per_row, with_mass = key                            # is missing
         layout = StepLayout(shape.R, shape.T, shape.R * per_row)
         pin = self.e.dev.type == "cuda"
-        staged = layout.stage(rows, self.e.tok.pad_token_id, pin=pin)
+        staged = layout.stage(rows, self._pad_id, pin=pin)
         slots = [r.prefix_slot for r in rows]
         by_row = self.fwd.kernels.attend_by_request
         lengths = [len(r.ids) for r in rows] if by_row else None
