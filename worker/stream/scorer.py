@@ -22,7 +22,7 @@ from worker.ops import metrics
 from worker.config import WorkerConfig
 from worker.exceptions import ConfigError
 from worker.formats.records import Reason, SchemaKey, engine_options, engine_questions, probabilities_problem
-from worker.stream.tokenizing import RowSlot, tokenized_rows
+from worker.stream.tokenizing import RowSlot, bind, tokenized_rows
 
 log = logging.getLogger(__name__)
 
@@ -128,8 +128,7 @@ class _Launch:
 
 @dataclass
 class BatchJob:
-    """One schema's batch: the future of its prepared schema and, per state, the future of its tokenized row (a
-    ``Future`` or a ``RowSlot``)."""
+    """One schema's batch: the future of its prepared schema and, per state, its tokenized row's future or RowSlot."""
 
     handle: Future
     rows: list[Any]
@@ -254,16 +253,9 @@ class Scorer:
             self._se.release(entry.future.result())
 
     # ---- requests --------------------------------------------------------------------------------------------
-    def tokenize(self, handle_future: Future, text: str) -> Future:
-        """A future of the engine's tokenized row for ``text`` (runs on the tokenizer pool)."""
-        return self._tokenizers.submit(lambda: self._se.tokenize(handle_future.result(), text))
-
     def tokenize_many(self, handle_future: Future, texts: Sequence[str], slots: Sequence[RowSlot]) -> None:
-        """Tokenize ``texts`` on the tokenizer pool as one job (one submit, one tokenizer call): ``slots[i]`` then holds
-        the row of ``texts[i]``, or the error that state alone met."""
-        rows = self._tokenizers.submit(tokenized_rows, self._se, handle_future, list(texts))
-        for index, slot in enumerate(slots):
-            slot.bind(rows, index)
+        """Tokenize ``texts`` as one job of the tokenizer pool: ``slots[i]`` then holds the row of ``texts[i]``."""
+        bind(slots, self._tokenizers.submit(tokenized_rows, self._se, handle_future, list(texts)))
 
     def submit(self, jobs: Sequence[BatchJob], on_launched: Callable[[LaunchTimes], None] | None = None) -> Future:
         """Score a cycle's batches, every schema's states in one mixed GPU batch (the engine reads each row's prefix by
@@ -374,19 +366,16 @@ class Scorer:
     @staticmethod
     def _checked(requests: list[tuple[Any, Any]], results: list[Any]) -> list[ScoredState]:
         """The engine's ``StateScores`` as outcomes, a state whose probabilities are unusable as a scoring error."""
-        outcomes = []
-        by_schema: dict[int, tuple[list[int], dict[str, str] | None]] = {}   # a schema's option counts and fingerprint
+        outcomes, known = [], {}        # per schema, its option counts and fingerprint record: made once a batch
         for (handle, _), scores in zip(requests, results):
-            known = by_schema.get(id(handle))
-            if known is None:
-                known = by_schema[id(handle)] = (list(handle.n_options), handle.fingerprint.as_record()
-                                                 if handle.fingerprint is not None else None)
-            problem = probabilities_problem(scores.probabilities, known[0], scores.label_mass)
+            n_options, fingerprint = known.get(id(handle)) or known.setdefault(id(handle), (
+                list(handle.n_options), handle.fingerprint.as_record() if handle.fingerprint is not None else None))
+            problem = probabilities_problem(scores.probabilities, n_options, scores.label_mass)
             if problem:
                 outcomes.append(ScoredState(reason=Reason.SCORING_ERROR, error=f"unusable engine output: {problem}"))
             else:
                 outcomes.append(ScoredState(scores.probabilities, scores.raw_probabilities, scores.label_mass,
-                                            fingerprint=known[1]))
+                                            fingerprint=fingerprint))
         return outcomes
 
     def graph_stats(self) -> dict[str, int]:

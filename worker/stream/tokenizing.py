@@ -37,6 +37,12 @@ class RowSlot:
         return row
 
 
+def bind(slots: "list[RowSlot] | tuple[RowSlot, ...]", rows: Future) -> None:
+    """``slots[i]`` holds the i-th row of ``rows`` (a tokenizer job's future)."""
+    for index, slot in enumerate(slots):
+        slot.bind(rows, index)
+
+
 def tokenized_rows(schema_engine: Any, handle_future: Future, texts: list[str]) -> list[Any]:
     """(Tokenizer pool) The engine's rows of ``texts`` for the prepared schema of ``handle_future``; where the batch
     call fails, each state alone, so that only the state at fault fails (its error in its place)."""
