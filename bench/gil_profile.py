@@ -18,6 +18,7 @@ import argparse
 import collections
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -48,12 +49,20 @@ def record(pid: int, seconds: float, raw_path: Path) -> subprocess.Popen | None:
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
-def summarize(raw: str, seconds: float, top: int = 15) -> dict:
+ENGINE_FRAMES = r"^step \((?:.*/)?engine/schema_engine\.py|\((?:.*/)?engine/(?:model|readout|label_mass)\.py|\((?:.*/)?engine/kernels/"
+"""A frame of the engine's own compute (the step's forward and read-out, the kernels): a sample with one below it is
+the engine's, not the host's (on the GPU the step is a graph's replay)."""
+
+
+def summarize(raw: str, seconds: float, top: int = 15, engine_frames: str = ENGINE_FRAMES) -> dict:
     """py-spy raw output (``--gil --threads``) over ``seconds`` -> per thread name, the share of the wall time it held
-    the GIL; and the ``top`` places holding it: per thread, the deepest frame of the project's code (``worker/``,
+    the GIL; the share held inside the engine's compute (a frame matching ``engine_frames`` on the stack) and outside
+    it; and the ``top`` places holding it: per thread, the deepest frame of the project's code (``worker/``,
     ``engine/``), or the innermost frame where none is."""
     by_thread: collections.Counter = collections.Counter()
     by_place: collections.Counter = collections.Counter()
+    engine = 0
+    in_engine = re.compile(engine_frames)
     for line in raw.splitlines():
         stack, _, count = line.rstrip().rpartition(" ")
         if not stack or not count.isdigit():
@@ -63,20 +72,24 @@ def summarize(raw: str, seconds: float, top: int = 15) -> dict:
         ours = [f for f in frames[1:] if any(f"({d}" in f for d in _PROJECT_DIRS)]
         by_thread[thread] += int(count)
         by_place[(thread, ours[-1] if ours else frames[-1])] += int(count)
+        engine += int(count) if any(in_engine.search(f) for f in frames[1:]) else 0
     taken = RATE_HZ * seconds
-    return {"seconds": seconds, "gil_held_share": round(sum(by_thread.values()) / taken, 4) if taken else None,
-            "by_thread": {t: round(c / taken, 4) for t, c in by_thread.most_common()},
-            "top": [{"thread": t, "where": w, "share": round(c / taken, 4)} for (t, w), c in by_place.most_common(top)]}
+    held = sum(by_thread.values())
+    share = lambda n: round(n / taken, 4) if taken else None  # noqa: E731
+    return {"seconds": seconds, "gil_held_share": share(held), "engine_share": share(engine),
+            "non_engine_share": share(held - engine),
+            "by_thread": {t: share(c) for t, c in by_thread.most_common()},
+            "top": [{"thread": t, "where": w, "share": share(c)} for (t, w), c in by_place.most_common(top)]}
 
 
-def finish(sampler: subprocess.Popen | None, raw_path: Path, seconds: float) -> dict:
+def finish(sampler: subprocess.Popen | None, raw_path: Path, seconds: float, engine_frames: str = ENGINE_FRAMES) -> dict:
     """Wait for ``record``'s sampler and summarise what it wrote (or say why there is nothing)."""
     if sampler is None:
         return {"error": "py-spy not found (pip install py-spy)"}
     _, err = sampler.communicate(timeout=seconds + 60)
     if sampler.returncode != 0 or not raw_path.exists():
         return {"error": f"py-spy exited {sampler.returncode}: {err.strip()[-300:]}"}
-    return summarize(raw_path.read_text(), seconds)
+    return summarize(raw_path.read_text(), seconds, engine_frames=engine_frames)
 
 
 def main() -> None:

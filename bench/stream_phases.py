@@ -51,6 +51,13 @@ class Stream:
         self.metrics_ports: dict[int, int] = {}
 
     def start_worker(self, i: int) -> None:
+        args, env = self.worker_args(i)
+        log = open(self.log_path(i), "ab")
+        self.workers[i] = subprocess.Popen([sys.executable, "-m", "worker", *args], env=env, stdout=log, stderr=log,
+                                           start_new_session=True)
+
+    def worker_args(self, i: int) -> tuple[list[str], dict[str, str]]:
+        """Worker i's ``decider`` arguments (what follows ``python -m worker``) and its environment."""
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         device, gpu_flags = self.args.device, []
         if device.startswith("cuda"):
@@ -60,14 +67,13 @@ class Stream:
             gpu_flags = ["--warmup-state-tokens", self.args.warmup_state_tokens]
         budget_flags = [] if self.latency_budget_ms is None else ["--latency-budget-ms", str(self.latency_budget_ms)]
         t = self.topics
-        cmd = [sys.executable, "-m", "worker", "worker", "-b", self.worker_bootstrap, "--model", str(self.model_dir),
+        args = ["worker", "-b", self.worker_bootstrap, "--model", str(self.model_dir),
                "--device", device, "--worker-id", f"{self.name}-w{i}", "--group", f"{self.name}-group",
                "--max-batch", str(self.args.max_batch), "--max-wait-ms", str(self.max_wait_ms),
                "--states-topic", t.states, "--schemas-topic", t.schemas, "--probabilities-topic", t.probabilities,
                "--dead-letter-topic", t.dead_letter, "--log-level", "info", "--log-format", "json",
                "--metrics-port", str(self.metrics_ports.setdefault(i, free_port())), *gpu_flags, *budget_flags]
-        log = open(self.log_path(i), "ab")
-        self.workers[i] = subprocess.Popen(cmd, env=env, stdout=log, stderr=log, start_new_session=True)
+        return args, env
 
     def log_path(self, i: int) -> Path:
         """Worker i's log (a restarted worker appends to it)."""
@@ -193,11 +199,18 @@ def _ms(value) -> int | None:
     return int(value.timestamp() * 1000) if isinstance(value, datetime.datetime) else int(value)
 
 
+def state_event(state_id: str, text: str, event_time_ms: int) -> bytes:
+    """decider's own input: a StateEvent of the bench's schema, in Avro."""
+    return schemas.encode_state({"state_id": state_id, "schema_id": "bench", "state": text, "event_time": event_time_ms,
+                                 "metadata": None})
+
+
 def produce(bootstrap: str, topic: str, ids: list[str], texts: list[str], rate: float | None = None,
-            on_progress=None) -> None:
-    """Produce states (event time = now); `rate` states/s, or as fast as possible. Paced at a rate, each record is
-    sent at once (linger.ms 0, as a latency-sensitive producer would): the producer's linger would otherwise be part
-    of every measured latency, before the worker could see the record."""
+            on_progress=None, value_of=state_event) -> None:
+    """Produce states (event time = now) as ``value_of(state id, text, event time ms)`` makes them; `rate` states/s, or
+    as fast as possible. Paced at a rate, each record is sent at once (linger.ms 0, as a latency-sensitive producer
+    would): the producer's linger would otherwise be part of every measured latency, before the worker could see the
+    record."""
     producer = plain_producer(bootstrap, linger_ms=0 if rate else 5)
     t0 = time.time()
     for k, (sid, text) in enumerate(zip(ids, texts)):
@@ -205,9 +218,7 @@ def produce(bootstrap: str, topic: str, ids: list[str], texts: list[str], rate: 
             delay = t0 + k / rate - time.time()
             if delay > 0:
                 time.sleep(delay)
-        value = schemas.encode_state({"state_id": sid, "schema_id": "bench", "state": text,
-                                      "event_time": int(time.time() * 1000), "metadata": None})
-        producer.produce(topic, key=sid.encode(), value=value)
+        producer.produce(topic, key=sid.encode(), value=value_of(sid, text, int(time.time() * 1000)))
         producer.poll(0)
         if on_progress:
             on_progress(k + 1)

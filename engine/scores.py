@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple, Sequence
 
+import numpy as np
 import torch
 
 from engine.readout import MASS, PROBABILITIES, RAW
@@ -49,18 +50,41 @@ class PendingScores:
             if self._event is not None:
                 with torch.cuda.device(self._device):
                     self._event.synchronize()
-            # tolist() per step, no torch.cat: a CPU op here could start a second OpenMP team in this thread
-            answers = (answer for chunk in self._chunks for answer in chunk.tolist())
-            self._details = [_state_scores(h, [next(answers) for _ in h.n_options]) for h in self._schemas]
+            # numpy views of the steps' host tensors, no torch op: one here could start a second OpenMP team in this
+            # thread. Only the columns a state's records carry become Python floats (4 of a row's 53 at 4 options).
+            chunks = [chunk.numpy() for chunk in self._chunks]
+            table = chunks[0] if len(chunks) == 1 else np.concatenate(chunks)
+            layouts: dict[int, _Layout] = {}
+            self._details, at = [], 0
+            for h in self._schemas:
+                layout = layouts.get(id(h))
+                if layout is None:
+                    layout = layouts[id(h)] = _Layout(h)
+                self._details.append(layout.scores(table[at:at + layout.answers]))
+                at += layout.answers
             self._chunks = []
         return self._details
 
 
-def _state_scores(h, rows: list[list[float]]) -> StateScores:
-    """A state's `StateScores` from its read-out rows (`engine.readout.SCORE_COLUMNS` each, in question order)."""
-    probabilities = [row[PROBABILITIES][:n] for row, n in zip(rows, h.n_options)]
-    raw = None
-    if any(h.calibrated):
-        raw = [row[RAW][:n] if changed else None for row, n, changed in zip(rows, h.n_options, h.calibrated)]
-    mass = [row[MASS] for row in rows] if h.label_mass else None
-    return StateScores(probabilities, raw, mass)
+class _Layout:
+    """Where one schema's scores sit in a state's read-out rows (`engine.readout.SCORE_COLUMNS` each, one per question,
+    in question order)."""
+
+    def __init__(self, h) -> None:
+        self.n_options, self.calibrated, self.label_mass = list(h.n_options), list(h.calibrated), bool(h.label_mass)
+        self.answers = len(self.n_options)
+        self.width = self.n_options[0] if len(set(self.n_options)) == 1 else None   # every question as wide
+        self.raw = any(self.calibrated)
+
+    def scores(self, rows: np.ndarray) -> StateScores:
+        """A state's `StateScores` from its [questions, SCORE_COLUMNS] rows."""
+        if self.width is not None:
+            probabilities = rows[:, PROBABILITIES][:, :self.width].tolist()
+        else:
+            probabilities = [row[:n].tolist() for row, n in zip(rows[:, PROBABILITIES], self.n_options)]
+        raw = None
+        if self.raw:
+            raw = [row[:n].tolist() if changed else None
+                   for row, n, changed in zip(rows[:, RAW], self.n_options, self.calibrated)]
+        mass = rows[:, MASS].tolist() if self.label_mass else None
+        return StateScores(probabilities, raw, mass)

@@ -20,6 +20,8 @@ def test_summarize_gives_each_threads_share_of_the_wall_time_and_where_it_held_t
     summary = gil_profile.summarize(RAW, seconds=1.0)          # 250 samples a second were taken
     assert summary["gil_held_share"] == round(110 / 250, 4)
     assert summary["by_thread"] == {"MainThread": 0.2, "decider-gpu_0": 0.2, "decider-tok_0": 0.04}
+    # the read-out is the engine's compute (on the GPU, inside the step's graph), the rest is the host's
+    assert summary["engine_share"] == 0.1 and summary["non_engine_share"] == round(85 / 250, 4)
     places = {(p["thread"], p["where"]): p["share"] for p in summary["top"]}
     # the deepest frame of the project's code, else the innermost frame
     assert places[("MainThread", "Worker._step (worker/stream/loop.py:20)")] == 0.2

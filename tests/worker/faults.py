@@ -40,6 +40,10 @@ def failing_on(marker: str) -> type[SchemaEngine]:
             row = super().tokenize(h, context, max_ctx_tokens)
             return MarkedRow(*row) if marker in context else row
 
+        def tokenize_many(self, h, contexts, max_ctx_tokens=None):
+            rows = super().tokenize_many(h, contexts, max_ctx_tokens)
+            return [MarkedRow(*row) if marker in context else row for row, context in zip(rows, contexts)]
+
         def launch_mixed(self, requests):
             if any(isinstance(row, MarkedRow) for _, row in requests):
                 raise InjectedFault(f"injected scoring fault (a state contains {marker!r})")

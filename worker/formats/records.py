@@ -265,11 +265,13 @@ def probability_record(
     label_mass: list[float] | None = None,
     raw_probabilities: list[list[float] | None] | None = None,
     fingerprint: dict[str, str] | None = None,
+    scored_at: int | None = None,
 ) -> dict[str, Any]:
     """The Avro ProbabilityRecord for one scored state; ``probabilities`` is per question, per option (calibrated where
     the schema says), ``label_mass`` per question (None: not computed), ``raw_probabilities`` per question (None,
-    or None for a question: calibration changed nothing) and ``fingerprint`` the scoring fingerprint of the schema
-    version on this engine (``engine.fingerprint``: records with equal digests are comparable bit for bit)."""
+    or None for a question: calibration changed nothing), ``fingerprint`` the scoring fingerprint of the schema
+    version on this engine (``engine.fingerprint``: records with equal digests are comparable bit for bit) and
+    ``scored_at`` when it was scored (epoch ms; None: now)."""
     masses = label_mass or [None] * len(probabilities)
     raws = raw_probabilities or [None] * len(probabilities)
     return {
@@ -287,7 +289,7 @@ def probability_record(
         "source_partition": source.partition,
         "source_offset": source.offset,
         "event_time": state.get("event_time"),
-        "scored_at": int(time.time() * 1000),
+        "scored_at": int(time.time() * 1000) if scored_at is None else scored_at,
         "truncated": truncated,
         "worker_id": worker_id,
         "metadata": state.get("metadata"),
@@ -303,6 +305,10 @@ def probabilities_problem(probabilities: list[list[float]], n_options: list[int]
         return f"label mass {label_mass} is not a share of the distribution"
     if len(probabilities) != len(n_options):
         return f"engine returned {len(probabilities)} questions, expected {len(n_options)}"
+    # The usual answer first, in C-level calls (sum, min): a sum is finite only if every term is, and NaN never is.
+    if all(len(row) == count and row and min(row) >= 0 and math.isfinite(total := sum(row)) and abs(total - 1.0) <= 1e-3
+           for row, count in zip(probabilities, n_options)):
+        return None
     for index, (row, count) in enumerate(zip(probabilities, n_options)):
         if len(row) != count:
             return f"question {index}: engine returned {len(row)} probabilities for {count} options"

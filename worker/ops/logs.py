@@ -60,6 +60,10 @@ def setup_logging(level: str = "info", fmt: str = "human") -> None:
         raise ConfigError(f"--log-level must be {', '.join(LEVELS[:-1])} or {LEVELS[-1]}, not {level!r}")
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter() if fmt == "json" else HumanFormatter())
+    # No formatter here shows a record's source line, thread or process: without them a record is made without walking
+    # the caller's frames or asking for the thread and the process (a line per committed cycle; issue 46)
+    logging._srcfile = None
+    logging.logThreads = logging.logProcesses = logging.logMultiprocessing = False
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(getattr(logging, level.upper()))

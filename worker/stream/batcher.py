@@ -102,6 +102,8 @@ class Cycle:
     def full(self, max_batch: int) -> bool:
         """Whether the batches hold ``max_batch`` states together (every schema's states score as one GPU batch; states
         carried over, which stay held back, do not count)."""
+        if len(self.entries) < max_batch:   # the batches' states are some of its entries: asked for every state taken
+            return False
         return sum(len(b.members) - b.carried for b in self.batches.values()) >= max_batch
 
     def due(self, now: float, max_batch: int, max_wait_s: float) -> bool:

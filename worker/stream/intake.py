@@ -38,12 +38,15 @@ class Intake:
         (a deadline on taking would cap batches at what one deadline's worth of routing allows, below the
         load the GPU can carry)."""
         count = 0
-        while message is not None:
-            self.take(message, cycle())
-            count += 1
-            if count >= self.config.max_batch or cycle().full(self.config.max_batch):
-                return
-            message = consumer.poll(0)
+        try:
+            while message is not None:
+                self.take(message, cycle())
+                count += 1
+                if count >= self.config.max_batch or cycle().full(self.config.max_batch):
+                    return
+                message = consumer.poll(0)
+        finally:
+            self.router.flush()  # the states routed here are tokenized together
 
     def take(self, message, cycle: Cycle) -> None:
         """One polled message: an error to act on, or a record to decode and route."""

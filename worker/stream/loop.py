@@ -249,8 +249,9 @@ class Worker:
         scored, dead_letters = sum(out.scored.values()), out.dead_letters_by_code()
         metrics.count_committed(committed_at - (cycle.arrived_at or committed_at), out.scored, dead_letters,
                                 first_in_transaction=position == 0)
-        log.debug("committed %d scored, %s dead letters, offsets %s", scored, dead_letters,
-                  partition_names(cycle.offsets(), with_offsets=True))
+        if log.isEnabledFor(logging.DEBUG):  # the offsets' names are made only for a line that is written
+            log.debug("committed %d scored, %s dead letters, offsets %s", scored, dead_letters,
+                      partition_names(cycle.offsets(), with_offsets=True))
         self._emit("committed", {"scored": scored, "dead_letters": dead_letters,
                                  "samples": out.samples, "batches": {f"{k[0]} v{k[1]}": len(b.members) for k, b in cycle.batches.items()},
                                  "commit_ms": outcome.commit_ms, "commit_steps_ms": outcome.steps_ms,

@@ -1,14 +1,16 @@
 """Routing: which part of the open cycle a decoded state joins, kept right as the schema topic changes.
 
 A state whose schema is in the table joins that schema version's batch: the schema is prepared on first sight and
-the state's tokenization starts now, on the scorer's pool, so its row is usually ready when the batch closes. A
-state naming a schema never seen waits (up to ``--schema-wait-ms``, holding back only later states of its own
-partition: ``worker.stream.batcher``); one naming a broken or a deleted schema, or one whose wait ran out, becomes a dead
-letter. When the schema topic changes, waiting states are routed again, and before a cycle
-closes its batches of superseded or deleted versions are too.
+the state's tokenization starts with the others routed with it, on the scorer's pool, so its row is usually ready
+when the batch closes. A state naming a schema never seen waits (up to ``--schema-wait-ms``, holding back only later
+states of its own partition: ``worker.stream.batcher``); one naming a broken or a deleted schema, or one whose wait ran
+out, becomes a dead letter. When the schema topic changes, waiting states are routed again, and before a cycle closes
+its batches of superseded or deleted versions are too.
 """
 
 from __future__ import annotations
+
+from concurrent.futures import Future
 
 from worker.stream.assignment import EventSink
 from worker.stream.batcher import Cycle, Pending, monotonic
@@ -17,14 +19,29 @@ from worker.stream.outputs import Outputs
 from worker.formats.records import Reason
 from worker.stream.schema_table import BrokenSchema, Change, SchemaTable
 from worker.stream.scorer import Scorer
+from worker.stream.tokenizing import RowSlot
+
+
+TOKENIZE_CHUNK = 16
+"""States routed to one schema version whose tokenization goes to the tokenizer pool as one job (``Router.flush``):
+one submit and one tokenizer call for them all, and a backlog's first states tokenized while the rest are routed."""
 
 
 class Router:
-    """Routes decoded states into a cycle with the schema table's current view."""
+    """Routes decoded states into a cycle with the schema table's current view. A state routed to a batch is tokenized
+    with the others routed with it: ``flush`` (after each fetched group of messages, and every ``TOKENIZE_CHUNK``
+    states of a schema version) hands them to the tokenizer pool."""
 
     def __init__(self, config: WorkerConfig, table: SchemaTable, scorer: Scorer, outputs: Outputs, emit: EventSink) -> None:
         self._config, self._table, self._scorer, self._outputs, self._emit = config, table, scorer, outputs, emit
         self._schema_wait_s = config.schema_wait_ms / 1000
+        self._untokenized: dict[int, tuple[Future, list[str], list[RowSlot]]] = {}  # by prepared schema's future
+
+    def flush(self) -> None:
+        """Start tokenizing every state routed since the last flush, one job per schema version."""
+        for handle, texts, slots in self._untokenized.values():
+            self._scorer.tokenize_many(handle, texts, slots)
+        self._untokenized.clear()
 
     def route(self, pending: Pending, cycle: Cycle, now: float) -> None:
         """Send a decoded state to its schema's batch, to the waiting list, or to the dead letters."""
@@ -35,7 +52,15 @@ class Router:
         elif schema is not None:
             # One pin per state on the prepared schema (prepared on first sight), released when its cycle ends.
             handle = self._scorer.acquire(schema)
-            cycle.add_to_batch(pending, schema, handle, self._scorer.tokenize(handle, pending.state["state"]), now)
+            slot = RowSlot()
+            cycle.add_to_batch(pending, schema, handle, slot, now)
+            group = self._untokenized.get(id(handle))
+            if group is None:
+                group = self._untokenized[id(handle)] = (handle, [], [])
+            group[1].append(pending.state["state"])
+            group[2].append(slot)
+            if len(group[2]) >= TOKENIZE_CHUNK:
+                self._scorer.tokenize_many(*self._untokenized.pop(id(handle)))
         elif self._table.highest_version(schema_id) and pending.wait_deadline is None:
             # Seen before and tombstoned since. Decided when the cycle closes, after the table caught up with the
             # schema topic (the schema may have been published again just now); no longer than that.
@@ -62,6 +87,7 @@ class Router:
             now = monotonic()
             for pending in cycle.take_waiting():
                 self.route(pending, cycle, now)
+            self.flush()
 
     def reroute(self, cycle: Cycle, now: float) -> None:
         """Bring a closing cycle up to date: batches of superseded or deleted versions, and expired waits."""
@@ -75,3 +101,4 @@ class Router:
                 self.route(pending, cycle, now)
         for pending in cycle.take_waiting():
             self.route(pending, cycle, now)
+        self.flush()

@@ -22,6 +22,7 @@ from worker.ops import metrics
 from worker.config import WorkerConfig
 from worker.exceptions import ConfigError
 from worker.formats.records import Reason, SchemaKey, engine_options, engine_questions, probabilities_problem
+from worker.stream.tokenizing import RowSlot, bind, tokenized_rows
 
 log = logging.getLogger(__name__)
 
@@ -127,10 +128,10 @@ class _Launch:
 
 @dataclass
 class BatchJob:
-    """One schema's batch: the future of its prepared schema and, per state, the future of its tokenized row."""
+    """One schema's batch: the future of its prepared schema and, per state, its tokenized row's future or RowSlot."""
 
     handle: Future
-    rows: list[Future]
+    rows: list[Any]
 
 
 class Scorer:
@@ -252,9 +253,9 @@ class Scorer:
             self._se.release(entry.future.result())
 
     # ---- requests --------------------------------------------------------------------------------------------
-    def tokenize(self, handle_future: Future, text: str) -> Future:
-        """A future of the engine's tokenized row for ``text`` (runs on the tokenizer pool)."""
-        return self._tokenizers.submit(lambda: self._se.tokenize(handle_future.result(), text))
+    def tokenize_many(self, handle_future: Future, texts: Sequence[str], slots: Sequence[RowSlot]) -> None:
+        """Tokenize ``texts`` as one job of the tokenizer pool: ``slots[i]`` then holds the row of ``texts[i]``."""
+        bind(slots, self._tokenizers.submit(tokenized_rows, self._se, handle_future, list(texts)))
 
     def submit(self, jobs: Sequence[BatchJob], on_launched: Callable[[LaunchTimes], None] | None = None) -> Future:
         """Score a cycle's batches, every schema's states in one mixed GPU batch (the engine reads each row's prefix by
@@ -365,13 +366,14 @@ class Scorer:
     @staticmethod
     def _checked(requests: list[tuple[Any, Any]], results: list[Any]) -> list[ScoredState]:
         """The engine's ``StateScores`` as outcomes, a state whose probabilities are unusable as a scoring error."""
-        outcomes = []
+        outcomes, known = [], {}        # per schema, its option counts and fingerprint record: made once a batch
         for (handle, _), scores in zip(requests, results):
-            problem = probabilities_problem(scores.probabilities, list(handle.n_options), scores.label_mass)
+            n_options, fingerprint = known.get(id(handle)) or known.setdefault(id(handle), (
+                list(handle.n_options), handle.fingerprint.as_record() if handle.fingerprint is not None else None))
+            problem = probabilities_problem(scores.probabilities, n_options, scores.label_mass)
             if problem:
                 outcomes.append(ScoredState(reason=Reason.SCORING_ERROR, error=f"unusable engine output: {problem}"))
             else:
-                fingerprint = handle.fingerprint.as_record() if handle.fingerprint is not None else None
                 outcomes.append(ScoredState(scores.probabilities, scores.raw_probabilities, scores.label_mass,
                                             fingerprint=fingerprint))
         return outcomes

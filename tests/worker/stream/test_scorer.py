@@ -10,6 +10,7 @@ from tests.worker.conftest import QUESTIONS, QUESTIONS_V2, expected_probabilitie
 from tests.worker.faults import failing_on
 from worker.formats.records import Reason, question_schema_record
 from worker.stream.scorer import BatchJob, Scorer
+from worker.stream.tokenizing import RowSlot
 
 
 def _schema(schema_id: str, document: dict, version: int = 1) -> dict:
@@ -18,7 +19,7 @@ def _schema(schema_id: str, document: dict, version: int = 1) -> dict:
 
 def _score(scorer: Scorer, schema: dict, texts: list[str]):
     handle = scorer.acquire(schema)
-    rows = [scorer.tokenize(handle, t) for t in texts]
+    rows = [_row(scorer, handle, t) for t in texts]
     outcome = scorer.submit([BatchJob(handle, rows)]).result(60)[0]
     scorer.release_pin((schema["schema_id"], schema["version"]))
     return outcome
@@ -104,7 +105,7 @@ def test_a_cycles_schemas_score_as_one_engine_batch(schema_engine):
     schemas = [_schema("a", QUESTIONS), _schema("b", QUESTIONS_V2)]
     try:
         handles = [scorer.acquire(s) for s in schemas]
-        jobs = [BatchJob(h, [scorer.tokenize(h, t) for t in texts[i::2]]) for i, h in enumerate(handles)]
+        jobs = [BatchJob(h, [_row(scorer, h, t) for t in texts[i::2]]) for i, h in enumerate(handles)]
         outcomes = scorer.submit(jobs).result(60)
     finally:
         scorer.close()
@@ -138,9 +139,9 @@ def test_a_schema_met_mid_stream_holds_up_no_batch_for_its_graphs(schema_engine)
         second = scorer.acquire(_schema("b", QUESTIONS_V2))         # 2 answers a row: graphs not captured yet
         second.result(30)
         assert se.graph_stats()["pending"] > 0
-        mixed = [BatchJob(first, [scorer.tokenize(first, t) for t in texts[:2]]),
-                 BatchJob(second, [scorer.tokenize(second, t) for t in texts[2:]])]
-        alone = [BatchJob(second, [scorer.tokenize(second, t) for t in texts])]
+        mixed = [BatchJob(first, [_row(scorer, first, t) for t in texts[:2]]),
+                 BatchJob(second, [_row(scorer, second, t) for t in texts[2:]])]
+        alone = [BatchJob(second, [_row(scorer, second, t) for t in texts])]
         outcomes = scorer.submit(mixed).result(30) + scorer.submit(alone).result(30)
         stats = se.graph_stats()
         assert stats["pending"] > 0 and stats["eager"] == 0 and stats["covered"] >= 1 and stats["inline"] == 0
@@ -155,3 +156,10 @@ def test_a_schema_met_mid_stream_holds_up_no_batch_for_its_graphs(schema_engine)
     for state, expected in zip(got, want):
         for g, w in zip(state.probabilities, expected):
             assert g == pytest.approx(w, abs=1e-5)
+
+
+def _row(scorer, handle, text):
+    """``text``'s tokenized row, as the router makes it: a slot of a tokenizer job (here of one state)."""
+    slot = RowSlot()
+    scorer.tokenize_many(handle, [text], [slot])
+    return slot

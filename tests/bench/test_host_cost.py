@@ -1,0 +1,35 @@
+"""bench/host_cost.py: the worker's host CPU by thread and by stage, per state and per cycle, and the GIL's share."""
+from bench import host_cost
+from tests.brokers import bench_broker_args
+
+
+def test_a_short_run_reports_host_cost_by_thread_and_by_stage(tmp_path):
+    out = tmp_path / "host-cost.json"
+    result = host_cost.main([*bench_broker_args(), "--rate", "150", "--seconds", "2", "--warmup-seconds", "1",
+                             "--out", str(out)])
+    assert out.is_file()
+    light, staged = result["runs"]
+    for run in (light, staged):
+        assert run["ok"] and run["states"] > 0 and run["cycles"] > 0, run      # exactly once, and it scored
+        assert run["engine_forwards"] > 0 and run["host_us_per_state"] > 0, run
+        # the engine's forward is timed apart: host time is every thread's CPU less the forward's
+        assert run["host_us_per_state"] == round(run["python_host_us_per_state"] + run["native_client_us_per_state"], 2) \
+            or abs(run["host_us_per_state"] - run["python_host_us_per_state"] - run["native_client_us_per_state"]) < 0.05
+        assert run["cycle"]["small_cycles"] > 0 and run["cycle"]["close_to_launch_p50_ms"] > 0, run["cycle"]
+    # py-spy's GIL samples, outside the engine's compute and in it
+    assert 0 < light["gil"]["non_engine_share"] <= light["gil"]["gil_held_share"] <= 1, light["gil"]
+    # every stage of the path was found and charged on its thread; a thread's stages and its "other" add up to its CPU
+    rows = staged["stages"]
+    charged = {(r["thread"], r["stage"]) for r in rows}
+    assert {("MainThread", "decode"), ("MainThread", "route"), ("MainThread", "records"), ("decider-gpu", "launch"),
+            ("decider-gpu", "pad"), ("decider-collect", "read_back"), ("decider-committer", "produce")} <= charged
+    assert any(stage == "tokenize" for _, stage in charged)
+    assert not staged["missing_stages"], staged["missing_stages"]
+    for thread, spent in staged["by_thread_us_per_state"].items():
+        if thread.startswith(("MainThread", "decider-")):
+            in_rows = sum(r["us_per_state"] for r in rows if r["thread"] == thread)
+            assert abs(in_rows - spent) <= 0.02 * spent + 0.5, (thread, in_rows, spent)
+            assert all(r["us_per_state"] >= -0.5 for r in rows if r["thread"] == thread and r["stage"] == "other")
+    assert 0 < staged["wrapper_overhead_ns"]["self_ns"] < 20_000
+    summary = result["summary"][light["tree"]]
+    assert summary["exactly_once"] and summary["windows"] == 2 and summary["host_us_per_state"] > 0
