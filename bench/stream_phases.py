@@ -359,4 +359,5 @@ def window_tail(stream: Stream, reader: Reader, start_seen: int, tag: str, budge
     with ids ``tag-i``), from every worker's log."""
     states = [tail_causes.LateState(ev, 1000 * t, *reader.source[sid], measured=sid.startswith(f"{tag}-"))
               for t, sid, ev in reader.visible[start_seen:] if ev is not None and sid in reader.source]
-    return tail_causes.window_causes(stream.worker_events(), states, budget_ms)
+    return tail_causes.window_causes(stream.worker_events(), states, budget_ms,
+                                     compute_in_launch=not stream.args.device.startswith("cuda"))

@@ -11,17 +11,19 @@ cycle's time is cut into pieces, each charged to one cause:
 | piece | cause |
 |---|---|
 | until the cycle ahead of it (same worker) was scored | ``gpu_busy``: queued behind scoring in flight |
-| then, while the GPU was free, to the close | ``host_intake``: the loop had not closed it yet (poll, decode, routing, another cycle's records) |
-| close -> handed to the GPU thread | ``broker_schema``: the schema catch-up (a broker round trip) and the batches built |
+| then, while the GPU was free, to the close | ``host_intake``: not closed yet (poll, decode, routing, records) |
+| close -> handed to the GPU thread | ``broker_schema``: the schema catch-up (a broker round trip), batches built |
 | handed -> taken by the GPU thread | ``host_handoff`` |
 | taken -> its tokenized states gathered | ``host_gather`` |
-| gathered -> queued on the device | ``host_launch`` (``capture`` where its launch captured CUDA graphs: ``graph_captures``) |
-| from queued, or the cycle ahead's scores if later, to its scores | ``scoring``: its own batch on the GPU (``capture`` likewise) |
+| gathered -> queued on the device | ``host_launch`` (``capture`` where it captured graphs: ``graph_captures``) [1] |
+| from queued, or the cycle ahead's scores if later, to its scores | ``scoring``: its own batch (``capture`` likewise) |
 | scores -> its transaction began, while the transaction before was running | ``broker_queue``: behind the committer |
 | the rest of scores -> transaction began | ``host_records``: records made and encoded, handed to the committer |
 | the transaction's ``produce`` step | ``host_produce``: records queued in the producer |
 | its ``offsets``, ``flush`` and ``commit`` steps | ``broker_commit`` |
 | visible to the worker -> seen by the reader | ``reader``: the benchmark's read_committed fetch |
+
+[1] ``scoring`` on a CPU, whose forward runs inside the launch.
 
 Then, per late state, on its own span (from its event time, placed on the cycle's clock, to when the reader saw it):
 
@@ -78,10 +80,12 @@ def _piece(pieces: list, start: float | None, end: float | None, cause: str) -> 
         pieces.append((start, end, cause))
 
 
-def cycle_pieces(event: dict, ahead: dict | None, previous_transaction_end: float | None) -> CyclePieces:
+def cycle_pieces(event: dict, ahead: dict | None, previous_transaction_end: float | None,
+                 compute_in_launch: bool = False) -> CyclePieces:
     """``event``'s cycle cut into causes (see the module's docstring). ``ahead``: the cycle committed before it by the
     same worker (None: none); ``previous_transaction_end``: when the transaction before its own ended, on the worker's
-    monotonic clock in ms (None: none)."""
+    monotonic clock in ms (None: none); ``compute_in_launch``: the device computes inside the launch (a CPU: the
+    forward runs before the launch returns), so gathered -> queued is its ``scoring``, not the host's launch."""
     base = event["arrived_monotonic_ms"]
     get = event.get
     closed, scored, visible = get("closed_ms"), get("scored_ms"), get("arrival_to_visible_ms")
@@ -95,7 +99,7 @@ def cycle_pieces(event: dict, ahead: dict | None, previous_transaction_end: floa
     _piece(pieces, 0.0, busy_until, "gpu_busy")
     # the host's steps up to the launch, where they did not overlap the wait for the GPU
     steps = [(closed, "host_intake"), (submitted, "broker_schema"), (taken, "host_handoff"), (gathered, "host_gather"),
-             (launched, "capture" if captured else "host_launch")]
+             (launched, "capture" if captured else "scoring" if compute_in_launch else "host_launch")]
     at = 0.0
     for end, cause in steps:
         if end is None:
@@ -155,7 +159,7 @@ def cause_of(cycle: CyclePieces, state: LateState, membership_wall_ms: list[floa
 class CycleIndex:
     """The committed cycles of a run's workers, each cut into causes, found by the input offsets they committed."""
 
-    def __init__(self, events_by_worker: list[list[dict]]) -> None:
+    def __init__(self, events_by_worker: list[list[dict]], compute_in_launch: bool = False) -> None:
         self._by_partition: dict[int, list[tuple[int, int]]] = defaultdict(list)   # partition -> [(next offset, k)]
         self.cycles: list[CyclePieces] = []
         self.membership: list[float] = sorted(1000 * e["t"] for events in events_by_worker for e in events
@@ -170,7 +174,7 @@ class CycleIndex:
                 end = event["arrived_monotonic_ms"] + event["arrival_to_visible_ms"]
                 if previous_end is not None and end > previous_end + SAME_TRANSACTION_MS:
                     transaction_end = previous_end   # the transaction before this one's (cycles of one share its end)
-                pieces = cycle_pieces(event, ahead, transaction_end)
+                pieces = cycle_pieces(event, ahead, transaction_end, compute_in_launch)
                 # the arrival on the wall clock, from the log line's time (a little after the commit)
                 pieces.arrival_wall_ms = 1000 * event["t"] - event["arrival_to_visible_ms"]
                 for partition, offset in event["offsets"]:
@@ -202,11 +206,13 @@ def place_arrivals(index: CycleIndex, states: list[LateState], budget_ms: float)
             cycle.arrival_wall_ms = event_ms
 
 
-def window_causes(events_by_worker: list[list[dict]], states: list[LateState], budget_ms: float) -> dict:
+def window_causes(events_by_worker: list[list[dict]], states: list[LateState], budget_ms: float,
+                  compute_in_launch: bool = False) -> dict:
     """The tail table of one measured window: of ``states`` (every state the reader saw with an event time; those not
-    ``measured`` only place their cycles), the measured ones over ``budget_ms``, how many per cause, their share, and the mean ms per
-    cause over them (what the late states' time was spent on, whichever cause each was charged to)."""
-    index = CycleIndex(events_by_worker)
+    ``measured`` only place their cycles), the measured ones over ``budget_ms``, how many per cause, their share, and
+    the mean ms per cause over them (what the late states' time was spent on, whichever cause each was charged to).
+    ``compute_in_launch``: see ``cycle_pieces``."""
+    index = CycleIndex(events_by_worker, compute_in_launch)
     place_arrivals(index, states, budget_ms)
     late = [s for s in states if s.measured and s.visible_ms - s.event_ms > budget_ms]
     counts: Counter = Counter()

@@ -135,3 +135,8 @@ def test_a_tie_goes_to_the_cause_listed_first_and_windows_merge():
     assert merged([a, b]) == {"over_budget": 4, "causes": {"gc": 3, "gpu_busy": 1},
                               "shares": {"gc": 0.75, "gpu_busy": 0.25}, "mean_ms": {"gc": 15.0}}
     assert merged([])["over_budget"] == 0
+
+
+def test_on_a_cpu_the_launch_is_the_forward_and_charged_to_scoring():
+    event = _event(0.0, [[0, 1]], gathered=1.5, launched=31.5, scored=32.0, visible=35.0)
+    assert window_causes([[event]], [_state(0.0, 36.0)], BUDGET, compute_in_launch=True)["causes"] == {"scoring": 1}
