@@ -13,6 +13,11 @@ measured (`stream_phases.latency_window`). A load holds when every sample has p9
 of its states over B; B's capacity is the highest load held with every lower measured load held too, as a fraction of
 the full-load throughput, and a budget stops climbing at its first load that does not hold.
 
+Every window's states over B are charged to one cause each (`bench/tail_causes.py`: the GPU busy with the cycle
+ahead, the state's own scoring, a host stage, a broker call, garbage collection, a graph capture, a rebalance, the
+reader): the window's `tail_causes` and each load's (its windows together) in the JSON, a table below the capacity
+table, and the PNG's second panel (the share of each load's states over B, stacked by cause).
+
 Each phase runs on an embedded broker of its own (``fresh_broker`` says why). Two simplifications keep a run inside
 one GPU call, and both are in the JSON: the samples of a budget are consecutive
 windows on one set of warm workers and topics (a window starts after the one before is visible in full; starting
@@ -156,11 +161,15 @@ def fresh_broker(args, logs: Path, name: str):
 def capacity_run(args, env: dict, engine_rate: float, model_dir, schema_file, texts, logs: Path) -> dict:
     """The whole capacity measurement (see the module's docstring), each phase on a broker of its own."""
     grid = sorted(args.capacity_loads)
-    with fresh_broker(args, logs, "tput") as (broker, proxy_stats):
-        full = throughput_phase(args, broker.bootstrap, model_dir, schema_file, texts, logs)
-    full["proxy"] = proxy_stats
-    full_rate = full["all_workers_states_per_s"] or full["states_per_s"]
-    full["fraction_of_engine"] = full_rate / engine_rate
+    if getattr(args, "full_load_rate", None):    # given: two trees compared at the same offered rates
+        full_rate = args.full_load_rate
+        full = dict(phase="given", states_per_s=full_rate, fraction_of_engine=full_rate / engine_rate, proxy={})
+    else:
+        with fresh_broker(args, logs, "tput") as (broker, proxy_stats):
+            full = throughput_phase(args, broker.bootstrap, model_dir, schema_file, texts, logs)
+        full["proxy"] = proxy_stats
+        full_rate = full["all_workers_states_per_s"] or full["states_per_s"]
+        full["fraction_of_engine"] = full_rate / engine_rate
     print(f"full load: {full_rate:,.1f} states/s ({full['fraction_of_engine']:.1%} of engine-only)", flush=True)
     curves, tighter = [], None
     for budget_ms in sorted(args.latency_budget_ms):

@@ -16,7 +16,9 @@ is the headroom that absorbs a stall without a queue building up): 0 at a light 
 already leaves that headroom, so a light load and a tight budget close every cycle as soon as the GPU can take it, as
 before. Under a load that needs more than the budget allows, the window is capped so that the cycle's first state is
 planned visible within ``GATHER_SHARE`` of the budget (its window, the launch lead, the pessimistic scoring and
-commit times of the ``n`` states it gathers): a larger budget then buys larger batches, and only then.
+commit times of the ``n`` states it gathers): a larger budget then buys larger batches, and only then. Nor does a
+cycle gather past the batch size beyond which a larger batch was not measured cheaper per state (on a CPU the
+tiny model's batch of 60 cost more per state than one of 50: gathering up to it lost throughput).
 
 Gathering up to the cycle's own deadline, at every load, was tried before (runs P and R): the larger batch held the
 GPU past the next cycle's deadline. This window differs in both: it is 0 until the load needs it, and it plans the
@@ -46,6 +48,7 @@ class CostLine:
     fixed: float
     per_state: float
     margin: float = 0.0
+    cheapest_up_to: float = math.inf   # no batch larger than this measured cheaper per state (``fitted``)
 
     @classmethod
     def fitted(cls, points: list[tuple[float, float, float]]) -> "CostLine | None":
@@ -60,6 +63,11 @@ class CostLine:
         # and one rare large batch would otherwise cap every window
         margins = sorted(m for _, _, m in points)
         margin = margins[(len(margins) - 1) // 2]
+        # where a larger batch stopped being cheaper per state (a CPU's time is not linear in the batch): the size of
+        # the cheapest bucket, or twice it where it is the largest measured (the next one up is worth a try)
+        sizes = sorted(points)
+        cheapest = min(range(len(sizes)), key=lambda k: sizes[k][1] / max(sizes[k][0], 1.0))
+        cheapest_up_to = sizes[cheapest][0] * (2 if cheapest == len(sizes) - 1 else 1)
         if len(points) >= 2:
             mean_n = sum(n for n, _, _ in points) / len(points)
             mean_s = sum(s for _, s, _ in points) / len(points)
@@ -68,11 +76,11 @@ class CostLine:
                 slope = sum((n - mean_n) * (s - mean_s) for n, s, _ in points) / spread
                 fixed = mean_s - slope * mean_n
                 if slope >= 0 and fixed >= 0:
-                    return cls(fixed, slope, margin)
+                    return cls(fixed, slope, margin, cheapest_up_to)
                 if slope < 0:                   # no larger batch measured slower: the noise of a fixed cost
-                    return cls(max(s for _, s, _ in points), 0.0, margin)
+                    return cls(max(s for _, s, _ in points), 0.0, margin, cheapest_up_to)
         n, seconds, _ = max(points)
-        return cls(0.0, seconds / max(n, 1.0), margin)
+        return cls(0.0, seconds / max(n, 1.0), margin, cheapest_up_to)
 
     def seconds(self, n: float, pessimistic: bool = False) -> float:
         """The time of a cycle of ``n`` states (plus the margin when ``pessimistic``)."""
@@ -121,5 +129,6 @@ def gather_window(rate: float | None, engine: CostLine | None, commit: CostLine 
     room = (GATHER_SHARE * budget_s - launch_lead_s - engine.fixed - engine.margin - commit.fixed - commit.margin
             + 1 / rate)
     allowed = room / (1 / rate + engine.per_state + commit.per_state)
-    n = min(needed, allowed, float(max_batch))
+    # and never past the batch size beyond which a larger batch was not measured cheaper per state
+    n = min(needed, allowed, engine.cheapest_up_to, float(max_batch))
     return max(0.0, (n - 1) / rate)

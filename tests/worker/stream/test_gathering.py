@@ -112,3 +112,17 @@ def test_a_planner_that_learned_a_high_load_gathers_longer_under_a_larger_budget
     assert planner.close_by(100.0, 99.0, gpu_busy=False) <= 100.0     # already past it (and max-wait): at once
     planner.forget_order()
     assert planner.gather_s == 0.0 and planner.close_by(100.0, 100.0, gpu_busy=False) == 100.0
+
+
+def test_a_cycle_never_gathers_past_the_size_beyond_which_batches_stopped_getting_cheaper_per_state():
+    # a CPU's shape: 29 ms a batch + 2.4 ms a state up to 32 states, then 64 costs more per state than 32 did
+    convex = [(2.0, 0.034, 0.002), (6.0, 0.043, 0.002), (12.0, 0.058, 0.002), (28.0, 0.096, 0.002),
+              (60.0, 0.275, 0.002)]
+    line = CostLine.fitted(convex)
+    assert line.cheapest_up_to == 28.0
+    rate = 330.0                      # more than the line says the GPU sustains: the budget's cap would be the batch
+    window = gather_window(rate, line, COMMIT, 2.0, LEAD, 64)
+    assert 1 + rate * window == pytest.approx(28.0)
+    # where the largest measured bucket is the cheapest, the next one up is worth a try: twice its size
+    linear = CostLine.fitted([(n, 0.0023 + 0.00045 * n, 0.001) for n in (2.0, 6.0, 12.0)])
+    assert linear.cheapest_up_to == 24.0
