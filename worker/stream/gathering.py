@@ -14,11 +14,13 @@ time of a cycle (``CostLine``, fitted to the budget's per-bucket estimates). The
 more states take to arrive, for the smallest ``n`` whose utilisation is at most ``UTILISATION`` (the rest of the time
 is the headroom that absorbs a stall without a queue building up): 0 at a light load, where one state's cycle
 already leaves that headroom, so a light load and a tight budget close every cycle as soon as the GPU can take it, as
-before. Under a load that needs more than the budget allows, the window is capped so that the cycle's first state is
-planned visible within ``GATHER_SHARE`` of the budget (its window, the launch lead, the pessimistic scoring and
-commit times of the ``n`` states it gathers): a larger budget then buys larger batches, and only then. Nor does a
+before; 0 too at a load whose states' own time (``rate x per_state``) fills that share, where no batch size leaves
+the headroom and the queue behind the GPU sets the batch (gathering there idled the GPU and lost the highest load on
+this CPU). Where the batch needed is larger than the budget allows, the window is capped so that the cycle's first
+state is planned visible within ``GATHER_SHARE`` of the budget (its window, the launch lead, the pessimistic scoring
+and commit times of the ``n`` states it gathers): a larger budget then buys larger batches, and only then. Nor does a
 cycle gather past the batch size beyond which a larger batch was not measured cheaper per state (on a CPU the
-tiny model's batch of 60 cost more per state than one of 50: gathering up to it lost throughput).
+tiny model's batch of 60 seemed to cost more per state than one of 50).
 
 Gathering up to the cycle's own deadline, at every load, was tried before (runs P and R): the larger batch held the
 GPU past the next cycle's deadline. This window differs in both: it is 0 until the load needs it, and it plans the
@@ -31,7 +33,7 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
-UTILISATION = 0.5
+UTILISATION = 0.7
 """The share of the time the planner lets the scoring path be busy, when the budget allows batches large enough."""
 
 GATHER_SHARE = 0.5
@@ -119,9 +121,13 @@ def gather_window(rate: float | None, engine: CostLine | None, commit: CostLine 
     the batch queued. 0 without a rate or estimates yet, and at a load one-state cycles serve within UTILISATION."""
     if not rate or engine is None or commit is None or rate <= 0 or engine.fixed <= 0:
         return 0.0          # nothing to go on, or a batch's time all per state: a larger batch would gain nothing
-    # the smallest batch whose scoring keeps the path busy at most UTILISATION of the time at this rate
+    # the smallest batch whose scoring keeps the path busy at most UTILISATION of the time at this rate; none (the
+    # states' own time fills that share): the load is at the edge of what any batch sustains, and the queue behind the
+    # GPU sets the batch, as large as it needs, without an idle GPU while a cycle gathers
     headroom = UTILISATION - rate * engine.per_state
-    needed = rate * engine.fixed / headroom if headroom > 0 else math.inf
+    if headroom <= 0:
+        return 0.0
+    needed = rate * engine.fixed / headroom
     if needed <= 1:
         return 0.0
     # the largest batch whose first state is planned visible within GATHER_SHARE of the budget:

@@ -43,7 +43,7 @@ def test_a_light_load_or_nothing_learned_gathers_nothing():
     assert gather_window(1500.0, CostLine(0.0, 0.0005), COMMIT, 0.1, LEAD, 128) == 0.0
 
 
-@pytest.mark.parametrize("load", [0.3, 0.5, 0.7, 0.9])
+@pytest.mark.parametrize("load", [0.3, 0.45, 0.6])
 def test_at_a_given_load_the_window_grows_with_the_budget_and_keeps_the_plan_within_its_share(load):
     rate = load * FULL_LOAD
     windows = [_window(rate, budget) for budget in (0.025, 0.05, 0.1, 0.2)]
@@ -58,11 +58,17 @@ def test_at_a_given_load_the_window_grows_with_the_budget_and_keeps_the_plan_wit
 
 
 def test_the_window_is_the_smallest_batch_that_leaves_the_headroom_when_the_budget_allows_it():
-    rate = 0.4 * FULL_LOAD               # 889 states/s: the busy share falls to UTILISATION at n = 18.6
+    rate = 0.4 * FULL_LOAD               # 889 states/s: the busy share falls to UTILISATION at n = 6.8
     window = _window(rate, 1.0)
     n = 1 + rate * window
     assert rate * ENGINE.seconds(n) / n == pytest.approx(UTILISATION)
-    assert _window(rate, 1.0, max_batch=8) == pytest.approx(7 / rate)    # never more than --max-batch
+    assert _window(rate, 1.0, max_batch=4) == pytest.approx(3 / rate)    # never more than --max-batch
+
+
+@pytest.mark.parametrize("load", [0.7, 0.9, 1.1])
+def test_where_the_states_own_time_fills_the_headroom_the_queue_sets_the_batch_at_any_budget(load):
+    assert load * FULL_LOAD * ENGINE.per_state >= UTILISATION
+    assert [_window(load * FULL_LOAD, budget) for budget in (0.025, 0.1, 1.0)] == [0.0, 0.0, 0.0]
 
 
 def test_the_rate_is_what_the_last_seconds_committed():
@@ -118,9 +124,10 @@ def test_a_cycle_never_gathers_past_the_size_beyond_which_batches_stopped_gettin
     # a CPU's shape: 29 ms a batch + 2.4 ms a state up to 32 states, then 64 costs more per state than 32 did
     convex = [(2.0, 0.034, 0.002), (6.0, 0.043, 0.002), (12.0, 0.058, 0.002), (28.0, 0.096, 0.002),
               (60.0, 0.275, 0.002)]
-    line = CostLine.fitted(convex)
-    assert line.cheapest_up_to == 28.0
-    rate = 330.0                      # more than the line says the GPU sustains: the budget's cap would be the batch
+    assert CostLine.fitted(convex).cheapest_up_to == 28.0
+    line = CostLine(0.029, 0.0024, 0.002, cheapest_up_to=28.0)
+    rate = 220.0                      # the headroom needs 37 states a cycle, and a budget of 2 s would allow them
+    assert rate * line.fixed / (UTILISATION - rate * line.per_state) > 28.0
     window = gather_window(rate, line, COMMIT, 2.0, LEAD, 64)
     assert 1 + rate * window == pytest.approx(28.0)
     # where the largest measured bucket is the cheapest, the next one up is worth a try: twice its size
