@@ -18,7 +18,9 @@ before; 0 too at a load whose states' own time (``rate x per_state``) fills that
 the headroom and the queue behind the GPU sets the batch (gathering there idled the GPU and lost the highest load on
 this CPU). Where the batch needed is larger than the budget allows, the window is capped so that the cycle's first
 state is planned visible within ``GATHER_SHARE`` of the budget (its window, the launch lead, the pessimistic scoring
-and commit times of the ``n`` states it gathers): a larger budget then buys larger batches, and only then. Nor does a
+and commit times of the ``n`` states it gathers): a larger budget then buys larger batches, and only then. A window
+shorter than a cycle's fixed time (its scoring's and its transaction's) is not waited at all (it would cost the first state more than it saves), so a tight
+budget closes as it did. Nor does a
 cycle gather past the batch size beyond which a larger batch was not measured cheaper per state (on a CPU the
 tiny model's batch of 60 seemed to cost more per state than one of 50).
 
@@ -137,4 +139,7 @@ def gather_window(rate: float | None, engine: CostLine | None, commit: CostLine 
     allowed = room / (1 / rate + engine.per_state + commit.per_state)
     # and never past the batch size beyond which a larger batch was not measured cheaper per state
     n = min(needed, allowed, engine.cheapest_up_to, float(max_batch))
-    return max(0.0, (n - 1) / rate)
+    window = (n - 1) / rate
+    # a wait shorter than a cycle's fixed time (its scoring's and its transaction's) costs the first state more than
+    # the cycle it saves (and a tight budget's window is that short: 25 ms on the H200's costs): no wait at all
+    return window if window >= engine.fixed + commit.fixed else 0.0
