@@ -13,6 +13,11 @@ measured (`stream_phases.latency_window`). A load holds when every sample has p9
 of its states over B; B's capacity is the highest load held with every lower measured load held too, as a fraction of
 the full-load throughput, and a budget stops climbing at its first load that does not hold.
 
+Every window's states over B are charged to one cause each (`bench/tail_causes.py`: the GPU busy with the cycle
+ahead, the state's own scoring, a host stage, a broker call, garbage collection, a graph capture, a rebalance, the
+reader): the window's `tail_causes` and each load's (its windows together) in the JSON, a table below the capacity
+table, and the PNG's second panel (the share of each load's states over B, stacked by cause).
+
 Each phase runs on an embedded broker of its own (``fresh_broker`` says why). Two simplifications keep a run inside
 one GPU call, and both are in the JSON: the samples of a budget are consecutive
 windows on one set of warm workers and topics (a window starts after the one before is visible in full; starting
@@ -31,6 +36,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench import tail_causes  # noqa: E402
 from bench.stream_phases import exactly_once, latency_window, running_stream, throughput_phase  # noqa: E402
 from worker.devbroker.processes import free_port  # noqa: E402
 from worker.ops.ports import port_open  # noqa: E402
@@ -92,7 +98,7 @@ def _sample_summary(window: dict) -> dict:
     """A window's figures for the capacity JSON: its latencies, the worker's view of it, without the per-cycle lists."""
     keep = ("offered_states_per_s", "states", "measured_visible", "p50_ms", "p99_ms", "max_ms", "over_budget",
             "worker0_cycles_over_budget", "worker0_cycles", "worker0_plans", "worker0_timelines", "worker0_pipeline",
-            "worker0_stage_means", "p50_to_scored_ms", "p50_scored_to_visible_ms")
+            "worker0_stage_means", "p50_to_scored_ms", "p50_scored_to_visible_ms", "tail_causes")
     return {k: window[k] for k in keep if k in window}
 
 
@@ -112,7 +118,9 @@ def budget_curve(args, bootstrap: str, model_dir, schema_file, texts, logs, budg
                 samples.append(_sample_summary(window))
             point = dict(load=load, offered_states_per_s=load * full_rate, held=all(holds(s, budget_ms) for s in samples),
                          p99_ms=[s["p99_ms"] for s in samples], over_budget_share=[
-                             s["over_budget"] / s["measured_visible"] for s in samples], samples=samples)
+                             s["over_budget"] / s["measured_visible"] for s in samples],
+                         tail_causes=tail_causes.merged([s["tail_causes"] for s in samples if "tail_causes" in s]),
+                         samples=samples)
             points.append(point)
             print(f"budget {budget_ms} ms, load {load:.0%} ({load * full_rate:,.0f}/s): p99 "
                   f"{', '.join(f'{p:.1f}' for p in point['p99_ms'])} ms -> {'holds' if point['held'] else 'does not hold'}",
@@ -153,11 +161,15 @@ def fresh_broker(args, logs: Path, name: str):
 def capacity_run(args, env: dict, engine_rate: float, model_dir, schema_file, texts, logs: Path) -> dict:
     """The whole capacity measurement (see the module's docstring), each phase on a broker of its own."""
     grid = sorted(args.capacity_loads)
-    with fresh_broker(args, logs, "tput") as (broker, proxy_stats):
-        full = throughput_phase(args, broker.bootstrap, model_dir, schema_file, texts, logs)
-    full["proxy"] = proxy_stats
-    full_rate = full["all_workers_states_per_s"] or full["states_per_s"]
-    full["fraction_of_engine"] = full_rate / engine_rate
+    if getattr(args, "full_load_rate", None):    # given: two trees compared at the same offered rates
+        full_rate = args.full_load_rate
+        full = dict(phase="given", states_per_s=full_rate, fraction_of_engine=full_rate / engine_rate, proxy={})
+    else:
+        with fresh_broker(args, logs, "tput") as (broker, proxy_stats):
+            full = throughput_phase(args, broker.bootstrap, model_dir, schema_file, texts, logs)
+        full["proxy"] = proxy_stats
+        full_rate = full["all_workers_states_per_s"] or full["states_per_s"]
+        full["fraction_of_engine"] = full_rate / engine_rate
     print(f"full load: {full_rate:,.1f} states/s ({full['fraction_of_engine']:.1%} of engine-only)", flush=True)
     curves, tighter = [], None
     for budget_ms in sorted(args.latency_budget_ms):
@@ -185,15 +197,24 @@ def markdown(result: dict) -> str:
                           for p in curve["points"])
         lines.append(f"| {curve['budget_ms']} | {curve['capacity']:.0%} | {curve['capacity_states_per_s']:,.0f} | {loads} "
                      f"| {curve['exactly_once_ok']} |")
+    lines += ["", "States over budget by cause (bench/tail_causes.py: one cause each, the one that took most of its time):",
+              "", "| budget ms | load | over budget | causes (count) |", "|---|---|---|---|"]
+    for curve in result["budgets"]:
+        for p in curve["points"]:
+            tail = p.get("tail_causes") or {}
+            causes = ", ".join(f"{cause} {count}" for cause, count in
+                               sorted(tail.get("causes", {}).items(), key=lambda kv: -kv[1]))
+            lines.append(f"| {curve['budget_ms']} | {p['load']:.0%} | {tail.get('over_budget', '')} | {causes} |")
     return "\n".join(lines)
 
 
 def plot(result: dict, path: Path) -> Path:
-    """p99 against offered load per budget, with each budget's line, as a PNG at ``path`` (matplotlib)."""
+    """Two panels as a PNG at ``path`` (matplotlib): p99 against offered load per budget, with each budget's line;
+    below, the states over budget per load and budget, stacked by cause (``bench.tail_causes``)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(7.5, 4.8), dpi=120)
+    fig, (ax, tail_ax) = plt.subplots(2, 1, figsize=(8.5, 9.0), dpi=120, gridspec_kw={"height_ratios": [1.1, 1]})
     for k, curve in enumerate(result["budgets"]):
         color = f"C{k}"
         loads = [p["load"] * 100 for p in curve["points"]]
@@ -208,10 +229,38 @@ def plot(result: dict, path: Path) -> Path:
            title=f"{env['gpu']}: capacity per latency budget, broker delay {result['broker_delay_ms']:g} ms each way")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(loc="upper left", fontsize=8)
+    _plot_tail(tail_ax, result)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
     return path
+
+
+def _plot_tail(ax, result: dict) -> None:
+    """Stacked bars: per (budget, load), the share of its measured states over the budget, by cause."""
+    bars = [(curve["budget_ms"], p) for curve in result["budgets"] for p in curve["points"]]
+    causes = [c for c in (*tail_causes.CAUSES, "unmapped")
+              if any((p.get("tail_causes") or {}).get("causes", {}).get(c) for _, p in bars)]
+    colors = dict(zip(causes, [matplotlib_color(k) for k in range(len(causes))]))
+    bottoms = [0.0] * len(bars)
+    measured = [sum(s["measured_visible"] for s in p["samples"]) or 1 for _, p in bars]
+    for cause in causes:
+        heights = [100 * (p.get("tail_causes") or {}).get("causes", {}).get(cause, 0) / n for (_, p), n in zip(bars, measured)]
+        ax.bar(range(len(bars)), heights, bottom=bottoms, color=colors[cause], label=cause, width=0.8)
+        bottoms = [b + h for b, h in zip(bottoms, heights)]
+    ax.set_xticks(range(len(bars)), [f"{b} ms\n{p['load']:.0%}" for b, p in bars], fontsize=7)
+    ax.axhline(100 * OVER_BUDGET_SHARE, color="grey", linestyle=":", linewidth=1)
+    ax.set(xlabel="budget, offered load", ylabel="measured states over budget (%)",
+           title="why: each state over budget charged to the cause that took most of its time")
+    ax.grid(True, axis="y", alpha=0.3)
+    if causes:
+        ax.legend(fontsize=7, ncol=4, loc="upper left")
+
+
+def matplotlib_color(k: int) -> str:
+    """The k-th colour of a palette long enough for every cause."""
+    import matplotlib
+    return matplotlib.colors.to_hex(matplotlib.colormaps["tab20"](k % 20))
 
 
 def main(argv=None) -> None:

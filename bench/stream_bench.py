@@ -124,6 +124,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--capacity-loads", default=None,
                     help="comma-separated offered loads, fractions of the full-load rate (default 0.3,0.4,...,0.9,0.95)")
     ap.add_argument("--capacity-samples", type=int, default=2, help="measured windows per load")
+    ap.add_argument("--full-load-rate", type=float, default=None,
+                    help="with --capacity: take this many states/s as the full load instead of measuring it (the "
+                         "loads are fractions of it: two trees compared at the same offered rates)")
     ap.add_argument("--broker-delay-ms", type=float, default=0.0,
                     help="with --capacity: the workers reach the broker through bench/latency_proxy.py, this much each way")
     add_broker_option(ap)

@@ -23,7 +23,7 @@ from confluent_kafka import OFFSET_BEGINNING, KafkaError, TopicPartition
 from prometheus_client.parser import text_string_to_metric_families
 
 import schemas
-from bench import gil_profile
+from bench import gil_profile, tail_causes
 from bench.stream_windows import (all_workers_window, budget_plan_errors, cycle_timelines, gpu_pipeline,
                                   held_partitions, read_log_events)
 from worker.cli.commands import put_schema
@@ -164,6 +164,7 @@ class Reader(threading.Thread):
         self.seen: Counter = Counter()
         self.visible: list[tuple[float, str, int | None]] = []     # (wall time, state id, event time ms)
         self.scored_at: dict[str, int] = {}                          # state id -> when its record was built (ms)
+        self.source: dict[str, tuple[int, int]] = {}                 # state id -> its input (partition, offset)
         self.dead = 0
         self.halt = threading.Event()
 
@@ -179,6 +180,7 @@ class Reader(threading.Thread):
                 rec = schemas.decode_probability(msg.value())
                 sid, event = rec["state_id"], _ms(rec.get("event_time"))
                 self.scored_at[sid] = _ms(rec.get("scored_at"))
+                self.source[sid] = (rec["source_partition"], rec["source_offset"])
             else:
                 sid, event = (msg.key() or b"").decode(), None
                 self.dead += 1
@@ -353,6 +355,7 @@ def latency_window(args, stream: Stream, reader: Reader, texts: list[str], rate:
         worker0_plans=budget_plan_errors(stream.worker_events()[0], latency_budget_ms, since=measured_from),
         worker0_timelines=cycle_timelines(stream.worker_events()[0], latency_budget_ms, since=measured_from),
         worker0_pipeline=gpu_pipeline(stream.worker_events()[0], since=measured_from),
+        tail_causes=window_tail(stream, reader, start_seen, tag, latency_budget_ms),
         **({"worker0_gil": gil.result()} if gil is not None else {}))
     if not lat:
         raise SystemExit(f"window {tag}: none of its {n} measured states became visible within 120 s; see {stream.logs}")
@@ -360,3 +363,12 @@ def latency_window(args, stream: Stream, reader: Reader, texts: list[str], rate:
                 p50_ms=statistics.median(lat), p99_ms=lat[int(0.99 * (len(lat) - 1))], max_ms=lat[-1], **budget,
                 over_target=sum(t > stream.max_wait_ms + 30 for t in lat), p50_to_scored_ms=statistics.median(to_scored),
                 p50_scored_to_visible_ms=statistics.median(to_visible), worker0_stage_means=stages, ids=steady + ids)
+
+
+def window_tail(stream: Stream, reader: Reader, start_seen: int, tag: str, budget_ms: float) -> dict:
+    """``bench.tail_causes``' table of a window's states over the budget (those the reader saw since ``start_seen``
+    with ids ``tag-i``), from every worker's log."""
+    states = [tail_causes.LateState(ev, 1000 * t, *reader.source[sid], measured=sid.startswith(f"{tag}-"))
+              for t, sid, ev in reader.visible[start_seen:] if ev is not None and sid in reader.source]
+    return tail_causes.window_causes(stream.worker_events(), states, budget_ms,
+                                     compute_in_launch=not stream.args.device.startswith("cuda"))

@@ -125,8 +125,9 @@ def worker(
     latency_budget_ms: Optional[int] = typer.Option(
         None, "--latency-budget-ms", envvar="DECIDER_LATENCY_BUDGET_MS", min=1, max=MAX_LATENCY_BUDGET_MS,
         help="Make each state's record visible to read_committed readers within this many ms of its arrival: a batch "
-             "never waits for more states while the GPU could score it, so batches grow with the load; misses are "
-             "counted (docs/tuning.md, Latency budget). --max-wait-ms still caps the wait. Default: no budget."),
+             "closes as soon as the GPU can take it, so batches grow with the load, and under a load that needs "
+             "larger batches it first gathers for as long as half the budget allows; misses are counted "
+             "(docs/tuning.md, Latency budget). --max-wait-ms still caps the wait. Default: no budget."),
     group_protocol: Optional[str] = typer.Option(
         None, "--group-protocol", envvar="DECIDER_GROUP_PROTOCOL",
         help="classic (cooperative-sticky) or consumer (KIP-848, Kafka 4.0+). Default: consumer where the broker has "

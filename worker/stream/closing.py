@@ -24,7 +24,7 @@ class CycleClosing:
         self.max_batch = max_batch
         # No --max-wait-ms (replay): only full batches close a cycle, and the input's end closes the last one.
         self.max_wait_s = math.inf if max_wait_ms is None else max_wait_ms / 1000
-        self.budget = CycleBudget(budget_ms, self.max_wait_s, gpu_busy)
+        self.budget = CycleBudget(budget_ms, self.max_wait_s, gpu_busy, max_batch)
         self._carried = (0, 0)  # states (all, waiting) the open cycle took over, held back, from the one before it
 
     def due(self, now: float, cycle: Cycle, input_exhausted: Callable[[], bool]) -> bool:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import gc
 import logging
 import time
+from collections import deque
 
 from worker.ops import metrics
 
@@ -32,7 +33,11 @@ YOUNG_THRESHOLD = 20_000
 """Net allocations between two young-generation collections once the loaded objects are frozen (Python's default:
 700). A young collection then walks at most this many objects, a few milliseconds."""
 
+RECENT = 256
+"""Collections remembered with when they ran (``pauses_between``): a cycle's are in the ``committed`` event."""
+
 _started: list[float] = []
+_recent: deque[tuple[float, float]] = deque(maxlen=RECENT)   # (monotonic start, seconds) of the latest collections
 
 
 def freeze_loaded_objects() -> int:
@@ -54,12 +59,20 @@ def watch_collections() -> None:
 
 def _on_collection(phase: str, info: dict) -> None:
     if phase == "start":
-        _started.append(time.perf_counter())
+        _started.append(time.monotonic())
         return
     if not _started:
         return
-    seconds = time.perf_counter() - _started.pop()
+    started = _started.pop()
+    seconds = time.monotonic() - started
+    _recent.append((started, seconds))
     metrics.GC_PAUSE_SECONDS.labels(str(info.get("generation", "?"))).observe(seconds)
     if seconds >= SLOW_COLLECTION_S:
         log.warning("garbage collection of generation %s took %.0f ms (%d objects frozen, %d collected)",
                     info.get("generation"), seconds * 1000, gc.get_freeze_count(), info.get("collected", 0))
+
+
+def pauses_between(start: float, end: float) -> list[tuple[float, float]]:
+    """The collections (monotonic start, seconds) that overlapped [start, end] (monotonic seconds), of the latest
+    RECENT: what stopped every thread while a cycle was on its way (``bench/tail_causes.py`` charges them to it)."""
+    return [(at, seconds) for at, seconds in list(_recent) if at <= end and at + seconds >= start]

@@ -16,13 +16,14 @@ import queue
 import weakref
 from collections import deque
 from concurrent.futures import Future
-from dataclasses import astuple, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Collection, Iterator
 
 from confluent_kafka import Consumer
 
 from worker.formats.records import SchemaKey
 from worker.ops import metrics
+from worker.stream import gc_pauses
 from worker.stream.batcher import Cycle, monotonic
 from worker.stream.latency_budget import CycleBudget
 from worker.stream.scorer import BatchJob, LaunchTimes, Scorer
@@ -65,12 +66,20 @@ class InFlight:
         budget, and where the time went: when, after that arrival, the cycle closed, the loop handed it to the GPU
         thread (after the schema catch-up), that thread took it and had its tokenized states, its batch was queued on
         the device and its scores were ready (None where it did not happen: a cycle of dead letters only is never
-        launched)."""
+        launched); and, only where they happened, what stopped it on the way that its times cannot tell: the garbage
+        collections that overlapped it (``gc_pauses_ms``: [start since arrival, ms] each) and the CUDA graphs its
+        launch captured (``graph_captures``), for ``bench/tail_causes.py``."""
         arrived_at = self.cycle.arrived_at
         if arrived_at is None:
             return {}
         since_arrival = lambda at: None if at is None else round((at - arrived_at) * 1000, 2)  # noqa: E731
-        taken, gathered, launched = astuple(self.launch) if self.launch else (None, None, None)
+        launch = self.launch
+        taken, gathered, launched = (launch.taken_at, launch.gathered_at, launch.launched_at) if launch else (None,) * 3
+        stops: dict = {}
+        if pauses := gc_pauses.pauses_between(arrived_at, committed_at):
+            stops["gc_pauses_ms"] = [[since_arrival(at), round(seconds * 1000, 2)] for at, seconds in pauses]
+        if launch is not None and launch.captures:
+            stops["graph_captures"] = launch.captures
         # the arrival on the monotonic clock places cycles on one clock finer than the log's milliseconds (the GPU's
         # idle time between two cycles, for one)
         return {"arrived_monotonic_ms": round(arrived_at * 1000, 3),
@@ -79,7 +88,7 @@ class InFlight:
                 "closed_ms": since_arrival(self.closed_at), "submitted_ms": since_arrival(self.submitted_at),
                 "taken_ms": since_arrival(taken),
                 "gathered_ms": since_arrival(gathered), "launched_ms": since_arrival(launched),
-                "scored_ms": since_arrival(self.scored_at)}
+                "scored_ms": since_arrival(self.scored_at), **stops}
 
 
 def _stamp_scored(inflight: InFlight | None) -> None:

@@ -9,14 +9,16 @@ when the worker consumed it: a record without a timestamp, one stamped in the fu
 ours), and one older than the whole budget when consumed (a backlog, a replay): it cannot be on time whatever the
 worker does, and counting from its timestamp would find its --max-wait-ms already spent and close every cycle at once.
 
-The budget is a deadline, not a batching target, so a cycle never waits for more states while the GPU could score
-it: it closes at once when the GPU is idle and, when a cycle is in flight, when that one is expected to finish less
-the time a closed cycle takes to be queued on the device (the *launch lead*), so that its batch is queued behind the
-one in flight. States that arrive while a batch runs make the next batch: the queue sets the batch size, which grows
-with the load up to --max-batch, so throughput is what the GPU sustains. Gathering longer, up to the latest close
-that still meets the cycle's own deadline, was tried first (runs P and R in bench/README.md): each cycle's larger
-batch held the GPU past the next cycle's deadline, and at 50 ms and half load every cycle closed already late.
-``bench/probes/budget_model.py`` compares the two. --max-wait-ms still caps a cycle's wait for a busy GPU.
+The budget is a deadline first: a cycle closes at once when the GPU is idle and, when a cycle is in flight, when
+that one is expected to finish less the time a closed cycle takes to be queued on the device (the *launch lead*), so
+that its batch is queued behind the one in flight. States that arrive while a batch runs make the next batch: the
+queue sets the batch size, which grows with the load up to --max-batch. But not before its *gathering window* after
+its first state (``worker.stream.gathering``): 0 at a light load; when the load needs larger batches than closing at
+once makes (every cycle pays a fixed cost on the GPU, on the host and in its transaction), as long as the budget
+allows, so that a larger budget holds a higher load. Gathering up to the latest close that still meets the cycle's
+own deadline, at any load, was tried first (runs P and R in bench/README.md): each cycle's larger batch held the GPU
+past the next cycle's deadline, and at 50 ms and half load every cycle closed already late.
+``bench/probes/budget_model.py`` compares policies. --max-wait-ms still caps a cycle's wait.
 
 A cycle closed at time ``t`` is scored when the GPU is free (the cycle in flight ahead of it finishes at ``g``),
 and its transaction commits after its scores are ready and after the cycle ahead of it committed:
@@ -47,6 +49,7 @@ from typing import Callable
 
 from worker.ops import metrics
 from worker.stream.batcher import Cycle
+from worker.stream.gathering import CostLine, RecentRate, gather_window
 
 log = logging.getLogger(__name__)
 
@@ -100,11 +103,19 @@ class BucketedEstimates:
     work grows at most linearly with the batch). Nothing measured at all: ``None``."""
 
     by_bucket: dict[int, RunningEstimate] = field(default_factory=dict)
+    sizes: dict[int, float] = field(default_factory=dict)   # the smoothed mean of ``n`` per bucket
 
     def add(self, n: int, seconds: float) -> None:
         """Fold in the duration measured for a cycle of ``n`` scored states."""
         key = bucket(n)
         self.by_bucket[key] = RunningEstimate.folded(self.by_bucket.get(key), seconds)
+        size = self.sizes.get(key)
+        self.sizes[key] = float(n) if size is None else size + MEAN_GAIN * (n - size)
+
+    def line(self) -> CostLine | None:
+        """The duration as a line in ``n`` through the measured buckets' means, with their pessimistic margins
+        (``worker.stream.gathering.CostLine``); None before any measurement."""
+        return CostLine.fitted([(self.sizes[b], e.mean, e.value - e.mean) for b, e in sorted(self.by_bucket.items())])
 
     def seconds(self, n: int, expected: bool = False) -> float | None:
         """The duration to plan with for ``n`` states (``expected``: the smoothed mean instead), or None before any
@@ -127,15 +138,17 @@ class BucketedEstimates:
 
 
 def close_by(now: float, first_arrival: float, max_wait_s: float, gpu_free_at: float | None = None,
-             launch_lead_s: float = 0.0) -> float:
-    """When the open cycle closes: as soon as the GPU can take it, capped at ``first_arrival + max_wait_s``.
+             launch_lead_s: float = 0.0, gather_s: float = 0.0) -> float:
+    """When the open cycle closes: as soon as the GPU can take it, but not before ``first_arrival + gather_s``, capped
+    at ``first_arrival + max_wait_s``.
 
     ``gpu_free_at``: when the cycle in flight is expected to finish scoring (None or past: the GPU is free now, and
     the cycle closes at once); ``launch_lead_s``: the time from closing a cycle to its batch being queued on the device
     (schema catch-up, tokenization, launch), so that a cycle closed that much before the GPU frees is queued behind
-    the batch in flight. See the module's docstring for why it never waits longer."""
+    the batch in flight; ``gather_s``: the gathering window (``worker.stream.gathering``: 0 unless the load needs
+    larger batches and the budget allows them). See the module's docstring for why it never waits longer."""
     can_take = now if gpu_free_at is None else max(now, gpu_free_at - launch_lead_s)
-    return min(first_arrival + max_wait_s, can_take)
+    return min(first_arrival + max_wait_s, max(can_take, first_arrival + gather_s))
 
 
 def visible_at(close: float, gpu_free_at: float, scoring_s: float, committing_s: float) -> float:
@@ -159,8 +172,10 @@ class CycleTimes:
 class LatencyBudget:
     """The budget's state in a running worker: the estimates, learned from every committed cycle, and the misses."""
 
-    def __init__(self, budget_s: float, max_wait_s: float) -> None:
-        self.budget_s, self.max_wait_s = budget_s, max_wait_s
+    def __init__(self, budget_s: float, max_wait_s: float, max_batch: int = 128) -> None:
+        self.budget_s, self.max_wait_s, self.max_batch = budget_s, max_wait_s, max_batch
+        self.rate = RecentRate()        # states/s committed lately: the load the gathering window serves
+        self.gather_s = 0.0             # the gathering window (``worker.stream.gathering``), after every commit
         self.engine = BucketedEstimates()
         self.commit = BucketedEstimates()
         self.launch_lead: RunningEstimate | None = None  # from closing a cycle to its batch queued on the device
@@ -172,7 +187,10 @@ class LatencyBudget:
     def close_by(self, now: float, first_arrival: float, gpu_busy: bool) -> float:
         """When the open cycle should close (see ``close_by``); ``gpu_busy``: a submitted cycle is not scored yet."""
         return close_by(now, first_arrival, self.max_wait_s, self._gpu_free_at if gpu_busy else None,
-                        self.launch_lead.mean if self.launch_lead is not None else 0.0)
+                        self._lead(), self.gather_s)
+
+    def _lead(self) -> float:
+        return self.launch_lead.mean if self.launch_lead is not None else 0.0
 
     def submitted(self, now: float, n_states: int, gpu_busy: bool) -> float | None:
         """A cycle of ``n_states`` was closed at ``now`` and submitted: expect the GPU busy until it is scored.
@@ -199,13 +217,19 @@ class LatencyBudget:
             self.launch_lead = RunningEstimate.folded(self.launch_lead, max(0.0, times.launched_at - times.closed_at))
         self.commit.add(times.n_states, max(0.0, times.committed_at - started_commit))
         self._last_scored_at, self._last_committed_at = times.scored_at, times.committed_at
+        self.rate.add(times.committed_at, times.n_states)
+        self.gather_s = gather_window(self.rate.per_second(), self.engine.line(), self.commit.line(), self.budget_s,
+                                      self._lead(), self.max_batch)
         missed = times.committed_at - times.first_arrival > self.budget_s
         self.misses += missed
         return missed
 
     def forget_order(self) -> None:
-        """Uncommitted cycles were dropped (abort, rebalance): the next cycle follows none in flight."""
+        """Uncommitted cycles were dropped (abort, rebalance): the next cycle follows none in flight, and the backlog
+        read again says nothing of the load."""
         self._gpu_free_at = None
+        self.rate.forget()
+        self.gather_s = 0.0
 
 
 @dataclass
@@ -266,9 +290,10 @@ class CycleBudget:
 
     ``gpu_busy`` says whether a submitted cycle is still being scored (the loop's cycles in flight)."""
 
-    def __init__(self, budget_ms: int | None, max_wait_s: float, gpu_busy: Callable[[], bool]) -> None:
+    def __init__(self, budget_ms: int | None, max_wait_s: float, gpu_busy: Callable[[], bool],
+                 max_batch: int = 128) -> None:
         self.budget_ms = budget_ms
-        self.state = LatencyBudget(budget_ms / 1000, max_wait_s) if budget_ms is not None else None
+        self.state = LatencyBudget(budget_ms / 1000, max_wait_s, max_batch) if budget_ms is not None else None
         self.overload = Overload(budget_ms) if budget_ms is not None else None
         self._gpu_busy = gpu_busy
 
@@ -281,8 +306,9 @@ class CycleBudget:
                  "of its arrival (its record's timestamp; when this worker consumed it for records without one, stamped "
                  "ahead of this host's clock, or already older than the budget); a cycle closes as soon as the GPU can "
                  "take it (at once when idle, else when the batch ahead is expected to finish, from running estimates "
-                 "per batch size), never waiting for more states, and the cycles visible later than the budget are "
-                 "counted; --max-wait-ms %s caps the wait for a busy GPU", self.budget_ms, self.budget_ms, max_wait_ms)
+                 "per batch size), after a gathering window that is 0 unless the load needs larger batches and the "
+                 "budget allows them, and the cycles visible later than the budget are counted; --max-wait-ms %s caps "
+                 "the wait", self.budget_ms, self.budget_ms, max_wait_ms)
 
     def arrival(self, consumed_at: float, timestamp_ms: int | None) -> float:
         """When a state consumed at ``consumed_at`` (monotonic) arrived, on the same clock: see the module's docstring

@@ -105,11 +105,13 @@ EAGER_NOTE_INTERVAL_S = 30.0
 @dataclass(frozen=True)
 class LaunchTimes:
     """When the GPU thread took a cycle, had its tokenized states (the tokenizer pool may still have been on them)
-    and had its batch queued on the device, in ``time.monotonic()`` seconds."""
+    and had its batch queued on the device, in ``time.monotonic()`` seconds; and the CUDA graphs its launch captured on
+    the scoring path (``bench/tail_causes.py`` charges its time to them)."""
 
     taken_at: float
     gathered_at: float
     launched_at: float
+    captures: int = 0
 
 
 @dataclass
@@ -290,11 +292,11 @@ class Scorer:
                     launch.results = self._one_by_one(requests, batch_error)
                 metrics.LAUNCH_SECONDS.observe(time.perf_counter() - started)
                 after = self._se.graph_stats()
-                if after.get("inline", after["captures"]) > before.get("inline", before["captures"]) or (
-                        after["eager"] > before["eager"] and after.get("pending", 0) > 0):
+                inline = after.get("inline", after["captures"]) - before.get("inline", before["captures"])
+                if inline > 0 or (after["eager"] > before["eager"] and after.get("pending", 0) > 0):
                     self._note_path(requests, time.perf_counter() - started, after["eager"] > before["eager"])
                 if on_launched is not None:
-                    on_launched(LaunchTimes(taken_at, gathered_at, time.monotonic()))
+                    on_launched(LaunchTimes(taken_at, gathered_at, time.monotonic(), inline))
             self._collector.submit(self._collect, launch, scored)
         except BaseException as error:  # noqa: BLE001 - the loop must hear of it, not a thread's log
             scored.set_exception(error)

@@ -69,3 +69,37 @@ def test_after_the_freeze_a_cycles_objects_die_young():
     finally:
         gc.unfreeze()
         gc.set_threshold(*saved)
+
+
+def test_the_latest_collections_are_kept_with_when_they_ran_and_a_cycle_event_names_those_it_overlapped():
+    import time
+    from concurrent.futures import Future
+
+    from worker.formats.records import SourceRecord
+    from worker.stream.batcher import Cycle, Pending
+    from worker.stream.inflight import InFlight
+    from worker.stream.scorer import LaunchTimes
+
+    installed = gc_pauses._on_collection in gc.callbacks
+    gc_pauses.watch_collections()
+    try:
+        cycle = Cycle()
+        start = time.monotonic()
+        cycle.track(Pending(SourceRecord("states", 0, 0, b"k", b"v")), start)
+        gc.collect()
+        end = time.monotonic()
+        (at, seconds), *_ = gc_pauses.pauses_between(start, end)
+        assert start <= at <= end and seconds >= 0
+        assert gc_pauses.pauses_between(end + 1.0, end + 2.0) == []
+        inflight = InFlight(cycle, [], Future(), closed_at=end, scored_at=end)
+        inflight.on_launched(LaunchTimes(end, end, end, captures=2))
+        fields = inflight.latency_fields(committed_at=end)
+        assert fields["gc_pauses_ms"][0] == [round((at - start) * 1000, 2), round(seconds * 1000, 2)]
+        assert fields["graph_captures"] == 2
+        later = Cycle()                      # arrived after the collection: none of it in its event
+        later.track(Pending(SourceRecord("states", 0, 1, b"k", b"v")), end + 10.0)
+        fields = InFlight(later, [], Future(), closed_at=end + 10.0).latency_fields(committed_at=end + 11.0)
+        assert "gc_pauses_ms" not in fields and "graph_captures" not in fields
+    finally:
+        if not installed:
+            gc.callbacks.remove(gc_pauses._on_collection)
