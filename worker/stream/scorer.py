@@ -2,9 +2,8 @@
 
 The device is used from one thread only (``decider-gpu``, a single-thread executor, which is the GPU lock):
 schema preparation and the launch of each batch are queued there. A launched batch's scores are read by a second
-thread (``decider-collect``), so the next batch is queued on the device before the one ahead of it finishes.
-Tokenization is CPU work and runs on a small pool, so the next batch is tokenized while the current one is on
-the GPU. Nothing here reaches inside tensors: the engine's ``PendingScores`` hands back plain Python floats.
+thread (``decider-collect``), so the next batch is queued on the device before the one ahead of it finishes. Tokenizing
+runs on a small pool, beside the batch on the GPU. Nothing here reaches inside tensors: ``PendingScores`` gives floats.
 """
 
 from __future__ import annotations
