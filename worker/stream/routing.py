@@ -35,11 +35,11 @@ class Router:
     def __init__(self, config: WorkerConfig, table: SchemaTable, scorer: Scorer, outputs: Outputs, emit: EventSink) -> None:
         self._config, self._table, self._scorer, self._outputs, self._emit = config, table, scorer, outputs, emit
         self._schema_wait_s = config.schema_wait_ms / 1000
-        self._untokenized: dict[int, tuple[Future, list[str], list[RowSlot]]] = {}  # by prepared schema's future
+        self._untokenized: dict[Future, tuple[list[str], list[RowSlot]]] = {}  # by prepared schema's future
 
     def flush(self) -> None:
         """Start tokenizing every state routed since the last flush, one job per schema version."""
-        for handle, texts, slots in self._untokenized.values():
+        for handle, (texts, slots) in self._untokenized.items():
             self._scorer.tokenize_many(handle, texts, slots)
         self._untokenized.clear()
 
@@ -54,13 +54,11 @@ class Router:
             handle = self._scorer.acquire(schema)
             slot = RowSlot()
             cycle.add_to_batch(pending, schema, handle, slot, now)
-            group = self._untokenized.get(id(handle))
-            if group is None:
-                group = self._untokenized[id(handle)] = (handle, [], [])
-            group[1].append(pending.state["state"])
-            group[2].append(slot)
-            if len(group[2]) >= TOKENIZE_CHUNK:
-                self._scorer.tokenize_many(*self._untokenized.pop(id(handle)))
+            texts, slots = self._untokenized.setdefault(handle, ([], []))
+            texts.append(pending.state["state"])
+            slots.append(slot)
+            if len(slots) >= TOKENIZE_CHUNK:
+                self._scorer.tokenize_many(handle, *self._untokenized.pop(handle))
         elif self._table.highest_version(schema_id) and pending.wait_deadline is None:
             # Seen before and tombstoned since. Decided when the cycle closes, after the table caught up with the
             # schema topic (the schema may have been published again just now); no longer than that.

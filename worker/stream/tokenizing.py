@@ -25,9 +25,6 @@ class RowSlot:
     def bind(self, rows: Future, index: int) -> None:
         self._rows, self._index = rows, index
 
-    def done(self) -> bool:
-        return self._rows is not None and self._rows.done()
-
     def result(self) -> Any:
         if self._rows is None:
             raise RuntimeError("the state's tokenization was never submitted (Router.flush)")
