@@ -349,13 +349,14 @@ def latency_window(args, stream: Stream, reader: Reader, texts: list[str], rate:
     # where the time goes: event -> record built (consume, batch fill, scoring), built -> visible (commit, reader)
     to_scored = [reader.scored_at[sid] - ev for _, sid, ev in measured]
     to_visible = [t - reader.scored_at[sid] for t, sid, _ in measured]
+    events = stream.worker_events() if latency_budget_ms is not None else []   # every worker's log, read once
     budget = {} if latency_budget_ms is None else dict(
         latency_budget_ms=latency_budget_ms, over_budget=sum(t > latency_budget_ms for t in lat),
         worker0_cycles_over_budget=stages.get("budget_misses"), worker0_cycles=stages.get("transactions"),
-        worker0_plans=budget_plan_errors(stream.worker_events()[0], latency_budget_ms, since=measured_from),
-        worker0_timelines=cycle_timelines(stream.worker_events()[0], latency_budget_ms, since=measured_from),
-        worker0_pipeline=gpu_pipeline(stream.worker_events()[0], since=measured_from),
-        tail_causes=window_tail(stream, reader, start_seen, tag, latency_budget_ms),
+        worker0_plans=budget_plan_errors(events[0], latency_budget_ms, since=measured_from),
+        worker0_timelines=cycle_timelines(events[0], latency_budget_ms, since=measured_from),
+        worker0_pipeline=gpu_pipeline(events[0], since=measured_from),
+        tail_causes=window_tail(events, reader, start_seen, tag, latency_budget_ms, stream.args.device),
         **({"worker0_gil": gil.result()} if gil is not None else {}))
     if not lat:
         raise SystemExit(f"window {tag}: none of its {n} measured states became visible within 120 s; see {stream.logs}")
@@ -365,10 +366,10 @@ def latency_window(args, stream: Stream, reader: Reader, texts: list[str], rate:
                 p50_scored_to_visible_ms=statistics.median(to_visible), worker0_stage_means=stages, ids=steady + ids)
 
 
-def window_tail(stream: Stream, reader: Reader, start_seen: int, tag: str, budget_ms: float) -> dict:
+def window_tail(events: list[list[dict]], reader: Reader, start_seen: int, tag: str, budget_ms: float,
+                device: str) -> dict:
     """``bench.tail_causes``' table of a window's states over the budget (those the reader saw since ``start_seen``
-    with ids ``tag-i``), from every worker's log."""
+    with ids ``tag-i``), from every worker's logged ``events``."""
     states = [tail_causes.LateState(ev, 1000 * t, *reader.source[sid], measured=sid.startswith(f"{tag}-"))
               for t, sid, ev in reader.visible[start_seen:] if ev is not None and sid in reader.source]
-    return tail_causes.window_causes(stream.worker_events(), states, budget_ms,
-                                     compute_in_launch=not stream.args.device.startswith("cuda"))
+    return tail_causes.window_causes(events, states, budget_ms, compute_in_launch=not device.startswith("cuda"))
