@@ -24,8 +24,8 @@ for step in $steps; do
   echo "=== $step $(date +%T)"
   case $step in
     tests)   timeout "${T_TESTS:-420}" python3 -m pytest ${TEST_PATHS:-tests/engine tests/worker} -m gpu ${TEST_K:+-k "$TEST_K"} \
-               -s -q -rA --tb=short --durations=12 -p no:cacheprovider -o addopts="" > "$OUT/gpu_tests.txt" 2>&1
-             grep -E "^batch|exact|\|graphs|passed|failed|Error|^[0-9.]+s (call|setup)" "$OUT/gpu_tests.txt" | tail -40 ;;
+               -s -v -rA --tb=short --durations=12 -p no:cacheprovider -o addopts="" > "$OUT/gpu_tests.txt" 2>&1
+             grep -E "^batch|exact|\|graphs|passed|failed|PASSED|FAILED|Error|^[0-9.]+s (call|setup)" "$OUT/gpu_tests.txt" | tail -40 ;;
     profile) timeout "${T_PROFILE:-150}" python3 bench/probes/profile_engine.py --batch "${PROFILE_BATCHES:-1,32}" --rows 40 \
                > "$OUT/profile.txt" 2>&1; grep -E "^===|Self CUDA time" "$OUT/profile.txt" ;;
     engine)  timeout "${T_ENGINE:-300}" python3 bench/engine_bench.py --state-tokens 128 \
