@@ -159,6 +159,7 @@ def read_back(reader: Consumer, key: PartitionKey, offset: int) -> str | None:
                 continue
             error = message.error()
             if error is not None and error.code() != KafkaError._PARTITION_EOF:
+                log.debug("reading %s[%d] back from offset %d: %s", topic, partition, offset, error.str())
                 return None
             if error is None and message.offset() == offset:
                 return ""
@@ -171,6 +172,8 @@ def read_back(reader: Consumer, key: PartitionKey, offset: int) -> str | None:
         return (f"its last stable offset stays at {stable}, at or before offset {offset} that this worker committed: "
                 "a transaction open there holds every read_committed reader")
     if got is None:
+        log.debug("reading %s[%d] back from offset %d: nothing in %.0f s (last stable offset %d)", topic, partition,
+                  offset, READ_BACK_TIMEOUT_S, stable)
         return None
     return (f"a read_committed reader fetching from offset {offset}, which this worker committed, gets {got} instead "
             f"(last stable offset {stable}): the broker lists an aborted transaction of this producer id that ended "
