@@ -26,6 +26,7 @@ from worker.ops import metrics
 from worker.stream import gc_pauses
 from worker.stream.batcher import Cycle, monotonic
 from worker.stream.latency_budget import CycleBudget
+from worker.stream.schema_table import TableView
 from worker.stream.scorer import BatchJob, LaunchTimes, Scorer
 
 
@@ -45,6 +46,7 @@ class InFlight:
     out: Any = None  # its records (``worker.stream.outputs.CycleOutputs``), once handed
     offsets: list | None = None  # what its transaction commits, once handed
     wakes_loop: bool = False  # its scores put a wake-up on the loop's queue (once it waited on them)
+    table_view: TableView | None = None  # the schema table it was routed with, until the broker confirms it
 
     def on_launched(self, times: LaunchTimes) -> None:
         """(GPU thread) Its batch is queued on the device."""
@@ -117,16 +119,19 @@ class CyclesInFlight:
         """The cycle whose transaction commits next."""
         return self._cycles[0]
 
-    def submit(self, cycle: Cycle, closed_at: float, budget: CycleBudget, scorer: Scorer) -> None:
+    def submit(self, cycle: Cycle, closed_at: float, budget: CycleBudget, scorer: Scorer,
+               table_view: TableView | None = None) -> None:
         """Hand ``cycle``, closed at ``closed_at``, to ``scorer`` as one GPU batch, with ``budget``'s plan for it: it is
-        in flight from now on."""
+        in flight from now on. ``table_view``: the schema table's view it was routed with, not confirmed yet (None: the
+        table had caught up with the topic)."""
         if cycle.opened_at is not None:
             metrics.FILL_WAIT.observe(monotonic() - cycle.opened_at)
         keys = list(cycle.batches)
         jobs = [BatchJob(cycle.batches[key].handle, list(cycle.batches[key].rows)) for key in keys]
         if jobs:  # one GPU batch, every schema's states together
             metrics.BATCH_SIZE.observe(sum(len(job.rows) for job in jobs))
-        inflight = InFlight(cycle, keys, Future(), closed_at, budget.submitted(closed_at, cycle))  # before it is in flight
+        inflight = InFlight(cycle, keys, Future(), closed_at, budget.submitted(closed_at, cycle),  # before it is in flight
+                            table_view=table_view)
         inflight.submitted_at = monotonic()
         inflight.future = scorer.submit(jobs, on_launched=lambda times: inflight.on_launched(times))
         # through a weak reference: a callback holding the cycle would make future -> callback -> cycle -> future a

@@ -90,6 +90,7 @@ class Worker:
         self._closing = CycleClosing(config.max_batch, config.max_wait_ms, config.latency_budget_ms,
                                      self._inflight.gpu_busy)  # with the latency budget, which learns from every commit
         self._rewind_due = False  # a transaction failed during a rebalance callback: seek at the next step
+        self._schemas_unanswered = False  # the broker did not answer the schema table's catch-up: close no cycle
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
     def run(self) -> None:
@@ -139,8 +140,10 @@ class Worker:
         if len(ready):
             self._inflight.submit(ready, monotonic(), self._closing.budget, self._scorer)
         while self._inflight:
+            liveness.BROKER.check_outage(self.config.broker_outage_s)  # a schema table the broker never confirms
             for inflight in self._inflight.unhanded():
-                self._hand(inflight)
+                if not self._hand(inflight):
+                    break
             self._committer.wait_for_outcome()
             self._take_outcomes()
         if len(self._cycle):
@@ -180,50 +183,80 @@ class Worker:
 
     # ---- closing and committing a cycle ----------------------------------------------------------------------
     def _close_cycle(self) -> None:
-        """Bring the cycle up to date with the schema topic, then submit it, but for the states held back by a
-        wait for a schema: those (per partition, the waiting state and every later one) open the next cycle."""
+        """Submit the open cycle, but for the states held back by a wait for a schema: those (per partition, the
+        waiting state and every later one) open the next cycle. The schema table is not caught up first (a broker round
+        trip per schema partition, serial with the GPU): the cycle is scored with what the table has applied, and the
+        broker's answer is checked before its records are made (``_schemas_confirmed``)."""
+        if self._schemas_unanswered and next(self._inflight.unhanded(), None) is not None:
+            return  # the broker did not confirm a scored cycle's schemas: nothing could commit anyway
+        self._schemas_unanswered = False  # (that cycle was dropped since: a revocation or a rewind)
         closed_at = monotonic()
-        with _blocking_step("schema_catch_up"):      # a broker round trip per schema partition
-            changes = self._table.catch_up_if_answered()
-        if changes is None:
-            return  # the broker does not answer: the cycle stays open (nothing could commit anyway)
-        self._router.apply(changes, self._cycle)
-        self._router.reroute(self._cycle, monotonic())
+        self._router.reroute(self._cycle, closed_at)
         ready, self._cycle = self._cycle, self._cycle.carry_held(monotonic())
         self._closing.carried_over(self._cycle)
         if not len(ready):
             return
-        self._inflight.submit(ready, closed_at, self._closing.budget, self._scorer)
+        self._inflight.submit(ready, closed_at, self._closing.budget, self._scorer, self._table.view())
         # Keep at most one cycle queued on the GPU behind the one it scores: states arriving meanwhile make the
         # next cycle larger rather than one more launch to wait behind.
         while self._inflight.unscored() > 1:
-            self._hand(next(self._inflight.unhanded()))
+            if not self._hand(next(self._inflight.unhanded())):
+                return
+
+    def _schemas_confirmed(self, inflight: InFlight) -> bool:
+        """Whether ``inflight`` was routed with every schema record published before it closed. Almost always known
+        by the end offsets asked for at its close; where the table had not applied one of them then, it catches up
+        now, and if a schema the cycle's states name changed, all uncommitted work is dropped and read again (so that
+        its states are routed with the schema as it was before they were consumed). False: not handed now."""
+        view = inflight.table_view
+        if view is None:
+            return True
+        if self._table.missed(view) is False:
+            inflight.table_view = None
+            return True
+        with _blocking_step("schema_catch_up"):      # a broker round trip per schema partition
+            changes = self._table.catch_up_if_answered()
+        self._schemas_unanswered = changes is None
+        if changes is None:
+            return False  # the broker does not answer: asked again at a later step
+        self._router.apply(changes, self._cycle)
+        named = {pending.state.get("schema_id") for pending in inflight.cycle.entries if pending.state}
+        if self._table.changed_since(view, named):
+            self._emit("schemas_changed_while_scored", {"states": len(inflight.cycle)})
+            self._drop_uncommitted("a schema the closed cycle's states name changed before they were consumed")
+            seek_committed(self._assignment, self._consumer, self.config.broker_outage_s)
+            return False
+        inflight.table_view = None
+        return True
 
     # ---- handing scored cycles to the committer, and what it reports ----------------------------------------------
     def _hand_scored(self) -> None:
         """Hand every cycle whose scores are ready to the committer, oldest first."""
         for inflight in self._inflight.unhanded():
-            if not inflight.future.done():
+            if not inflight.future.done() or not self._hand(inflight):
                 return
-            self._hand(inflight)
         while self._committer.pending > MAX_HANDED:   # the broker is slower than the GPU: wait for it
             with _blocking_step("wait_for_commit"):
                 self._committer.wait_for_outcome(timeout=1.0)
             self._take_outcomes()
 
-    def _hand(self, inflight: InFlight) -> None:
-        """Wait for ``inflight``'s scores, make its records and hand them to the committer with its offsets."""
+    def _hand(self, inflight: InFlight) -> bool:
+        """Wait for ``inflight``'s scores, make its records and hand them to the committer with its offsets; False when
+        it cannot be handed now (``_schemas_confirmed``)."""
         try:
             with _blocking_step("wait_for_scores", warn=False):     # long on a CPU, by nature
                 results = inflight.future.result()
         except Exception as exc:  # the scorer isolates per-state failures; anything else is a bug
             raise FatalError(f"scoring thread failed: {exc!r}") from exc
+        if not self._schemas_confirmed(inflight):
+            return False
         cycle = inflight.cycle
         inflight.out = self._outputs.of_cycle(cycle, dict(zip(inflight.keys, results)))
         inflight.offsets = self._assignment.commit_offsets(cycle.offsets())
         inflight.handed = True
         self._committer.hand(Handed(inflight, inflight.out.records, inflight.offsets,
                                     self._consumer.consumer_group_metadata()))
+        return True
 
     def _take_outcomes(self, seek: bool = True) -> None:
         """Account for the transactions the committer ended: their cycles are committed, or the first that failed

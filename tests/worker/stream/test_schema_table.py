@@ -89,3 +89,26 @@ def _schema_records(stream, schema_id: str) -> int:
     finally:
         consumer.close()
     return count
+
+
+def test_a_view_says_whether_the_table_had_applied_every_record_published_before_it(stream):
+    """What a cycle closes with: the table's view is confirmed by the topic's end offsets asked for when it was taken,
+    and ``changed_since`` names only the ids that changed after it."""
+    stream.put_schema("a", QUESTIONS)
+    table = SchemaTable(stream.bootstrap, stream.topics.schemas)
+    try:
+        table.catch_up()
+        current = table.view()
+        assert table.missed(current) is False
+
+        stream.put_schema("a", QUESTIONS_V2)  # published, and not yet applied by the table: no poll in between
+        stale = table.view()
+        assert table.missed(stale) is True
+        assert not table.changed_since(stale, {"a", "b"})  # nothing applied since the view yet
+
+        assert [c.schema_id for c in table.catch_up()] == ["a"]
+        assert table.changed_since(stale, {"a"}) and table.changed_since(current, {"a", "b"})
+        assert not table.changed_since(stale, {"b"})
+        assert table.missed(table.view()) is False
+    finally:
+        table.close()
