@@ -118,3 +118,48 @@ def test_a_rebalance_lets_the_running_transaction_commit_and_drops_what_the_comm
             assert stream.committed_offsets()[0] == 7
         finally:
             worker._committer.close()
+
+
+def test_a_cycle_scored_before_the_table_applied_a_schema_its_states_name_is_read_again(stream, monkeypatch):
+    """A cycle closes with what the schema table has applied (no broker round trip at the close). Before its records
+    are made the broker's end offsets say whether a schema record published before the close was missed: none, and the
+    cycle goes on; one for a schema its states do not name, and it goes on after the table caught up; one for a schema
+    they name, and all uncommitted work is dropped and read again from the committed offsets."""
+    from types import SimpleNamespace
+
+    from tests.worker.conftest import QUESTIONS, QUESTIONS_V2
+    from worker.stream.batcher import Pending
+    from worker.stream.schema_table import SchemaTable
+
+    stream.put_schema("t", QUESTIONS)
+    stream.put_schema("u", QUESTIONS)
+    table = SchemaTable(stream.bootstrap, stream.topics.schemas)
+    worker, events, rewinds = loop.Worker.__new__(loop.Worker), [], []
+    worker._table, worker._cycle, worker._assignment, worker._consumer = table, Cycle(), None, None
+    worker._router, worker.config = SimpleNamespace(apply=lambda changes, cycle: None), SimpleNamespace(broker_outage_s=5)
+    worker._emit = lambda kind, info: events.append(kind)
+    worker._drop_uncommitted = lambda why: rewinds.append(why)
+    monkeypatch.setattr(loop, "seek_committed", lambda assignment, consumer, outage_s: rewinds.append("seek"))
+
+    def scored(*schema_ids: str) -> SimpleNamespace:   # a cycle closed now, its states naming schema_ids
+        cycle = Cycle()
+        cycle.entries = [Pending(source=None, state={"schema_id": schema_id}) for schema_id in schema_ids]
+        return SimpleNamespace(cycle=cycle, table_view=table.view())
+
+    try:
+        table.catch_up()
+        caught_up = scored("t")
+        assert worker._schemas_confirmed(caught_up) and caught_up.table_view is None and not rewinds
+
+        stream.put_schema("t", QUESTIONS_V2)            # published before the close; the table has not applied it
+        other = scored("u")
+        assert worker._schemas_confirmed(other) and not rewinds and not events
+        assert table.get("t")["version"] == 2           # caught up by the confirmation
+
+        stream.put_schema("t", QUESTIONS)               # version 3, again not applied when the cycle closes
+        named = scored("u", "t")
+        assert not worker._schemas_confirmed(named)
+        assert events == ["schemas_changed_while_scored"] and len(rewinds) == 2 and rewinds[1] == "seek", rewinds
+        assert table.get("t")["version"] == 3
+    finally:
+        table.close()
