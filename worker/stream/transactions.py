@@ -256,6 +256,8 @@ class Transactions:
             cause = exc if isinstance(exc, KafkaException) else exc.__cause__
             if isinstance(cause, KafkaException):
                 self._raise_classified("flush", cause.args[0])
+            if self._fatal is not None:  # at times a bare SystemError ("returned NULL"): error_cb has the reason
+                self._raise_classified("flush", self._fatal)
             self._in_doubt = True
             raise AbortableError(f"flush failed: {exc!r}") from exc
 
