@@ -5,10 +5,15 @@ alternated in blocks on one broker, so that the figures of each setting share th
     python bench/probes/transaction_probe.py                    # Kafka 4.4: decider's settings vs librdkafka's retry backoff
     python bench/probes/transaction_probe.py --broker embedded
     python bench/probes/transaction_probe.py --variant "fast:retry.backoff.ms=5,retry.backoff.max.ms=25" --variant "slow:retry.backoff.ms=100"
+    python bench/probes/transaction_probe.py --variant "one-id:" --variant "two-ids:probe.producers=2"   # ids taking turns
+
+(``probe.producers`` is the probe's own: that many transactional ids taking turns, one transaction each; the steps of
+every transaction after each id's first are timed. Tried in the worker and not kept: docs/brokers.md says why.)
 
 What it showed (2026-12-04, this 2-core machine loaded by other work): Apache Kafka answers EndTxn before it has
 written the transaction's markers and refuses the next AddOffsetsToTxn with CONCURRENT_TRANSACTIONS until it has;
-at librdkafka's retry backoff (100 ms) the offsets step of a back-to-back transaction took ~110 ms.
+at librdkafka's retry backoff (100 ms) the offsets step of a back-to-back transaction took ~110 ms. Two ids taking
+turns do not wait for it at all: 31.3 -> 11.6 ms a transaction at the median (three: 11.9).
 """
 from __future__ import annotations
 
@@ -41,19 +46,25 @@ def variant(spec: str) -> tuple[str, dict[str, str]]:
 def run_block(bootstrap: str, name: str, settings: dict[str, str], transactions: int, records: int,
               offset: int) -> list[dict[str, float]]:
     """``transactions`` back to back, each with ``records`` records and one input offset; their steps in ms."""
-    config = WorkerConfig(bootstrap=bootstrap, model_dir="unused", worker_id=f"probe-{name}", group="probe")
+    settings = dict(settings)
+    producers = int(settings.pop("probe.producers", 1))  # >1: transactional ids taking turns, one transaction each
     consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": "probe"})
-    txns = Transactions({**transactional_producer_config(config), **settings}, consumer, config.worker_id)
-    txns.init()
+    turns = []
+    for k in range(producers):
+        config = WorkerConfig(bootstrap=bootstrap, model_dir="unused", worker_id=f"probe-{name}-{k}", group="probe")
+        turns.append(Transactions({**transactional_producer_config(config), **settings}, consumer, config.worker_id))
+        turns[-1].init()
     steps = []
     try:
-        for i in range(transactions + 1):
+        for i in range(transactions + producers):
+            txns = turns[i % producers]
             outgoing = [OutgoingRecord("probe.out", f"k{j}".encode(), b"x" * 200) for j in range(records)]
             txns.commit(outgoing, [TopicPartition("probe.in", 0, offset + i)], consumer.consumer_group_metadata())
-            if i:  # the first follows init, not a commit
+            if i >= producers:  # each producer's first follows its init, not a commit
                 steps.append(dict(txns.last_steps_ms))
     finally:
-        txns.close()
+        for txns in turns:
+            txns.close()
         consumer.close()
     return steps
 
@@ -85,7 +96,7 @@ def main(argv: list[str] | None = None) -> dict:
         for _ in range(args.blocks):
             for name, settings in variants:
                 collected[name] += run_block(broker.bootstrap, name, settings, args.transactions, args.records, offset)
-                offset += args.transactions + 1
+                offset += args.transactions + 4
     result = {"broker": args.broker, "transactions_per_variant": args.transactions * args.blocks,
               "records": args.records, "variants": {name: {"settings": dict(settings), **summary(collected[name])}
                                                     for name, settings in variants}}
