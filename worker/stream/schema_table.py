@@ -131,9 +131,7 @@ class SchemaTable:
     def catch_up(self, timeout_s: float = 5.0) -> list[Change]:
         """Read until every partition's position reaches the end it had when called."""
         deadline = time.monotonic() + timeout_s
-        ends = {}
-        for tp in self._partitions:
-            ends[tp.partition] = self._end_offset(tp, deadline)
+        ends = self._end_offsets(deadline)
         changes: list[Change] = []
         while not self._reached(ends):
             if time.monotonic() > deadline:
@@ -148,11 +146,9 @@ class SchemaTable:
     def view(self) -> TableView:
         """What the table has applied now, and a query of the topic's end started now (``missed`` reads it): a
         cycle closing with this view is scored without waiting for the broker."""
-        positions = {tp.partition: max(tp.offset, 0) for tp in self._consumer.position(
-            [TopicPartition(self._topic, tp.partition) for tp in self._partitions])}
         deadline = time.monotonic() + 5.0
-        ends = self._end_queries.submit(lambda: {tp.partition: self._end_offset(tp, deadline) for tp in self._partitions})
-        return TableView(positions, self._generation, ends)
+        ends = self._end_queries.submit(self._end_offsets, deadline)
+        return TableView(self._applied_positions(), self._generation, ends)
 
     def missed(self, view: TableView, timeout_s: float = 5.0) -> bool | None:
         """Whether a record was in the topic when ``view`` was taken that the table had not applied then; None when
@@ -162,7 +158,7 @@ class SchemaTable:
         except Exception as exc:  # KafkaException, or the query's own timeout
             log.debug("schema topic %s: the end offsets' query failed: %r", self._topic, exc)
             return None
-        return any(end > view.positions.get(partition, 0) for partition, end in ends.items())
+        return not _covers(view.positions, ends)
 
     def changed_since(self, view: TableView, schema_ids: set[str]) -> bool:
         """Whether any of ``schema_ids`` changed (a new version, a tombstone, a broken record) after ``view``."""
@@ -179,9 +175,17 @@ class SchemaTable:
         return changes
 
     def _reached(self, ends: dict[int, int]) -> bool:
-        positions = self._consumer.position([TopicPartition(self._topic, p) for p in ends])
-        # A negative position means nothing was fetched yet; that is only "reached" for an empty partition.
-        return all((tp.offset if tp.offset >= 0 else 0) >= ends[tp.partition] for tp in positions)
+        return _covers(self._applied_positions(), ends)
+
+    def _end_offsets(self, deadline: float) -> dict[int, int]:
+        """Every partition's end offset (``_end_offset``)."""
+        return {tp.partition: self._end_offset(tp, deadline) for tp in self._partitions}
+
+    def _applied_positions(self) -> dict[int, int]:
+        """Per partition, the offset of the next record the table will apply. A negative position means nothing was
+        fetched yet: 0, which covers only an empty partition."""
+        positions = self._consumer.position([TopicPartition(self._topic, tp.partition) for tp in self._partitions])
+        return {tp.partition: max(tp.offset, 0) for tp in positions}
 
     def _apply(self, message) -> Change | None:
         change = self._applied(message)
@@ -233,3 +237,8 @@ class SchemaTable:
             self._consumer.close()
         finally:
             self._ends.close()
+
+
+def _covers(positions: dict[int, int], ends: dict[int, int]) -> bool:
+    """Whether ``positions`` have reached ``ends`` in every partition: nothing published before them is left."""
+    return all(positions.get(partition, 0) >= end for partition, end in ends.items())
