@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> dict:
         for _ in range(args.blocks):
             for name, settings in variants:
                 collected[name] += run_block(broker.bootstrap, name, settings, args.transactions, args.records, offset)
-                offset += args.transactions + 4
+                offset += args.transactions + int(settings.get("probe.producers", 1))  # every transaction of the block
     result = {"broker": args.broker, "transactions_per_variant": args.transactions * args.blocks,
               "records": args.records, "variants": {name: {"settings": dict(settings), **summary(collected[name])}
                                                     for name, settings in variants}}
