@@ -18,6 +18,7 @@ DEFAULT_PROBABILITIES_TOPIC = "decider.probabilities"
 DEFAULT_DEAD_LETTER_TOPIC = "decider.dead-letter"
 DEFAULT_GROUP = "decider"
 MAX_LATENCY_BUDGET_MS = 600_000  # ten minutes: far beyond any batch's scoring and commit
+MAX_TRANSACTIONAL_IDS = 4  # turns past the second wait for nothing: one transaction's markers take about one commit
 REPLAY_MAX_BATCH = 64  # a replay is throughput-bound: fuller batches than a live worker's default
 GROUP_PROTOCOLS = ("classic", "consumer")  # librdkafka's group.protocol: JoinGroup/SyncGroup, or KIP-848's
 CLASSIC_SESSION_TIMEOUT_MS = 10_000  # the classic protocol's session timeout unless --session-timeout-ms sets one
@@ -69,6 +70,9 @@ class WorkerConfig:
     # Kept well under Kafka's default: a worker killed mid-transaction blocks read_committed readers
     # of its output partitions until the broker aborts the transaction (or the same worker id restarts).
     transaction_timeout_ms: int = 30_000
+    # Transactional ids committed on in turn (worker.stream.turns): Apache Kafka refuses a producer's next
+    # transaction until the last one's markers are written, so back-to-back commits on one id wait for them.
+    transactional_ids: int = 1
     # The consumer group protocol: None picks the best one the broker supports when the loop starts
     # (``worker.stream.assignment``); the config file's [kafka] "group.protocol" is the same setting.
     group_protocol: str | None = None
@@ -99,6 +103,9 @@ class WorkerConfig:
             raise ConfigError("--max-state-chars must be at least 1")
         if any(n < 1 for n in self.warmup_state_tokens):
             raise ConfigError("--warmup-state-tokens: every length must be at least 1 token")
+        if not 1 <= self.transactional_ids <= MAX_TRANSACTIONAL_IDS:
+            raise ConfigError(f"--transactional-ids {self.transactional_ids} is out of range: give 1 to "
+                              f"{MAX_TRANSACTIONAL_IDS}")
         if self.broker_outage_s <= 0:
             raise ConfigError("--broker-outage-s must be positive")
         if self.stall_after_s <= 0:
@@ -150,6 +157,12 @@ class WorkerConfig:
         """Stable per worker id: a restart with the same --worker-id fences the old instance and
         aborts its open transaction (the zombie-fencing contract of transactional producers)."""
         return f"decider.{self.group}.{self.worker_id}"
+
+    @property
+    def transactional_id_turns(self) -> list[str]:
+        """The --transactional-ids ids this worker commits on in turn: `transactional_id` first, then ".t1", ...
+        Each is stable per worker id, as `transactional_id` is."""
+        return [self.transactional_id] + [f"{self.transactional_id}.t{k}" for k in range(1, self.transactional_ids)]
 
     @property
     def resolved_dtype(self) -> str:

@@ -58,6 +58,11 @@ LOOP_OPTIONS = [
              "prepared, beside the stream (the first schema waits for its own). Default: the lengths seen so far; "
              "a batch no captured graph serves runs eagerly once while its graph is captured beside the stream.")),
     _option("transaction_timeout_ms", int, typer.Option(DEFAULTS["transaction_timeout_ms"], "--transaction-timeout-ms", envvar="DECIDER_TRANSACTION_TIMEOUT_MS", help="Broker-side timeout of an open transaction.")),
+    _option("transactional_ids", int, typer.Option(
+        DEFAULTS["transactional_ids"], "--transactional-ids", envvar="DECIDER_TRANSACTIONAL_IDS", min=1, max=4,
+        help="Transactional ids to commit on in turn, one transaction each (1 to 4). Apache Kafka refuses a "
+             "producer's next transaction until the last one's markers are written; with 2, back-to-back commits "
+             "do not wait for them (docs/brokers.md).")),
     _option("broker_outage_s", float, typer.Option(DEFAULTS["broker_outage_s"], "--broker-outage-s", envvar="DECIDER_BROKER_OUTAGE_S", help="How long to ride out an unreachable broker (nothing commits meanwhile; the worker resumes by itself when it returns) before exiting with code 5.")),
     _option("stall_after_s", float, typer.Option(
         DEFAULTS["stall_after_s"], "--stall-after-s", envvar="DECIDER_STALL_AFTER_S",
@@ -110,7 +115,7 @@ LOOP_OPTIONS = [
 PANELS = {
     "Kafka": ("--bootstrap", "--worker-id", "--group", "--group-protocol", "--name", "--states-topic", "--schemas-topic",
               "--probabilities-topic", "--dead-letter-topic", "--output-topic", "--session-timeout-ms",
-              "--transaction-timeout-ms", "--broker-outage-s"),
+              "--transaction-timeout-ms", "--transactional-ids", "--broker-outage-s"),
     "Model": ("--model", "--device", "--dtype", "--deterministic", "--tokenizer-threads", "--warmup-state-tokens",
               "--schema-memory-mb"),
     "Batching": ("--max-batch", "--max-wait-ms", "--latency-budget-ms", "--schema-wait-ms", "--max-state-chars"),
@@ -199,7 +204,8 @@ def loop_config(ctx: typer.Context, flags: dict[str, Any], probabilities_topic: 
         schema_wait_ms=flags["schema_wait_ms"], max_state_chars=flags["max_state_chars"],
         schema_memory_mb=flags["schema_memory_mb"], tokenizer_threads=flags["tokenizer_threads"],
         warmup_state_tokens=_token_counts(flags["warmup_state_tokens"]),
-        transaction_timeout_ms=flags["transaction_timeout_ms"], broker_outage_s=flags["broker_outage_s"],
+        transaction_timeout_ms=flags["transaction_timeout_ms"], transactional_ids=flags["transactional_ids"],
+        broker_outage_s=flags["broker_outage_s"],
         stall_after_s=flags["stall_after_s"],
         metrics_port=flags["metrics_port"], metrics_host=flags["metrics_host"], kafka=kafka_settings(ctx), **own,
         input=input_mapping(ctx, flags), output_format=flags["output_format"],

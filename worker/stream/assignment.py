@@ -24,7 +24,7 @@ from worker.config import WorkerConfig
 from worker.exceptions import BrokerOutageError, ConfigError, FatalError, FencedError
 from worker.kafka_clients import (CONSUMER_GROUP_HEARTBEAT_API, broker_api_keys, incremental_rebalancing,
                                   is_embedded_broker, worker_consumer_config)
-from worker.stream.transactions import Transactions
+from worker.stream.turns import TakingTurns, complete_hanging_offsets
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ class Assignment(Protocol):
     def consumer(self) -> Consumer:
         """The states consumer (created once, before ``start``)."""
 
-    def start(self, consumer: Consumer, txns: Transactions, drop_uncommitted: DropUncommitted) -> None:
+    def start(self, consumer: Consumer, txns: TakingTurns, drop_uncommitted: DropUncommitted) -> None:
         """Begin consuming (after the transactional producer fenced any predecessor)."""
 
     def accepts(self, message: Any) -> bool:
@@ -94,7 +94,7 @@ class Assignment(Protocol):
     def exhausted(self) -> bool:
         """Whether the input has ended (nothing more will arrive): the last cycle then closes without a deadline."""
 
-    def finish(self, txns: Transactions) -> None:
+    def finish(self, txns: TakingTurns) -> None:
         """After the last cycle committed on a clean stop: whatever the input still has to commit."""
 
     def leave(self, consumer: Consumer) -> None:
@@ -131,8 +131,9 @@ class GroupAssignment:
         except KafkaException as exc:  # a [kafka] setting librdkafka refuses only in a consumer (an unknown assignor)
             raise ConfigError(f"the states consumer's settings: {exc.args[0].str()}") from None
 
-    def start(self, consumer: Consumer, txns: Transactions, drop_uncommitted: DropUncommitted) -> None:
+    def start(self, consumer: Consumer, txns: TakingTurns, drop_uncommitted: DropUncommitted) -> None:
         self._drop_uncommitted = drop_uncommitted
+        complete_hanging_offsets(self._config, consumer, txns)
         consumer.subscribe([self._config.topics.states], on_assign=self._on_assign, on_revoke=self._on_revoke,
                            on_lost=self._on_lost)
 
@@ -156,7 +157,7 @@ class GroupAssignment:
     def exhausted(self) -> bool:
         return False
 
-    def finish(self, txns: Transactions) -> None:
+    def finish(self, txns: TakingTurns) -> None:
         pass
 
     def leave(self, consumer: Consumer) -> None:

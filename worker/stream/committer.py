@@ -25,7 +25,7 @@ from typing import Any, Callable, Sequence
 from confluent_kafka import TopicPartition
 
 from worker.formats.records import OutgoingRecord
-from worker.stream.transactions import Transactions
+from worker.stream.turns import TakingTurns
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ def merged_offsets(handed: Sequence[Handed]) -> list[TopicPartition]:
 class Committer:
     """Runs ``txns``' transactions on its own thread; ``wake`` is called after each one ends."""
 
-    def __init__(self, txns: Transactions, wake: Callable[[], None]) -> None:
+    def __init__(self, txns: TakingTurns, wake: Callable[[], None]) -> None:
         self._txns = txns
         self._wake = wake
         self._lock = threading.Condition()

@@ -34,7 +34,7 @@ import time
 from worker.config import WorkerConfig
 from worker.exceptions import AbortableError, FatalError
 from worker.formats.input_decoder import SourceDecoder
-from worker.kafka_clients import require_topics, transactional_producer_config
+from worker.kafka_clients import require_topics
 from worker.ops import liveness, metrics
 from worker.stream import gc_pauses
 from worker.stream.assignment import Assignment, EventSink, GroupAssignment, partition_names, seek_committed
@@ -49,7 +49,7 @@ from worker.stream.revocation import Partitions, drop_uncommitted
 from worker.stream.routing import Router
 from worker.stream.schema_table import SchemaTable
 from worker.stream.scorer import load_scorer
-from worker.stream.transactions import Transactions
+from worker.stream.turns import worker_transactions
 
 log = logging.getLogger(__name__)
 
@@ -116,9 +116,7 @@ class Worker:
         log.debug("%d objects of the loaded model and libraries exempted from garbage collection", frozen)
         self._consumer = self._assignment.consumer()
         self._watch.start()
-        self._txns = Transactions(transactional_producer_config(self.config), self._consumer, self.config.worker_id,
-                                  timeout_s=self.config.transaction_timeout_ms / 1000 / 2,
-                                  outage_s=self.config.broker_outage_s)
+        self._txns = worker_transactions(self.config, self._consumer)
         try:
             # Before reading any offset: fence a previous instance of this worker id and abort its open
             # transaction, so the committed offsets we start from are final.

@@ -39,7 +39,7 @@ from worker.kafka_clients import replay_consumer_config, require_topics
 from worker.ops.wording import counted
 from worker.stream.loop import Worker
 from worker.stream.replay_range import Bound, ReplayRange, resolve_range, shown
-from worker.stream.transactions import Transactions
+from worker.stream.turns import TakingTurns
 from worker.stream.verify import verify_replay
 
 log = logging.getLogger(__name__)
@@ -119,7 +119,7 @@ class RangeAssignment:
                               "it, or choose a new --name to replay another range")
         return partitions, wanted, positions, stored
 
-    def start(self, consumer: Consumer, txns: Transactions, drop_uncommitted: DropUncommitted) -> None:
+    def start(self, consumer: Consumer, txns: TakingTurns, drop_uncommitted: DropUncommitted) -> None:
         topic = self._config.topics.states
         partitions, wanted, positions, stored = self._plan(consumer)
         name = self._config.worker_id
@@ -202,7 +202,7 @@ class RangeAssignment:
     def exhausted(self) -> bool:
         return self.range is not None and self._finished >= set(self.range.ends)
 
-    def finish(self, txns: Transactions) -> None:
+    def finish(self, txns: TakingTurns) -> None:
         """Once the range is read: commit its end offsets themselves (offsets past the last state may be transaction
         markers), so the group's offsets say "done" exactly and a rerun scores nothing."""
         if not self.exhausted():

@@ -1,0 +1,114 @@
+"""Transactions on several transactional ids in turn (worker.stream.turns), against the broker: each commit goes out
+on the next id, every commit's records and offsets are visible as with one id, and at start a group whose committed
+offsets do not answer gets a transaction on every id."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
+
+from tests.worker.stream.test_transactions import _group_consumer, _producer, _read_keys, _records
+from worker.config import WorkerConfig
+from worker.exceptions import FencedError
+from worker.kafka_clients import last_committed
+from worker.stream import turns
+from worker.stream.transactions import Transactions
+from worker.stream.turns import TakingTurns, complete_hanging_offsets
+
+
+def _turns(stream, consumer, ids: list[str]) -> TakingTurns:
+    taking = TakingTurns([Transactions(_producer(stream, tid), consumer, "w") for tid in ids])
+    taking.init()
+    return taking
+
+
+def test_each_commit_goes_out_on_the_next_id_and_every_commit_is_visible(stream):
+    """Fencing one id shows which id a commit used: with ids a and b, the 1st and 3rd commits are a's, the 2nd b's.
+    Everything committed is read back, and the group's offset is the last commit's."""
+    consumer = _group_consumer(stream)
+    taking = _turns(stream, consumer, ["turn-a", "turn-b"])
+    taking.commit(_records(stream, 2, "c1"), [TopicPartition(stream.topics.states, 0, 1)])     # on a
+    assert taking.last_outputs, "the outputs of the last commit are reported"
+    intruder = Transactions(_producer(stream, "turn-b"), consumer, "other")
+    intruder.init()                                                                             # fences b's producer
+    with pytest.raises(FencedError):
+        taking.commit(_records(stream, 1, "c2"), [TopicPartition(stream.topics.states, 0, 2)])  # on b: fenced
+    intruder.close()
+    taking.commit(_records(stream, 2, "c3"), [TopicPartition(stream.topics.states, 0, 3)])     # on a again
+    assert _read_keys(stream) == ["c1-0", "c1-1", "c3-0", "c3-1"]
+    assert stream.committed_offsets()[0] == 3
+    with pytest.raises(KafkaException, match="fenced"):   # b's fenced producer cannot abort; the others still close
+        taking.close()
+    consumer.close()
+
+
+def test_back_to_back_commits_on_two_ids_commit_offsets_in_order(stream):
+    """Twenty back-to-back commits alternating between two ids: the group's offset ends at the last one's (a
+    transaction's offsets may reach the coordinator after the next one's when their markers race; the one appended
+    last wins), and every record is visible once."""
+    consumer = _group_consumer(stream)
+    taking = _turns(stream, consumer, ["order-a", "order-b"])
+    for i in range(1, 21):
+        taking.commit(_records(stream, 1, f"k{i:02d}"), [TopicPartition(stream.topics.states, 0, i)])
+    assert _read_keys(stream) == [f"k{i:02d}-0" for i in range(1, 21)]
+    assert stream.committed_offsets()[0] == 20
+    taking.close()
+    consumer.close()
+
+
+def _config(stream) -> WorkerConfig:
+    return WorkerConfig(bootstrap=stream.bootstrap, model_dir="unused", worker_id="w", group=stream.group,
+                        topics=stream.topics)
+
+
+def test_start_completes_nothing_when_the_committed_offsets_answer(stream):
+    consumer = _group_consumer(stream)
+    taking = _turns(stream, consumer, ["calm-a", "calm-b"])
+    taking.commit([], [TopicPartition(stream.topics.states, 0, 5)])
+    assert complete_hanging_offsets(_config(stream), consumer, taking) is False
+    assert last_committed(stream.bootstrap, stream.group, [TopicPartition(stream.topics.dead_letter, 0)])[0].offset < 0
+    taking.close()
+    consumer.close()
+
+
+def test_start_commits_on_every_id_when_the_committed_offsets_do_not_answer(stream, monkeypatch):
+    """Offsets pending in a transaction nobody ends (another producer's, open for its whole timeout) make the stable
+    committed offsets time out, as a transaction whose marker a restarted broker skipped does. The worker then
+    commits a transaction on each of its ids holding only the dead-letter topic's end offset (its marker is what
+    completes such offsets when they are its own ids'); the input's last committed offsets are untouched."""
+    monkeypatch.setattr(turns, "HANGING_CHECK_S", 1.0)
+    consumer = _group_consumer(stream)
+    taking = _turns(stream, consumer, ["heal-a", "heal-b"])
+    taking.commit([], [TopicPartition(stream.topics.states, 0, 4)])
+    stuck = Producer({**_producer(stream, "abandoned"), "transaction.timeout.ms": 600_000})
+    stuck.init_transactions(10)
+    stuck.begin_transaction()
+    stuck.send_offsets_to_transaction([TopicPartition(stream.topics.states, 1, 7)], consumer.consumer_group_metadata(), 10)
+    with pytest.raises(KafkaException) as stable:
+        consumer.committed([TopicPartition(stream.topics.states, 1)], timeout=1)
+    assert stable.value.args[0].code() in (KafkaError._TIMED_OUT, KafkaError.UNSTABLE_OFFSET_COMMIT)
+    monkeypatch.setattr(turns, "_committed_answer",
+                        _answers_after(turns._committed_answer, first=1))  # the check after the heal: at once
+    started = time.monotonic()
+    assert complete_hanging_offsets(_config(stream), consumer, taking) is True
+    assert time.monotonic() - started < 20
+    dead_letter = last_committed(stream.bootstrap, stream.group, [TopicPartition(stream.topics.dead_letter, 0)])
+    assert dead_letter[0].offset == 0                      # the topic's end: it holds nothing
+    assert stream.committed_offsets()[0] == 4              # the input's offsets as they were
+    stuck.abort_transaction(10)
+    taking.close()
+    consumer.close()
+
+
+def _answers_after(check, first: int):
+    """`_committed_answer` as it is for the first `first` calls, then a quick True: the test's stuck offsets belong to
+    a producer the heal cannot complete (only a skipped marker of the worker's own ids can be), so the wait after the
+    heal would last its whole timeout."""
+    calls = []
+
+    def answered(consumer: Consumer, partitions, timeout_s: float) -> bool:
+        calls.append(timeout_s)
+        return check(consumer, partitions, timeout_s) if len(calls) <= first else True
+    return answered
