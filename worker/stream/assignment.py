@@ -76,7 +76,7 @@ class Assignment(Protocol):
     def consumer(self) -> Consumer:
         """The states consumer (created once, before ``start``)."""
 
-    def start(self, consumer: Consumer, txns: TakingTurns, drop_uncommitted: DropUncommitted) -> None:
+    def start(self, consumer: Consumer, txns: TakingTurns | None, drop_uncommitted: DropUncommitted) -> None:
         """Begin consuming (after the transactional producer fenced any predecessor)."""
 
     def accepts(self, message: Any) -> bool:
@@ -131,9 +131,10 @@ class GroupAssignment:
         except KafkaException as exc:  # a [kafka] setting librdkafka refuses only in a consumer (an unknown assignor)
             raise ConfigError(f"the states consumer's settings: {exc.args[0].str()}") from None
 
-    def start(self, consumer: Consumer, txns: TakingTurns, drop_uncommitted: DropUncommitted) -> None:
+    def start(self, consumer: Consumer, txns: TakingTurns | None, drop_uncommitted: DropUncommitted) -> None:
         self._drop_uncommitted = drop_uncommitted
-        complete_hanging_offsets(self._config, consumer, txns)
+        if txns is not None:  # without transactions of its own, the worker can neither have left nor heal pending offsets
+            complete_hanging_offsets(self._config, consumer, txns)
         consumer.subscribe([self._config.topics.states], on_assign=self._on_assign, on_revoke=self._on_revoke,
                            on_lost=self._on_lost)
 
