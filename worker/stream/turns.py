@@ -9,8 +9,8 @@ only once the last has committed, so nothing about what a read_committed reader 
 
 - a transaction's records and offsets are atomic as before (each transaction is one id's);
 - the offsets of consecutive transactions on two ids may reach the group coordinator's log out of order when the
-  markers race, and the coordinator keeps the one appended last (each commit's offsets are at or past the
-  previous one's);
+  markers race, and the coordinator keeps the one whose offset commit was appended last, the later transaction's
+  (each commit's offsets are at or past the previous one's);
 - every id is initialised at start (fencing that id's older instance and aborting its open transaction), and each
   carries the group metadata of its cycle (zombie fencing), as one id does.
 """
