@@ -166,6 +166,13 @@ class WorkerConfig:
         return [self.transactional_id] + [f"{self.transactional_id}.t{k}" for k in range(1, self.transactional_ids)]
 
     @property
+    def retired_transactional_ids(self) -> list[str]:
+        """The ids a larger --transactional-ids (up to its maximum) would add, which this worker does not commit on:
+        fenced at start, so that a transaction a crash left open on one (the worker ran with more ids) is aborted then,
+        not after the broker's transaction timeout, while read_committed readers of its partitions wait."""
+        return [f"{self.transactional_id}.t{k}" for k in range(self.transactional_ids, MAX_TRANSACTIONAL_IDS)]
+
+    @property
     def resolved_dtype(self) -> str:
         """The dtype the engine loads the model in."""
         return self.dtype or ("float32" if self.device == "cpu" else "bfloat16")

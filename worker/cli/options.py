@@ -63,7 +63,8 @@ LOOP_OPTIONS = [
         help="Transactional ids to commit on in turn, one transaction each (1 to 4). Apache Kafka refuses a "
              "producer's next transaction until the last one's markers are written; on 2 (the default), back-to-back "
              "commits do not wait for them. The ids are the worker's transactional id and that id with .t1, .t2, "
-             "... (docs/brokers.md).")),
+             "...; those up to .t3 that it does not use are fenced at start, so lowering the setting never leaves "
+             "a transaction open (docs/brokers.md).")),
     _option("broker_outage_s", float, typer.Option(DEFAULTS["broker_outage_s"], "--broker-outage-s", envvar="DECIDER_BROKER_OUTAGE_S", help="How long to ride out an unreachable broker (nothing commits meanwhile; the worker resumes by itself when it returns) before exiting with code 5.")),
     _option("stall_after_s", float, typer.Option(
         DEFAULTS["stall_after_s"], "--stall-after-s", envvar="DECIDER_STALL_AFTER_S",

@@ -65,7 +65,10 @@ class Transactions:
         timeout_s: float = 30.0,
         outage_s: float = 300.0,
         broker: liveness.BrokerLiveness = liveness.BROKER,
+        watchdog: Watchdog | None = None,
     ) -> None:
+        """``watchdog``: one to share with the worker's other ids' `Transactions` (their calls never overlap: one
+        transaction at a time); None starts one of its own."""
         self._producer_config = producer_config
         self._consumer = consumer
         self._worker_id = worker_id
@@ -82,7 +85,7 @@ class Transactions:
         self._in_doubt = False  # a request went unanswered: this producer must be replaced, not reused
         self._failing_since: float | None = None  # monotonic time of the first failure since the last commit
         self._delivery_errors: list[KafkaError] = []
-        self._watchdog = Watchdog(broker)
+        self._watchdog = watchdog or Watchdog(broker)
         self._generation = 0
         self._producer = self._new_producer()
         # the last committed transaction's ms per step (produce: begin and the records queued; offsets: sent, while

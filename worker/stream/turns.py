@@ -25,7 +25,9 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 from worker.config import WorkerConfig
 from worker.formats.records import OutgoingRecord
 from worker.kafka_clients import transactional_producer_config
+from worker.ops import liveness
 from worker.stream.transactions import Transactions
+from worker.stream.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
 
@@ -33,18 +35,26 @@ log = logging.getLogger(__name__)
 class TakingTurns:
     """`Transactions`' interface over one `Transactions` per transactional id, each commit on the next id."""
 
-    def __init__(self, turns: Sequence[Transactions]) -> None:
+    def __init__(self, turns: Sequence[Transactions], retired: Sequence[Transactions] = ()) -> None:
+        """``retired``: the ids the worker does not commit on (`WorkerConfig.retired_transactional_ids`), fenced by
+        `init` and closed."""
         if not turns:
             raise ValueError("TakingTurns needs at least one Transactions")
         self._turns = list(turns)
+        self._retired = list(retired)
         self._next = 0
         self.last_steps_ms: dict[str, float] = {}
         self.last_outputs: dict[tuple[str, int], int] = {}
 
     def init(self) -> None:
-        """Initialise every id: fences each one's older instance and aborts its open transaction."""
+        """Initialise every id: fences each one's older instance and aborts its open transaction; the same for every
+        retired id, whose producer is closed then."""
         for txns in self._turns:
             txns.init()
+        retired, self._retired = self._retired, []
+        for txns in retired:
+            txns.init()
+            txns.close()
 
     def commit(self, records: Sequence[OutgoingRecord], offsets: Sequence[TopicPartition],
                group_metadata: Any = None) -> None:
@@ -81,13 +91,16 @@ class TakingTurns:
 
 def worker_transactions(config: WorkerConfig, consumer: Consumer) -> TakingTurns:
     """The worker's transactions: one `Transactions` per id of `config.transactional_id_turns`."""
-    base = transactional_producer_config(config)
-    turns = [Transactions({**base, "transactional.id": tid}, consumer, config.worker_id,
-                          timeout_s=config.transaction_timeout_ms / 1000 / 2, outage_s=config.broker_outage_s)
-             for tid in config.transactional_id_turns]
-    if len(turns) > 1:
-        log.info("committing on %d transactional ids in turn: %s", len(turns), ", ".join(config.transactional_id_turns))
-    return TakingTurns(turns)
+    base, watchdog = transactional_producer_config(config), Watchdog(liveness.BROKER)
+
+    def transactions(tid: str) -> Transactions:
+        return Transactions({**base, "transactional.id": tid}, consumer, config.worker_id, watchdog=watchdog,
+                            timeout_s=config.transaction_timeout_ms / 1000 / 2, outage_s=config.broker_outage_s)
+    log.info("committing on %d transactional id%s in turn: %s; fencing at start the ids it does not use: %s",
+             config.transactional_ids, "s" if config.transactional_ids > 1 else "",
+             ", ".join(config.transactional_id_turns), ", ".join(config.retired_transactional_ids) or "none")
+    return TakingTurns([transactions(tid) for tid in config.transactional_id_turns],
+                       [transactions(tid) for tid in config.retired_transactional_ids])
 
 
 HANGING_CHECK_S = 3.0

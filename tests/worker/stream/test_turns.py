@@ -5,6 +5,7 @@ offsets do not answer gets a transaction on every id."""
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import pytest
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
@@ -112,3 +113,32 @@ def _answers_after(check, first: int):
         calls.append(timeout_s)
         return check(consumer, partitions, timeout_s) if len(calls) <= first else True
     return answered
+
+
+def test_start_aborts_a_transaction_left_open_on_an_id_the_worker_no_longer_uses(stream):
+    """A worker ran with two ids and died with a transaction open on the second; it comes back with one
+    (--transactional-ids lowered). Its start fences the second id too, so that transaction is aborted at once: what
+    it commits next is visible to read_committed readers now, not after the broker's transaction timeout (60 s
+    here, while the output partition's stable offset stays before the open transaction)."""
+    config = replace(_config(stream), transactional_ids=1)
+    assert config.retired_transactional_ids[0] == f"{config.transactional_id}.t1"
+    left_open = Producer({**_producer(stream, config.retired_transactional_ids[0]), "transaction.timeout.ms": 60_000})
+    left_open.init_transactions(10)
+    left_open.begin_transaction()
+    for p in range(stream.partitions):
+        left_open.produce(stream.topics.probabilities, key=b"open", value=b"never visible", partition=p)
+    left_open.flush(10)
+    consumer = _group_consumer(stream)
+    txns = turns.worker_transactions(config, consumer)
+    txns.init()
+    txns.commit(_records(stream, 4, "after"), [TopicPartition(stream.topics.states, 0, 1)])
+    assert _read_keys(stream) == [f"after-{i}" for i in range(4)]
+    txns.close()
+    consumer.close()
+
+
+def test_the_retired_ids_are_those_a_larger_setting_would_add():
+    config = WorkerConfig(bootstrap="b", model_dir="m", worker_id="w", group="g", transactional_ids=2)
+    assert config.transactional_id_turns == ["decider.g.w", "decider.g.w.t1"]
+    assert config.retired_transactional_ids == ["decider.g.w.t2", "decider.g.w.t3"]
+    assert replace(config, transactional_ids=4).retired_transactional_ids == []
