@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Any, Callable, Mapping
 
@@ -95,12 +96,19 @@ def clear_stall_seconds(keep: set[tuple[str, str]]) -> None:
             PARTITION_STALL_SECONDS.remove(*labels)
 
 
+@functools.cache
+def _bucket_gauge(gauge: Gauge, batch: int) -> Gauge:
+    """``gauge``'s child for a batch bucket: every bucket's estimate is set at every commit, and ``labels`` checks and
+    locks at each call (these children are never removed)."""
+    return gauge.labels(str(batch))
+
+
 def observe_budget(engine: Mapping[int, float], commit: Mapping[int, float], missed: bool) -> None:
     """A cycle committed under the latency budget: the estimates it updated, and whether it missed the budget."""
     for batch, seconds in engine.items():
-        ESTIMATED_ENGINE_SECONDS.labels(str(batch)).set(seconds)
+        _bucket_gauge(ESTIMATED_ENGINE_SECONDS, batch).set(seconds)
     for batch, seconds in commit.items():
-        ESTIMATED_COMMIT_SECONDS.labels(str(batch)).set(seconds)
+        _bucket_gauge(ESTIMATED_COMMIT_SECONDS, batch).set(seconds)
     if missed:
         LATENCY_BUDGET_MISSES.inc()
 

@@ -98,11 +98,15 @@ class RecentRate:
     window_s: float = RATE_WINDOW_S
     min_cycles: int = 8
     _cycles: deque = field(default_factory=deque)   # (committed at, states)
+    # the states in ``_cycles``, kept as they come and go: a sum over the window at every commit grew with the cycle
+    # rate (the window holds thousands of small cycles under a tight budget)
+    _states: int = 0
 
     def add(self, at: float, n_states: int) -> None:
         self._cycles.append((at, n_states))
+        self._states += n_states
         while self._cycles[0][0] < at - self.window_s:
-            self._cycles.popleft()
+            self._states -= self._cycles.popleft()[1]
 
     def per_second(self) -> float | None:
         if len(self._cycles) < self.min_cycles:
@@ -110,10 +114,11 @@ class RecentRate:
         span = self._cycles[-1][0] - self._cycles[0][0]
         if span < self.window_s / 4:
             return None
-        return sum(n for _, n in list(self._cycles)[1:]) / span
+        return (self._states - self._cycles[0][1]) / span   # the first cycle's states came before the span
 
     def forget(self) -> None:
         self._cycles.clear()
+        self._states = 0
 
 
 def gather_window(rate: float | None, engine: CostLine | None, commit: CostLine | None, budget_s: float,

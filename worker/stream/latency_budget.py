@@ -248,19 +248,25 @@ class Overload:
     min_cycles: int = 20
     overloaded: bool = False
     _cycles: deque = field(default_factory=deque)   # (committed_at, scored states, missed)
+    # the states and the misses in ``_cycles``, kept as cycles come and go (a sum over the window at every commit
+    # grew with the cycle rate: thousands of small cycles under a tight budget)
+    _states: int = 0
+    _missed: int = 0
 
     def add(self, committed_at: float, n_states: int, missed: bool) -> str | None:
         """One committed cycle; -> a message if the budget stopped or started holding with it."""
         self._cycles.append((committed_at, n_states, missed))
+        self._states, self._missed = self._states + n_states, self._missed + missed
         while self._cycles and self._cycles[0][0] < committed_at - self.window_s:
-            self._cycles.popleft()
+            _, gone_states, gone_missed = self._cycles.popleft()
+            self._states, self._missed = self._states - gone_states, self._missed - gone_missed
         if len(self._cycles) < self.min_cycles or committed_at - self._cycles[0][0] < self.window_s / 2:
             return None
-        missed_share = sum(m for _, _, m in self._cycles) / len(self._cycles)
+        missed_share = self._missed / len(self._cycles)
         if self.overloaded == (missed_share > (self.share / 2 if self.overloaded else self.share)):
             return None
         self.overloaded = not self.overloaded
-        rate, batch = self.rate(), sum(n for _, n, _ in self._cycles) / len(self._cycles)
+        rate, batch = self.rate(), self._states / len(self._cycles)
         if self.overloaded:
             return (f"latency budget {self.budget_ms:g} ms does not hold at this load: {missed_share:.0%} of the "
                     f"{len(self._cycles)} cycles committed in the last {self.window_s:g} s were visible later than it, "
@@ -272,11 +278,12 @@ class Overload:
     def rate(self) -> float:
         """States scored per second over the window (0 before two cycles)."""
         span = self._cycles[-1][0] - self._cycles[0][0] if len(self._cycles) > 1 else 0.0
-        return sum(n for _, n, _ in list(self._cycles)[1:]) / span if span > 0 else 0.0
+        return (self._states - self._cycles[0][1]) / span if span > 0 else 0.0   # the first's states came before the span
 
     def forget(self) -> None:
         """Uncommitted work was dropped: the window starts again (the cycles after a rewind are a backlog)."""
         self._cycles.clear()
+        self._states = self._missed = 0
 
 
 def scored_states(cycle: Cycle) -> int:
