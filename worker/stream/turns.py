@@ -90,7 +90,8 @@ class TakingTurns:
 
 
 def worker_transactions(config: WorkerConfig, consumer: Consumer) -> TakingTurns:
-    """The worker's transactions: one `Transactions` per id of `config.transactional_id_turns`."""
+    """The worker's transactions: one `Transactions` per id of `config.transactional_id_turns`, and one per id of
+    `config.retired_transactional_ids` for `TakingTurns.init` to fence; all share one watchdog thread."""
     base, watchdog = transactional_producer_config(config), Watchdog(liveness.BROKER)
 
     def transactions(tid: str) -> Transactions:
