@@ -24,6 +24,7 @@ from worker.config import WorkerConfig
 from worker.exceptions import BrokerOutageError, ConfigError, FatalError, FencedError
 from worker.kafka_clients import (CONSUMER_GROUP_HEARTBEAT_API, broker_api_keys, incremental_rebalancing,
                                   is_embedded_broker, worker_consumer_config)
+from worker.stream.group_metadata import GroupMetadata
 from worker.stream.turns import TakingTurns, complete_hanging_offsets
 
 log = logging.getLogger(__name__)
@@ -73,6 +74,8 @@ def choose_group_protocol(config: WorkerConfig, api_keys: set[int] | None) -> tu
 class Assignment(Protocol):
     """The consumer/assignment policy of one loop."""
 
+    metadata: GroupMetadata  # the group metadata cycles' transactions carry, forgotten where it may have changed
+
     def consumer(self) -> Consumer:
         """The states consumer (created once, before ``start``)."""
 
@@ -113,6 +116,7 @@ class GroupAssignment:
         self.rejoin_pause_s = 0.0  # how long a cooperative revoke waits before it rejoins: the embedded broker's gap
         self.session_lost_at: float | None = None  # monotonic time this worker's partitions were last lost
         self._leaving = False
+        self.metadata = GroupMetadata()   # forgotten at every rebalance callback: the generation or epoch moves
 
     def consumer(self) -> Consumer:
         classic = self._config.requested_group_protocol == "classic"  # then the broker need not be asked
@@ -173,12 +177,14 @@ class GroupAssignment:
         consumer.poll(0.2)
 
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        self.metadata.forget()
         # Incremental: ``partitions`` are the ones added, the others stay; eager: the whole new assignment. Each
         # starts at its committed offset.
         (consumer.incremental_assign if self.incremental else consumer.assign)(partitions)
         self._emit("assigned", self._where(partitions))
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        self.metadata.forget()
         # The next owner starts from the committed offsets and scores their states again: what this worker has of
         # them uncommitted is dropped, never committed. Incremental: only the revoked partitions'; eager revokes all.
         called = time.monotonic()
@@ -189,6 +195,7 @@ class GroupAssignment:
             time.sleep(max(0.0, called + self.rejoin_pause_s - time.monotonic()))
 
     def _on_lost(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        self.metadata.forget()
         # Lost (session expired): another worker may already own them; committing would be wrong, and a
         # transaction with stale group metadata would be rejected anyway.
         self.session_lost_at = time.monotonic()

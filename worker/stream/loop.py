@@ -253,7 +253,7 @@ class Worker:
         inflight.offsets = self._assignment.commit_offsets(cycle.offsets())
         inflight.handed = True
         self._committer.hand(Handed(inflight, inflight.out.records, inflight.offsets,
-                                    self._consumer.consumer_group_metadata()))
+                                    self._assignment.metadata.current(self._consumer)))
         return True
 
     def _take_outcomes(self, seek: bool = True) -> None:
@@ -293,6 +293,7 @@ class Worker:
     # ---- failure paths ---------------------------------------------------------------------------------------
     def _aborted(self, exc: AbortableError, seek: bool = True) -> None:
         metrics.TRANSACTIONS.labels("aborted").inc()
+        self._assignment.metadata.forget()   # the broker may have refused it as stale
         self._emit("aborted", {"error": str(exc)})
         self._forget("transaction aborted", None)
         self._committer.resume()

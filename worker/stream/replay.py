@@ -37,6 +37,7 @@ from worker.config import Topics, WorkerConfig
 from worker.exceptions import AbortableError, ConfigError, FatalError
 from worker.kafka_clients import replay_consumer_config, require_topics
 from worker.ops.wording import counted
+from worker.stream.group_metadata import GroupMetadata
 from worker.stream.loop import Worker
 from worker.stream.replay_range import Bound, ReplayRange, resolve_range, shown
 from worker.stream.turns import TakingTurns
@@ -65,6 +66,7 @@ class RangeAssignment:
         self.range: ReplayRange | None = None
         self.committed: dict[int, int] = {}
         self._finished: set[int] = set()
+        self.metadata = GroupMetadata()   # a replay assigns its partitions itself: no rebalance moves it
 
     @property
     def complete(self) -> bool:
