@@ -72,7 +72,7 @@ class WorkerConfig:
     transaction_timeout_ms: int = 30_000
     # Transactional ids committed on in turn (worker.stream.turns): Apache Kafka refuses a producer's next
     # transaction until the last one's markers are written, so back-to-back commits on one id wait for them; on two
-    # they do not (bench/README.md, run CT: a cycle's commit 19.3 -> 11.9 ms on an H100's host).
+    # they do not (bench/README.md, run CT: a transaction's commit 19.8 -> 12.4 ms on an H100's host).
     transactional_ids: int = 2
     # The consumer group protocol: None picks the best one the broker supports when the loop starts
     # (``worker.stream.assignment``); the config file's [kafka] "group.protocol" is the same setting.
@@ -160,17 +160,22 @@ class WorkerConfig:
         return f"decider.{self.group}.{self.worker_id}"
 
     @property
+    def _every_transactional_id(self) -> list[str]:
+        """The ids of the largest --transactional-ids: `transactional_id` first, then ".t1", ...; each stable per
+        worker id, as `transactional_id` is."""
+        return [self.transactional_id] + [f"{self.transactional_id}.t{k}" for k in range(1, MAX_TRANSACTIONAL_IDS)]
+
+    @property
     def transactional_id_turns(self) -> list[str]:
-        """The --transactional-ids ids this worker commits on in turn: `transactional_id` first, then ".t1", ...
-        Each is stable per worker id, as `transactional_id` is."""
-        return [self.transactional_id] + [f"{self.transactional_id}.t{k}" for k in range(1, self.transactional_ids)]
+        """The --transactional-ids ids this worker commits on in turn: `transactional_id` first, then ".t1", ..."""
+        return self._every_transactional_id[:self.transactional_ids]
 
     @property
     def retired_transactional_ids(self) -> list[str]:
         """The ids a larger --transactional-ids (up to its maximum) would add, which this worker does not commit on:
         fenced at start, so that a transaction a crash left open on one (the worker ran with more ids) is aborted then,
         not after the broker's transaction timeout, while read_committed readers of its partitions wait."""
-        return [f"{self.transactional_id}.t{k}" for k in range(self.transactional_ids, MAX_TRANSACTIONAL_IDS)]
+        return self._every_transactional_id[self.transactional_ids:]
 
     @property
     def resolved_dtype(self) -> str:
