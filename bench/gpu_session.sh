@@ -20,6 +20,14 @@ set -u
 . bench/gpu_setup.sh || exit 1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 steps=${*:-tests engine stream}
+
+cgroup_cpu() {  # the CPU quota this machine's processes run under, and how often it throttled them (cgroup v2 or v1)
+  echo "== $1 $(date +%T): $(nproc) CPUs usable"
+  for f in /sys/fs/cgroup/cpu.max /sys/fs/cgroup/cpu.stat /sys/fs/cgroup/cpu/cpu.cfs_quota_us \
+           /sys/fs/cgroup/cpu/cpu.cfs_period_us /sys/fs/cgroup/cpu/cpu.stat; do
+    [ -r "$f" ] && echo "$f: $(tr '\n' ' ' < "$f")"
+  done
+}
 for step in $steps; do
   echo "=== $step $(date +%T)"
   case $step in
@@ -46,10 +54,12 @@ for step in $steps; do
                | tee "$OUT/variant_ab.txt" | tail -8 ;;
     stream)  timeout "${T_STREAM:-300}" python3 bench/stream_bench.py --states "${STATES:-10000}" --out "$OUT" ${STREAM_ARGS:-} 2>&1 \
                | tee "$OUT/stream_bench.txt" | tail -20 ;;
-    capacity) for delay in ${DELAYS:-0}; do
+    capacity) cgroup_cpu "before" > "$OUT/cgroup_cpu.txt"
+             for delay in ${DELAYS:-0}; do
                timeout "${T_CAPACITY:-560}" python3 bench/stream_bench.py --capacity --broker-delay-ms "$delay" \
                  --states "${STATES:-8000}" --out "$OUT" ${CAPACITY_ARGS:-} 2>&1 | tee "$OUT/capacity_delay$delay.txt" | tail -12
-             done ;;
+             done
+             cgroup_cpu "after" >> "$OUT/cgroup_cpu.txt"; cat "$OUT/cgroup_cpu.txt" ;;
     scaleout) timeout "${T_SCALEOUT:-270}" python3 bench/stream_bench.py --workers 2 ${SCALEOUT_ARGS---kill-one} \
                --max-wait-ms 20 --states "${STATES:-20000}" --out "$OUT" 2>&1 | tee "$OUT/scaleout_2.txt" | tail -16 ;;
     workspace) # cuBLAS without a workspace (CUBLAS_WORKSPACE_CONFIG=:0:0, CUBLASLT_WORKSPACE_SIZE=0: no split-K): is
