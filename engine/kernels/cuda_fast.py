@@ -101,6 +101,14 @@ WY_SMALL_LAUNCH: tuple[tuple[int, int], tuple[int, int]] = ((64, 2), (2, 4))
 so few programs, 2 warps a program ran the solve in 18.9 us a layer against 20.9 at 1 warp (H200, batch 1)."""
 WY_FILL_PROGRAMS = 264                  # two programs an SM on the H200's 132
 
+FUSED_WY_SMALL_LAUNCH: tuple[int, int, int] | None = None
+"""Where the solve would start fewer than `WY_FILL_PROGRAMS` programs (batches 1 to 4): None, its two kernels at
+`WY_SMALL_LAUNCH`; or (BK, warps, stages) of one launch doing both, each program solving its chunk and then computing
+its w and u (`engine.kernels.delta_rule_inputs.solve_w_u_into`: the same bits, `tests/engine/kernels/test_delta_rule.py`).
+At batch 1 the w/u kernel is 18 launches of ~5.7 us a step, each behind a ~0.7 us gap (run CI's timeline); one launch
+saves the launches and the gaps. Not yet timed on the GPU, so off; read at each call, for `bench/probes/variant_ab.py`
+(`--variant "one-wy:engine.kernels.cuda_fast.FUSED_WY_SMALL_LAUNCH=(64, 2, 4)"`)."""
+
 
 def _wy_representation(k, v, g, beta):
     """fla's `chunk_gated_delta_rule_fwd_intra` -> (w, u), its two kernels launched at `WY_LAUNCH` (or
@@ -110,9 +118,14 @@ def _wy_representation(k, v, g, beta):
         return w, u
     B, T, _, K = k.shape
     HV = v.shape[2]
-    solve, w_u = WY_LAUNCH if triton.cdiv(T, CHUNK) * B * HV >= WY_FILL_PROGRAMS else WY_SMALL_LAUNCH
+    small = triton.cdiv(T, CHUNK) * B * HV < WY_FILL_PROGRAMS
+    solve, w_u = WY_SMALL_LAUNCH if small else WY_LAUNCH
     # the solve writes A's lower blocks only: fla's w/u kernel reads the whole of A, which must then be zero above
     A = (torch.empty if FUSED_INPUTS else torch.zeros)(B, T, HV, CHUNK, device=k.device, dtype=k.dtype)
+    if small and FUSED_WY_SMALL_LAUNCH is not None and FUSED_INPUTS and MERGED_SOLVE:
+        w, u = k.new_empty(B, T, HV, K), torch.empty_like(v)
+        delta_rule_inputs.solve_w_u_into(w, u, A, k, v, g, beta, CHUNK, FUSED_WY_SMALL_LAUNCH)
+        return w, u
     if MERGED_SOLVE:
         delta_rule_inputs.solve_into(A, k, g, beta, CHUNK, solve)
     else:

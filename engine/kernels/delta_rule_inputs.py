@@ -73,7 +73,14 @@ def decay_and_beta(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bia
 def _w_u_kernel(k, v, beta, w, u, A, g, T, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                 BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PDL: tl.constexpr = False):
     await_previous_kernel(PDL)
-    i_t, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+    _w_u_chunk(k, v, beta, w, u, A, g, T, tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64), H, HV, K, V,
+               BT, BK, BV)
+
+
+@triton.jit
+def _w_u_chunk(k, v, beta, w, u, A, g, T, i_t, i_bh, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+               V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    # chunk i_t of row i_bh // HV's value head i_bh % HV: fla's `recompute_w_u_fwd_kernel`
     i_b, i_h = i_bh // HV, i_bh % HV
     bos = i_b * T
     o_t = i_t * BT + tl.arange(0, BT)
@@ -158,11 +165,32 @@ def _store_block(A, b, row0, col0, m_r, HV: tl.constexpr, BT: tl.constexpr):
 @triton.jit(do_not_specialize=["T"])
 def _solve_kernel(k, g, beta, A, T, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
                   BC: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr = False):
-    # fla's `chunk_gated_delta_rule_fwd_kkt_solve_kernel` (equal-length rows, a decay) with its four forward
-    # substitutions, one per diagonal block, run as one loop: the four chains are independent, so each step's
-    # reductions overlap instead of running 4 x 14 steps one after another (what a chunk's solve waits on at batch 1)
+    await_previous_kernel(PDL)
+    _solve_chunk(k, g, beta, A, T, tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64), H, HV, K, BT, BC, BK,
+                 PRECISION)
+
+
+@triton.jit(do_not_specialize=["T"])
+def _solve_w_u_kernel(k, v, g, beta, A, w, u, T, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                      BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr,
+                      PDL: tl.constexpr = False):
+    # the two kernels' programs for one chunk of one value head, one after the other in one program: the chunk's
+    # solved blocks go to A and are read back by the same program (the barrier makes every thread's stores visible to
+    # all of its threads), so the arithmetic, the roundings and the bits are the two kernels'
     await_previous_kernel(PDL)
     i_t, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+    _solve_chunk(k, g, beta, A, T, i_t, i_bh, H, HV, K, BT, BC, BK, PRECISION)
+    tl.debug_barrier()
+    _w_u_chunk(k, v, beta, w, u, A, g, T, i_t, i_bh, H, HV, K, V, BT, 64, 64)
+
+
+@triton.jit
+def _solve_chunk(k, g, beta, A, T, i_t, i_bh, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
+                 BC: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr):
+    # chunk i_t of row i_bh // HV's value head i_bh % HV: fla's `chunk_gated_delta_rule_fwd_kkt_solve_kernel`
+    # (equal-length rows, a decay) with its four forward substitutions, one per diagonal block, run as one loop: the
+    # four chains are independent, so each step's reductions overlap instead of running 4 x 14 steps one after another
+    # (what a chunk's solve waits on at batch 1)
     i_b, i_h = i_bh // HV, i_bh % HV
     bos = i_b * T
     i_tc0 = i_t * BT
@@ -285,3 +313,16 @@ def solve_into(A: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: torch.Te
         _solve_kernel[(triton.cdiv(T, chunk), B * HV)](k, g, beta, A, T, H=H, HV=HV, K=K, BT=chunk, BC=16,
                                                        BK=launch[0], PRECISION=SOLVE_PRECISION, num_warps=launch[1],
                                                        **pdl_launch())
+
+
+def solve_w_u_into(w: torch.Tensor, u: torch.Tensor, A: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   g: torch.Tensor, beta: torch.Tensor, chunk: int, launch: tuple[int, int, int]) -> None:
+    """`solve_into` then `w_u_into` in one launch of (BK, warps, stages): A [B, T, Hv, chunk] is written as
+    `solve_into` writes it (its scratch: the same program reads it back), w and u as `w_u_into` writes them, with
+    their bits."""
+    B, T, H, K = k.shape
+    HV, V = v.shape[2], v.shape[3]
+    if B * T:
+        _solve_w_u_kernel[(triton.cdiv(T, chunk), B * HV)](k, v, g, beta, A, w, u, T, H=H, HV=HV, K=K, V=V, BT=chunk,
+                                                           BC=16, BK=launch[0], PRECISION=SOLVE_PRECISION,
+                                                           num_warps=launch[1], num_stages=launch[2], **pdl_launch())

@@ -120,6 +120,10 @@ def test_delta_rule_indexed_is_flas_delta_rule_from_the_copied_states(monkeypatc
         other = indexed(fused_output, wy_launch)
         print(f"{name} against fla: max |diff| {(other.float() - want.float()).abs().max():.3g}")
         torch.testing.assert_close(other.float(), want.float(), atol=2e-2, rtol=2e-2)
+    # the small grid's solve and w/u in one launch (240 solve programs here): the bits of the two kernels
+    as_run = indexed(True, cuda_fast.WY_LAUNCH)
+    monkeypatch.setattr(cuda_fast, "FUSED_WY_SMALL_LAUNCH", (64, 2, 4))
+    assert torch.equal(indexed(True, cuda_fast.WY_LAUNCH), as_run)
 
 
 def test_decay_and_beta_are_flas_gate_cumsum_and_sigmoid_in_one_kernel():
@@ -231,6 +235,33 @@ def test_w_u_reads_only_the_lower_triangle_of_the_solved_matrix():
         fla_w, fla_u = torch.empty_like(w), torch.empty_like(u)
         cuda_fast.w_u_into(fla_w, fla_u, k_, v_, beta_, zeroed_, decay_, (4, 3))
         assert torch.equal(w, fla_w) and torch.equal(u, fla_u)
+
+
+@pytest.mark.parametrize("T", [184, 100, 40], ids=["three-chunks", "chunk-cut-short", "one-short-chunk"])
+def test_solve_and_w_u_in_one_launch_give_the_two_kernels_bits(T):
+    """`delta_rule_inputs.solve_w_u_into` (the solve and w/u as one program a chunk) against `solve_into` then
+    `w_u_into` at the suffix pass's launches: the same w, u and lower triangle of A, bit for bit, at each of the one
+    launch's configurations (grouped value heads; 40 tokens: the last diagonal blocks have no token)."""
+    from engine.kernels.delta_rule_inputs import solve_into, solve_w_u_into, w_u_into
+
+    g = torch.Generator().manual_seed(24)
+    B, H, HV, K, V, chunk = 2, 2, 4, 128, 128, 64
+    dtype = torch.float32 if not torch.cuda.is_available() else torch.bfloat16
+    k = torch.nn.functional.normalize(torch.randn(B, T, H, K, generator=g), dim=-1).to(DEV, dtype)
+    v = torch.randn(B, T, HV, V, generator=g).to(DEV, dtype)
+    beta = torch.rand(B, T, HV, generator=g).to(DEV)
+    decay = (-torch.rand(B, T, HV, generator=g).cumsum(1) * 0.05).to(DEV)
+    lower = torch.arange(chunk, device=DEV)[None, :] <= (torch.arange(T, device=DEV) % chunk)[:, None]   # [T, chunk]
+    A = torch.zeros(B, T, HV, chunk, device=DEV, dtype=dtype)
+    solve_into(A, k, decay, beta, chunk, (64, 2))
+    w, u = torch.empty(B, T, HV, K, device=DEV, dtype=dtype), torch.empty(B, T, HV, V, device=DEV, dtype=dtype)
+    w_u_into(w, u, k, v, beta, A, decay, chunk, (2, 4))
+    for launch in ((64, 2, 4), (64, 1, 3), (64, 4, 3)):      # BK as the solve's: it splits K K^T's sums
+        A1 = torch.full_like(A, float("nan"))          # above the diagonal the one launch leaves A as it found it
+        w1, u1 = torch.empty_like(w), torch.empty_like(u)
+        solve_w_u_into(w1, u1, A1, k, v, decay, beta, chunk, launch)
+        assert torch.equal(w1, w) and torch.equal(u1, u), launch
+        assert torch.equal(A1.masked_fill(~lower[None, :, None, :], 0), A.masked_fill(~lower[None, :, None, :], 0))
 
 
 @pytest.mark.parametrize("rows", [1, 8], ids=["small-grid", "large-grid"])
