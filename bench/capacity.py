@@ -98,7 +98,7 @@ def _sample_summary(window: dict) -> dict:
     """A window's figures for the capacity JSON: its latencies, the worker's view of it, without the per-cycle lists."""
     keep = ("offered_states_per_s", "states", "measured_visible", "p50_ms", "p99_ms", "max_ms", "over_budget",
             "worker0_cycles_over_budget", "worker0_cycles", "worker0_plans", "worker0_timelines", "worker0_pipeline",
-            "worker0_stage_means", "p50_to_scored_ms", "p50_scored_to_visible_ms", "tail_causes")
+            "worker0_stage_means", "p50_to_scored_ms", "p50_scored_to_visible_ms", "tail_causes", "cpu_throttled")
     return {k: window[k] for k in keep if k in window}
 
 
@@ -122,9 +122,11 @@ def budget_curve(args, bootstrap: str, model_dir, schema_file, texts, logs, budg
                          tail_causes=tail_causes.merged([s["tail_causes"] for s in samples if "tail_causes" in s]),
                          samples=samples)
             points.append(point)
+            throttled = ", ".join(f"{t['throttled_ms']:.0f} ms in {t['throttled_periods']}" for t in
+                                  (s["cpu_throttled"] for s in samples if s.get("cpu_throttled")))
             print(f"budget {budget_ms} ms, load {load:.0%} ({load * full_rate:,.0f}/s): p99 "
-                  f"{', '.join(f'{p:.1f}' for p in point['p99_ms'])} ms -> {'holds' if point['held'] else 'does not hold'}",
-                  flush=True)
+                  f"{', '.join(f'{p:.1f}' for p in point['p99_ms'])} ms -> {'holds' if point['held'] else 'does not hold'}"
+                  + (f" (the CPU quota throttled {throttled} periods)" if throttled else ""), flush=True)
             if not point["held"]:
                 break
         time.sleep(1.0)   # a duplicate would be visible by now

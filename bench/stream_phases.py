@@ -23,7 +23,7 @@ from confluent_kafka import OFFSET_BEGINNING, KafkaError, TopicPartition
 from prometheus_client.parser import text_string_to_metric_families
 
 import schemas
-from bench import gil_profile, tail_causes
+from bench import cgroup_cpu, gil_profile, tail_causes
 from bench.stream_windows import (all_workers_window, budget_plan_errors, cycle_timelines, gpu_pipeline,
                                   held_partitions, read_log_events)
 from worker.cli.commands import put_schema
@@ -337,11 +337,14 @@ def latency_window(args, stream: Stream, reader: Reader, texts: list[str], rate:
     ids = [f"{tag}-{i}" for i in range(n)]
     start_seen = len(reader.visible)
     before = stream.worker_stage_totals(0)
+    throttled_before = cgroup_cpu.throttling()
     measured_from = time.time() + args.latency_warmup_seconds
     gil = GilSampler(stream, args) if gil_profile else None
     produce(stream.bootstrap, stream.topics.states, steady + ids, [texts[i % len(texts)] for i in range(len(steady) + n)],
             rate=rate)
     reader.wait_for(start_seen + len(steady) + n, 120)
+    # the whole window, warm-up included: the counters are the container's, read from here
+    throttled = cgroup_cpu.throttled_between(throttled_before, cgroup_cpu.throttling())
     stages = stage_means(before, stream.worker_stage_totals(0))
     measured = [(1000 * t, sid, ev) for t, sid, ev in reader.visible[start_seen:] if ev is not None
                 and sid.startswith(f"{tag}-")]
@@ -363,7 +366,8 @@ def latency_window(args, stream: Stream, reader: Reader, texts: list[str], rate:
     return dict(offered_states_per_s=rate, states=n, measured_visible=len(lat), unmeasured_warmup_states=len(steady),
                 p50_ms=statistics.median(lat), p99_ms=lat[int(0.99 * (len(lat) - 1))], max_ms=lat[-1], **budget,
                 over_target=sum(t > stream.max_wait_ms + 30 for t in lat), p50_to_scored_ms=statistics.median(to_scored),
-                p50_scored_to_visible_ms=statistics.median(to_visible), worker0_stage_means=stages, ids=steady + ids)
+                p50_scored_to_visible_ms=statistics.median(to_visible), worker0_stage_means=stages,
+                **({"cpu_throttled": throttled} if throttled is not None else {}), ids=steady + ids)
 
 
 def window_tail(events: list[list[dict]], reader: Reader, start_seen: int, tag: str, budget_ms: float,

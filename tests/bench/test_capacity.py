@@ -2,6 +2,7 @@
 through the latency proxy, exactly once."""
 import json
 
+from bench import cgroup_cpu
 from bench.capacity import capacity_of, holds, loads_from, plot
 from tests.brokers import bench_broker_args
 
@@ -51,5 +52,9 @@ def test_quick_capacity_run_through_a_slower_broker_is_exactly_once(tmp_path):
         assert point["held"] == all(holds(s, 5000) for s in point["samples"])
         for sample in point["samples"]:
             assert 0 < sample["p50_ms"] <= sample["p99_ms"] and sample["measured_visible"] > 0
+            # what the container's CPU quota throttled in the window, where this machine's cgroup says
+            if cgroup_cpu.throttling() is not None:
+                assert set(sample["cpu_throttled"]) == {"periods", "throttled_periods", "throttled_ms"}
+                assert sample["cpu_throttled"]["throttled_ms"] >= 0
     json.dumps(result)  # what --capacity writes on a GPU
     assert plot(result, tmp_path / "capacity.png").stat().st_size > 1000
