@@ -10,6 +10,9 @@
   matrix A. fla's K K^T + solve kernel writes A's lower blocks only, so fla zero-fills A first (one more kernel a
   layer, and at batch 128 a 48 MB write); here the blocks above the diagonal are masked on load instead, so A can be
   left unwritten there.
+- `solve_w_u_into`: the two in one launch, each program solving its chunk and then computing its w and u from the
+  blocks it just wrote (the same jit bodies, so the same bits), for grids too small for the launch gap between two
+  kernels to hide (`engine.kernels.cuda_fast.FUSED_WY_SMALL_LAUNCH`).
 
 The arithmetic is fla's, in fla's order: the sigmoid, fla's `softplus` and `exp`, the same scan over a chunk's 64 decays
 at fla's pinned launch (1 warp: the scan's tree follows the warps), the same dots and reductions. On the GPU the suffix
