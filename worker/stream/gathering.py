@@ -92,33 +92,70 @@ class CostLine:
 
 
 @dataclass
+class CommitWindow:
+    """The cycles committed in the last ``window_s`` seconds, with the sums of their scored states and of their misses
+    (cycles visible later than the budget) over the window: kept as cycles come and go, because a sum over the window at
+    every commit grew with the cycle rate (a tight budget's window holds thousands of small cycles). Shared by
+    `RecentRate` and `worker.stream.latency_budget.Overload`."""
+
+    window_s: float
+    states: int = 0
+    missed: int = 0
+    _cycles: deque = field(default_factory=deque)   # (committed at, states, missed)
+
+    def add(self, at: float, n_states: int, missed: bool = False) -> None:
+        """A cycle committed at ``at``; cycles older than the window leave it."""
+        self._cycles.append((at, n_states, missed))
+        self.states += n_states
+        self.missed += missed
+        while self._cycles[0][0] < at - self.window_s:
+            _, gone_states, gone_missed = self._cycles.popleft()
+            self.states -= gone_states
+            self.missed -= gone_missed
+
+    def __len__(self) -> int:
+        return len(self._cycles)
+
+    def oldest_at(self) -> float:
+        """When the window's oldest cycle committed (it must hold one)."""
+        return self._cycles[0][0]
+
+    def span(self) -> float:
+        """Seconds from the window's oldest commit to its newest (0 before two)."""
+        return self._cycles[-1][0] - self._cycles[0][0] if len(self._cycles) > 1 else 0.0
+
+    def states_per_second(self) -> float:
+        """Scored states a second over the span (0 before two cycles): the oldest cycle's states came before it."""
+        span = self.span()
+        return (self.states - self._cycles[0][1]) / span if span > 0 else 0.0
+
+    def clear(self) -> None:
+        self._cycles.clear()
+        self.states = self.missed = 0
+
+
+@dataclass
 class RecentRate:
     """States a second committed over the last RATE_WINDOW_S (None until the window holds enough to say)."""
 
     window_s: float = RATE_WINDOW_S
     min_cycles: int = 8
-    _cycles: deque = field(default_factory=deque)   # (committed at, states)
-    # the states in ``_cycles``, kept as they come and go: a sum over the window at every commit grew with the cycle
-    # rate (the window holds thousands of small cycles under a tight budget)
-    _states: int = 0
+    _window: CommitWindow = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._window = CommitWindow(self.window_s)
 
     def add(self, at: float, n_states: int) -> None:
-        self._cycles.append((at, n_states))
-        self._states += n_states
-        while self._cycles[0][0] < at - self.window_s:
-            self._states -= self._cycles.popleft()[1]
+        self._window.add(at, n_states)
 
     def per_second(self) -> float | None:
-        if len(self._cycles) < self.min_cycles:
+        window = self._window
+        if len(window) < self.min_cycles or window.span() < self.window_s / 4:
             return None
-        span = self._cycles[-1][0] - self._cycles[0][0]
-        if span < self.window_s / 4:
-            return None
-        return (self._states - self._cycles[0][1]) / span   # the first cycle's states came before the span
+        return window.states_per_second()
 
     def forget(self) -> None:
-        self._cycles.clear()
-        self._states = 0
+        self._window.clear()
 
 
 def gather_window(rate: float | None, engine: CostLine | None, commit: CostLine | None, budget_s: float,

@@ -43,13 +43,12 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
 from worker.ops import metrics
 from worker.stream.batcher import Cycle
-from worker.stream.gathering import CostLine, RecentRate, gather_window
+from worker.stream.gathering import CommitWindow, CostLine, RecentRate, gather_window
 
 log = logging.getLogger(__name__)
 
@@ -247,29 +246,25 @@ class Overload:
     share: float = 0.05
     min_cycles: int = 20
     overloaded: bool = False
-    _cycles: deque = field(default_factory=deque)   # (committed_at, scored states, missed)
-    # the states and the misses in ``_cycles``, kept as cycles come and go (a sum over the window at every commit
-    # grew with the cycle rate: thousands of small cycles under a tight budget)
-    _states: int = 0
-    _missed: int = 0
+    _window: CommitWindow = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._window = CommitWindow(self.window_s)
 
     def add(self, committed_at: float, n_states: int, missed: bool) -> str | None:
         """One committed cycle; -> a message if the budget stopped or started holding with it."""
-        self._cycles.append((committed_at, n_states, missed))
-        self._states, self._missed = self._states + n_states, self._missed + missed
-        while self._cycles and self._cycles[0][0] < committed_at - self.window_s:
-            _, gone_states, gone_missed = self._cycles.popleft()
-            self._states, self._missed = self._states - gone_states, self._missed - gone_missed
-        if len(self._cycles) < self.min_cycles or committed_at - self._cycles[0][0] < self.window_s / 2:
+        window = self._window
+        window.add(committed_at, n_states, missed)
+        if len(window) < self.min_cycles or committed_at - window.oldest_at() < self.window_s / 2:
             return None
-        missed_share = self._missed / len(self._cycles)
+        missed_share = window.missed / len(window)
         if self.overloaded == (missed_share > (self.share / 2 if self.overloaded else self.share)):
             return None
         self.overloaded = not self.overloaded
-        rate, batch = self.rate(), self._states / len(self._cycles)
+        rate, batch = self.rate(), window.states / len(window)
         if self.overloaded:
             return (f"latency budget {self.budget_ms:g} ms does not hold at this load: {missed_share:.0%} of the "
-                    f"{len(self._cycles)} cycles committed in the last {self.window_s:g} s were visible later than it, "
+                    f"{len(window)} cycles committed in the last {self.window_s:g} s were visible later than it, "
                     f"at {rate:,.0f} states/s (batches of {batch:.1f} on average); this worker cannot score that rate "
                     "within the budget: add workers (GPUs) to the group, or raise --latency-budget-ms")
         return (f"latency budget {self.budget_ms:g} ms holds again: {missed_share:.0%} of the last {self.window_s:g} "
@@ -277,13 +272,11 @@ class Overload:
 
     def rate(self) -> float:
         """States scored per second over the window (0 before two cycles)."""
-        span = self._cycles[-1][0] - self._cycles[0][0] if len(self._cycles) > 1 else 0.0
-        return (self._states - self._cycles[0][1]) / span if span > 0 else 0.0   # the first's states came before the span
+        return self._window.states_per_second()
 
     def forget(self) -> None:
         """Uncommitted work was dropped: the window starts again (the cycles after a rewind are a backlog)."""
-        self._cycles.clear()
-        self._states = self._missed = 0
+        self._window.clear()
 
 
 def scored_states(cycle: Cycle) -> int:

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from worker.stream.gathering import GATHER_SHARE, UTILISATION, CostLine, RecentRate, gather_window
+from worker.stream.gathering import GATHER_SHARE, UTILISATION, CommitWindow, CostLine, RecentRate, gather_window
 from worker.stream.latency_budget import CycleTimes, LatencyBudget
 
 # the H200's shape of issue 46: a cycle's GPU time 2.3 ms + 0.45 ms a state, a transaction 2.2 ms, launch lead 1.5 ms
@@ -86,6 +86,19 @@ def test_the_rate_is_what_the_last_seconds_committed():
     assert rate.per_second() is None
     rate.forget()
     assert rate.per_second() is None
+
+
+def test_the_commit_window_keeps_the_sums_of_the_cycles_still_in_it():
+    window = CommitWindow(1.0)
+    for k, (states, missed) in enumerate([(4, False), (6, True), (2, False), (8, True)]):
+        window.add(k * 0.4, states, missed)            # at 0, 0.4, 0.8, 1.2: the first leaves with the last
+    assert (len(window), window.states, window.missed, window.oldest_at()) == (3, 16, 2, 0.4)
+    assert window.span() == pytest.approx(0.8)
+    assert window.states_per_second() == pytest.approx((16 - 6) / 0.8)   # the oldest's states came before the span
+    window.add(5.0, 3)
+    assert (len(window), window.states, window.missed, window.span(), window.states_per_second()) == (1, 3, 0, 0.0, 0.0)
+    window.clear()
+    assert (len(window), window.states, window.missed) == (0, 0, 0)
 
 
 def _learned(budget_s: float, rate: float, seconds: float = 3.0, seed: int = 0) -> LatencyBudget:
