@@ -21,12 +21,9 @@ set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 steps=${*:-tests engine stream}
 
-cgroup_cpu() {  # the CPU quota this machine's processes run under, and how often it throttled them (cgroup v2 or v1)
-  echo "== $1 $(date +%T): $(nproc) CPUs usable"
-  for f in /sys/fs/cgroup/cpu.max /sys/fs/cgroup/cpu.stat /sys/fs/cgroup/cpu/cpu.cfs_quota_us \
-           /sys/fs/cgroup/cpu/cpu.cfs_period_us /sys/fs/cgroup/cpu/cpu.stat; do
-    [ -r "$f" ] && echo "$f: $(tr '\n' ' ' < "$f")"
-  done
+cgroup_cpu() {  # the CPU quota this machine's processes run under, and how often it throttled them (bench/cgroup_cpu.py)
+  python3 -c "import json, os, sys; from bench import cgroup_cpu as c; print(sys.argv[1], json.dumps(dict(
+    cpus=os.cpu_count(), quota_cpus=c.quota_cpus(), throttling=c.throttling())))" "$1 $(date +%T)"
 }
 for step in $steps; do
   echo "=== $step $(date +%T)"

@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -45,7 +46,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench import capacity  # noqa: E402
+from bench import capacity, cgroup_cpu  # noqa: E402
 from bench.replay_phase import replay_phase  # noqa: E402
 from bench.stream_phases import latency_phase, throughput_phase  # noqa: E402
 from bench.workload import QWEN35_08B, questions, states  # noqa: E402
@@ -189,7 +190,8 @@ def main(argv=None) -> dict:
                gpu=torch.cuda.get_device_name(0) if args.device.startswith("cuda") else "cpu",
                broker=args.broker, workers=args.workers, gpus=args.gpus, partitions=args.partitions, max_batch=args.max_batch,
                state_tokens=args.state_tokens, questions=args.questions, options=args.options,
-               model="tiny (engine.testing)" if args.quick else "Qwen3.5-0.8B-shaped random weights, test tokenizer")
+               model="tiny (engine.testing)" if args.quick else "Qwen3.5-0.8B-shaped random weights, test tokenizer",
+               cpus=os.cpu_count(), cpu_quota_cpus=cgroup_cpu.quota_cpus())
     print(json.dumps(env), flush=True)
     if args.scale_out:
         from bench.scale_out import bench_runs

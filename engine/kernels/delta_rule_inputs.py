@@ -72,6 +72,11 @@ def decay_and_beta(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bia
     return g, beta
 
 
+W_U_BLOCK = 64
+"""Key and value columns a w/u program computes at a time (fla's `recompute_w_u_fwd` block), in `w_u_into` and in
+`solve_w_u_into` alike."""
+
+
 @triton.jit(do_not_specialize=["T"])
 def _w_u_kernel(k, v, beta, w, u, A, g, T, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                 BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PDL: tl.constexpr = False):
@@ -125,8 +130,9 @@ def w_u_into(w: torch.Tensor, u: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     B, T, H, K = k.shape
     HV, V = v.shape[2], v.shape[3]
     if B * T:
-        _w_u_kernel[(triton.cdiv(T, chunk), B * HV)](k, v, beta, w, u, A, g, T, H=H, HV=HV, K=K, V=V, BT=chunk, BK=64,
-                                                     BV=64, num_warps=launch[0], num_stages=launch[1], **pdl_launch())
+        _w_u_kernel[(triton.cdiv(T, chunk), B * HV)](k, v, beta, w, u, A, g, T, H=H, HV=HV, K=K, V=V, BT=chunk,
+                                                     BK=W_U_BLOCK, BV=W_U_BLOCK, num_warps=launch[0], num_stages=launch[1],
+                                                     **pdl_launch())
 
 
 @triton.jit
@@ -176,7 +182,7 @@ def _solve_kernel(k, g, beta, A, T, H: tl.constexpr, HV: tl.constexpr, K: tl.con
 @triton.jit(do_not_specialize=["T"])
 def _solve_w_u_kernel(k, v, g, beta, A, w, u, T, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                       BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr,
-                      PDL: tl.constexpr = False):
+                      W_U_BK: tl.constexpr, PDL: tl.constexpr = False):
     # the two kernels' programs for one chunk of one value head, one after the other in one program: the chunk's
     # solved blocks go to A and are read back by the same program (the barrier makes every thread's stores visible to
     # all of its threads), so the arithmetic, the roundings and the bits are the two kernels'
@@ -184,7 +190,7 @@ def _solve_w_u_kernel(k, v, g, beta, A, w, u, T, H: tl.constexpr, HV: tl.constex
     i_t, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     _solve_chunk(k, g, beta, A, T, i_t, i_bh, H, HV, K, BT, BC, BK, PRECISION)
     tl.debug_barrier()
-    _w_u_chunk(k, v, beta, w, u, A, g, T, i_t, i_bh, H, HV, K, V, BT, 64, 64)
+    _w_u_chunk(k, v, beta, w, u, A, g, T, i_t, i_bh, H, HV, K, V, BT, W_U_BK, W_U_BK)
 
 
 @triton.jit
@@ -328,4 +334,5 @@ def solve_w_u_into(w: torch.Tensor, u: torch.Tensor, A: torch.Tensor, k: torch.T
     if B * T:
         _solve_w_u_kernel[(triton.cdiv(T, chunk), B * HV)](k, v, g, beta, A, w, u, T, H=H, HV=HV, K=K, V=V, BT=chunk,
                                                            BC=16, BK=launch[0], PRECISION=SOLVE_PRECISION,
-                                                           num_warps=launch[1], num_stages=launch[2], **pdl_launch())
+                                                           W_U_BK=W_U_BLOCK, num_warps=launch[1], num_stages=launch[2],
+                                                           **pdl_launch())
