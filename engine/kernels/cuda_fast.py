@@ -101,13 +101,16 @@ WY_SMALL_LAUNCH: tuple[tuple[int, int], tuple[int, int]] = ((64, 2), (2, 4))
 so few programs, 2 warps a program ran the solve in 18.9 us a layer against 20.9 at 1 warp (H200, batch 1)."""
 WY_FILL_PROGRAMS = 264                  # two programs an SM on the H200's 132
 
-FUSED_WY_SMALL_LAUNCH: tuple[int, int, int] | None = None
+FUSED_WY_SMALL_LAUNCH: tuple[int, int, int] | None = (64, 2, 4)
 """Where the solve would start fewer than `WY_FILL_PROGRAMS` programs (batches 1 to 4): None, its two kernels at
 `WY_SMALL_LAUNCH`; or (BK, warps, stages) of one launch doing both, each program solving its chunk and then computing
 its w and u (`engine.kernels.delta_rule_inputs.solve_w_u_into`: the same bits, `tests/engine/kernels/test_delta_rule.py`).
 At batch 1 the w/u kernel is 18 launches of ~5.7 us a step, each behind a ~0.7 us gap (run CI's timeline); one launch
-saves the launches and the gaps. Not yet timed on the GPU, so off; read at each call, for `bench/probes/variant_ab.py`
-(`--variant "one-wy:engine.kernels.cuda_fast.FUSED_WY_SMALL_LAUNCH=(64, 2, 4)"`)."""
+saves the launches and the gaps. Run CX (H100, `bench/probes/variant_ab.py`, one process, 4 rounds, rounds' spread
+<= 0.013 ms, bits equal): batch 1 2.310 -> 2.244 ms at 2 warps (2.217 at 4), batch 2 2.598 -> 2.530 (2.511), batch 4
+3.395 -> 3.332 (3.389: 4 warps lose their gain where the grid is 192 programs), batch 8 unchanged (not small). 2 warps
+win at each small batch, so they are the default. Read at each call, for `bench/probes/variant_ab.py`
+(`--variant "two-kernels:engine.kernels.cuda_fast.FUSED_WY_SMALL_LAUNCH=None"`)."""
 
 
 def _wy_representation(k, v, g, beta):
