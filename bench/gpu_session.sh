@@ -56,7 +56,10 @@ for step in $steps; do
                timeout "${T_CAPACITY:-560}" python3 bench/stream_bench.py --capacity --broker-delay-ms "$delay" \
                  --states "${STATES:-8000}" --out "$OUT" ${CAPACITY_ARGS:-} 2>&1 | tee "$OUT/capacity_delay$delay.txt" | tail -12
              done
-             cgroup_cpu "after" >> "$OUT/cgroup_cpu.txt"; cat "$OUT/cgroup_cpu.txt" ;;
+             cgroup_cpu "after" >> "$OUT/cgroup_cpu.txt"; cat "$OUT/cgroup_cpu.txt"
+             # the workers' and brokers' logs as one archive a run: the device returns at most 8 files of 16 MiB
+             for logs in "$OUT"/*.logs; do [ -d "$logs" ] && tar -C "$OUT" -cJf "$logs.tar.xz" "${logs##*/}" && rm -rf "$logs"
+             done ;;
     scaleout) timeout "${T_SCALEOUT:-270}" python3 bench/stream_bench.py --workers 2 ${SCALEOUT_ARGS---kill-one} \
                --max-wait-ms 20 --states "${STATES:-20000}" --out "$OUT" 2>&1 | tee "$OUT/scaleout_2.txt" | tail -16 ;;
     workspace) # cuBLAS without a workspace (CUBLAS_WORKSPACE_CONFIG=:0:0, CUBLASLT_WORKSPACE_SIZE=0: no split-K): is
