@@ -46,6 +46,16 @@ class Costs:
     collect_ms: float = 0.3
     commit_ms: float = 2.27
     poll_ms: float = 5.0     # the loop's wait for messages while a cycle is in flight (its scores end it sooner)
+    batch_ms: tuple[tuple[int, float], ...] = ()  # measured (rows, ms) points: the GPU's time between them, instead
+
+    def gpu_ms(self, rows: int) -> float:
+        """A batch of ``rows`` (padded) rows on the modelled GPU: the line, or the measured points' broken line (an
+        engine whose time per state stops falling past some batch, as the H100's does past 32: run CV)."""
+        if not self.batch_ms:
+            return self.batch_fixed_ms + self.per_row_ms * rows
+        points = sorted(self.batch_ms)
+        (n0, t0), (n1, t1) = next(((a, b) for a, b in zip(points, points[1:]) if rows <= b[0]), points[-2:])
+        return t0 + (t1 - t0) * (rows - n0) / (n1 - n0)
 
 
 @dataclass
@@ -58,16 +68,16 @@ class _Cycle:
 
 
 def simulate(rate: float, budget_ms: float, costs: Costs, seconds: float = 20.0, max_batch: int = 128,
-             tick_ms: float = 0.25, seed: int = 1, launch_lead: bool = True) -> dict:
+             tick_ms: float = 0.25, seed: int = 1, launch_lead: bool = True, cap: bool = False) -> dict:
     """One run of the model -> p50/p99 of timestamp -> visible (ms, after the first fifth), the share of states over
     the budget, and the mean batch. ``launch_lead=False``: the planner is not told when batches reach the device (as
-    before it learned the launch lead)."""
+    before it learned the launch lead); ``cap``: the planner caps a cycle (``--batch-cap knee``)."""
     rnd = random.Random(seed)
     arrivals, t = [], 0.0
     while t < seconds * 1000:
         t += rnd.expovariate(rate / 1000)
         arrivals.append((t, t + rnd.uniform(*costs.kafka_ms)))
-    planner = LatencyBudget(budget_ms / 1000, budget_ms / 1000)
+    planner = LatencyBudget(budget_ms / 1000, budget_ms / 1000, cap_queues=cap)
     latencies, batches = [], []
     inflight: list[_Cycle] = []
     open_states: list[float] = []
@@ -92,7 +102,8 @@ def simulate(rate: float, budget_ms: float, costs: Costs, seconds: float = 20.0,
         # the loop's wait ends on a message while nothing is in flight, else on the oldest cycle's scores
         if now < next_wake and not scored and not (consumable and not inflight):
             continue
-        while i < len(arrivals) and arrivals[i][1] <= now and len(open_states) < max_batch:
+        limit = min(max_batch, planner.batch_cap)
+        while i < len(arrivals) and arrivals[i][1] <= now and len(open_states) < limit:
             open_states.append(arrivals[i][0])
             i += 1
         if scored:
@@ -103,10 +114,10 @@ def simulate(rate: float, budget_ms: float, costs: Costs, seconds: float = 20.0,
         if open_states:
             first, n = min(open_states), len(open_states)
             close_at = planner.close_by(now / 1000, first / 1000, gpu_busy) * 1000
-            if n >= max_batch or now >= close_at or i >= len(arrivals):
+            if n >= limit or now >= close_at or i >= len(arrivals):
                 planner.submitted(now / 1000, n, gpu_busy)
                 launched = now + costs.launch_ms
-                gpu_free = max(launched, gpu_free) + costs.batch_fixed_ms + costs.per_row_ms * bucket(n, B_BUCKETS)
+                gpu_free = max(launched, gpu_free) + costs.gpu_ms(bucket(n, B_BUCKETS))
                 inflight.append(_Cycle(first, now, launched, gpu_free + costs.collect_ms, open_states))
                 batches.append(n)
                 open_states, busy_until = [], launched
@@ -128,15 +139,20 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--seconds", type=float, default=20.0, help="modelled seconds of traffic")
     ap.add_argument("--quick", action="store_true", help="2 modelled seconds (a test)")
     ap.add_argument("--no-launch-lead", action="store_true", help="the planner without its learned launch lead")
+    ap.add_argument("--batch-cap", choices=("off", "knee"), default="off", help="the worker's --batch-cap")
     defaults = Costs()
     for name in ("batch_fixed_ms", "per_row_ms", "launch_ms", "collect_ms", "commit_ms", "poll_ms"):
         ap.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(defaults, name))
     ap.add_argument("--kafka-ms", default="0.5,2", help="min,max ms from a record's timestamp to consumable")
+    ap.add_argument("--batch-ms", default="", help="rows:ms,... measured batch times (e.g. the H100's, run CV: "
+                    "1:2.41,8:5.4,32:16.2,128:63.5), joined by straight lines, instead of the fixed and per-row costs")
     args = ap.parse_args(argv)
+    batch_ms = tuple((int(n), float(ms)) for n, ms in (p.split(":") for p in args.batch_ms.split(",") if p))
     costs = Costs(args.batch_fixed_ms, args.per_row_ms, tuple(float(x) for x in args.kafka_ms.split(",")),
-                  args.launch_ms, args.collect_ms, args.commit_ms, args.poll_ms)
+                  args.launch_ms, args.collect_ms, args.commit_ms, args.poll_ms, batch_ms)
     seconds = 2.0 if args.quick else args.seconds
-    results = [simulate(args.rate, float(b), costs, seconds, launch_lead=not args.no_launch_lead)
+    results = [simulate(args.rate, float(b), costs, seconds, launch_lead=not args.no_launch_lead,
+                        cap=args.batch_cap == "knee")
                for b in args.budgets.split(",")]
     for result in results:
         print(json.dumps(result), flush=True)

@@ -1,4 +1,6 @@
 """The latency-budget model runs the worker's real planner; its --quick run keeps it runnable."""
+import pytest
+
 from bench.probes.budget_model import Costs, main, simulate
 
 
@@ -16,3 +18,10 @@ def test_batches_follow_the_load_not_the_budget_and_a_costlier_gpu_is_slower():
     assert busier["mean_batch"] > 2 * tight["mean_batch"]       # states that arrive while a batch runs join the next
     slow = simulate(300, 50, Costs(batch_fixed_ms=20.0), seconds=3)
     assert slow["p50_ms"] > tight["p50_ms"]
+
+
+def test_measured_batch_times_are_joined_by_straight_lines():
+    h100 = Costs(batch_ms=((1, 2.41), (8, 5.4), (32, 16.2), (128, 63.5)))
+    assert h100.gpu_ms(8) == 5.4 and h100.gpu_ms(20) == 5.4 + (16.2 - 5.4) * 12 / 24
+    assert h100.gpu_ms(128) == pytest.approx(63.5)
+    assert Costs().gpu_ms(10) == Costs().batch_fixed_ms + 10 * Costs().per_row_ms   # no points: the line
