@@ -48,7 +48,7 @@ from typing import Callable
 
 from worker.ops import metrics
 from worker.stream.batcher import Cycle
-from worker.stream.gathering import CommitWindow, CostLine, RecentRate, gather_window
+from worker.stream.gathering import CommitWindow, CostLine, RecentRate, batch_cap, gather_window
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +131,10 @@ class BucketedEstimates:
             return pick(self.by_bucket[nearest]) * key / nearest
         return None
 
+    def states_per_second(self) -> dict[int, float]:
+        """Each measured bucket's states a second: its smoothed mean states over its smoothed mean duration."""
+        return {b: self.sizes[b] / e.mean for b, e in self.by_bucket.items() if e.mean > 0}
+
     def values(self) -> dict[int, float]:
         """The estimate of every measured bucket (for the metrics)."""
         return {b: e.value for b, e in sorted(self.by_bucket.items())}
@@ -171,10 +175,12 @@ class CycleTimes:
 class LatencyBudget:
     """The budget's state in a running worker: the estimates, learned from every committed cycle, and the misses."""
 
-    def __init__(self, budget_s: float, max_wait_s: float, max_batch: int = 128) -> None:
+    def __init__(self, budget_s: float, max_wait_s: float, max_batch: int = 128, cap_queues: bool = False) -> None:
         self.budget_s, self.max_wait_s, self.max_batch = budget_s, max_wait_s, max_batch
+        self.cap_queues = cap_queues    # --batch-cap knee: ``batch_cap`` below --max-batch where it measured no gain
         self.rate = RecentRate()        # states/s committed lately: the load the gathering window serves
         self.gather_s = 0.0             # the gathering window (``worker.stream.gathering``), after every commit
+        self.batch_cap = max_batch      # the most states a cycle takes (``worker.stream.gathering.batch_cap``)
         self.engine = BucketedEstimates()
         self.commit = BucketedEstimates()
         self.launch_lead: RunningEstimate | None = None  # from closing a cycle to its batch queued on the device
@@ -217,8 +223,11 @@ class LatencyBudget:
         self.commit.add(times.n_states, max(0.0, times.committed_at - started_commit))
         self._last_scored_at, self._last_committed_at = times.scored_at, times.committed_at
         self.rate.add(times.committed_at, times.n_states)
-        self.gather_s = gather_window(self.rate.per_second(), self.engine.line(), self.commit.line(), self.budget_s,
-                                      self._lead(), self.max_batch)
+        rate = self.rate.per_second()
+        self.gather_s = gather_window(rate, self.engine.line(), self.commit.line(), self.budget_s, self._lead(),
+                                      self.max_batch)
+        if self.cap_queues:
+            self.batch_cap = batch_cap(self.engine.states_per_second(), self.rate.mean_batch(), self.max_batch)
         missed = times.committed_at - times.first_arrival > self.budget_s
         self.misses += missed
         return missed
@@ -229,6 +238,7 @@ class LatencyBudget:
         self._gpu_free_at = None
         self.rate.forget()
         self.gather_s = 0.0
+        self.batch_cap = self.max_batch
 
 
 @dataclass
@@ -291,9 +301,10 @@ class CycleBudget:
     ``gpu_busy`` says whether a submitted cycle is still being scored (the loop's cycles in flight)."""
 
     def __init__(self, budget_ms: int | None, max_wait_s: float, gpu_busy: Callable[[], bool],
-                 max_batch: int = 128) -> None:
+                 max_batch: int = 128, cap_queues: bool = False) -> None:
         self.budget_ms = budget_ms
-        self.state = LatencyBudget(budget_ms / 1000, max_wait_s, max_batch) if budget_ms is not None else None
+        self.state = (LatencyBudget(budget_ms / 1000, max_wait_s, max_batch, cap_queues) if budget_ms is not None
+                      else None)
         self.overload = Overload(budget_ms) if budget_ms is not None else None
         self._gpu_busy = gpu_busy
 
@@ -326,6 +337,11 @@ class CycleBudget:
             return None
         return self.state.close_by(now, cycle.arrived_at, self._gpu_busy())
 
+    def max_batch(self, max_batch: int) -> int:
+        """The most states the open cycle takes: ``max_batch`` (--max-batch), or below it under the budget where a
+        larger batch would score no faster than the load needs (``worker.stream.gathering.batch_cap``)."""
+        return max_batch if self.state is None else min(max_batch, self.state.batch_cap)
+
     def due(self, now: float, cycle: Cycle) -> bool:
         """Whether the budget closes the open ``cycle`` now."""
         close = self.close_by(now, cycle)
@@ -350,6 +366,7 @@ class CycleBudget:
         metrics.observe_budget(self.state.engine.values(), self.state.commit.values(), missed)
         verdict = self.overload.add(now, n_states, missed)
         metrics.ARRIVAL_STATES_PER_SECOND.set(self.overload.rate())
+        metrics.BATCH_CAP_STATES.set(self.state.batch_cap)
         if verdict is not None:
             metrics.LATENCY_BUDGET_OVERLOADED.set(int(self.overload.overloaded))
             (log.warning if self.overload.overloaded else log.info)("%s", verdict)
