@@ -12,10 +12,11 @@ worker does, and counting from its timestamp would find its --max-wait-ms alread
 The budget is a deadline first: a cycle closes at once when the GPU is idle and, when a cycle is in flight, when
 that one is expected to finish less the time a closed cycle takes to be queued on the device (the *launch lead*), so
 that its batch is queued behind the one in flight. States that arrive while a batch runs make the next batch: the
-queue sets the batch size, which grows with the load up to --max-batch. But not before its *gathering window* after
-its first state (``worker.stream.gathering``): 0 at a light load; when the load needs larger batches than closing at
-once makes (every cycle pays a fixed cost on the GPU, on the host and in its transaction), as long as the budget
-allows, so that a larger budget holds a higher load. Gathering up to the latest close that still meets the cycle's
+queue sets the batch size, which grows with the load up to --max-batch (or, with ``--batch-cap knee``, up to the
+batch beyond which larger ones were measured to score no faster: ``worker.stream.gathering.batch_cap``). But not
+before its *gathering window* after its first state (``worker.stream.gathering``): 0 at a light load; when the load
+needs larger batches than closing at once makes (every cycle pays a fixed cost on the GPU, on the host and in its
+transaction), as long as the budget allows, so that a larger budget holds a higher load. Gathering up to the latest close that still meets the cycle's
 own deadline, at any load, was tried first (runs P and R in bench/README.md): each cycle's larger batch held the GPU
 past the next cycle's deadline, and at 50 ms and half load every cycle closed already late.
 ``bench/probes/budget_model.py`` compares policies. --max-wait-ms still caps a cycle's wait.
@@ -223,9 +224,8 @@ class LatencyBudget:
         self.commit.add(times.n_states, max(0.0, times.committed_at - started_commit))
         self._last_scored_at, self._last_committed_at = times.scored_at, times.committed_at
         self.rate.add(times.committed_at, times.n_states)
-        rate = self.rate.per_second()
-        self.gather_s = gather_window(rate, self.engine.line(), self.commit.line(), self.budget_s, self._lead(),
-                                      self.max_batch)
+        self.gather_s = gather_window(self.rate.per_second(), self.engine.line(), self.commit.line(), self.budget_s,
+                                      self._lead(), self.max_batch)
         if self.cap_queues:
             self.batch_cap = batch_cap(self.engine.states_per_second(), self.rate.mean_batch(), self.max_batch)
         missed = times.committed_at - times.first_arrival > self.budget_s
