@@ -25,6 +25,9 @@ cgroup_cpu() {  # the CPU quota this machine's processes run under, and how ofte
   python3 -c "import json, os, sys; from bench import cgroup_cpu as c; print(sys.argv[1], json.dumps(dict(
     cpus=os.cpu_count(), quota_cpus=c.quota_cpus(), throttling=c.throttling())))" "$1 $(date +%T)"
 }
+archive_logs() {  # each run's worker and broker logs under $1 as one .tar.xz: the device returns at most 8 files of 16 MiB
+  for logs in "$1"/*.logs; do [ -d "$logs" ] && tar -C "$1" -cJf "$logs.tar.xz" "${logs##*/}" && rm -rf "$logs"; done
+}
 for step in $steps; do
   echo "=== $step $(date +%T)"
   case $step in
@@ -56,19 +59,14 @@ for step in $steps; do
                timeout "${T_CAPACITY:-560}" python3 bench/stream_bench.py --capacity --broker-delay-ms "$delay" \
                  --states "${STATES:-8000}" --out "$OUT" ${CAPACITY_ARGS:-} 2>&1 | tee "$OUT/capacity_delay$delay.txt" | tail -12
              done
-             cgroup_cpu "after" >> "$OUT/cgroup_cpu.txt"; cat "$OUT/cgroup_cpu.txt"
-             # the workers' and brokers' logs as one archive a run: the device returns at most 8 files of 16 MiB
-             for logs in "$OUT"/*.logs; do [ -d "$logs" ] && tar -C "$OUT" -cJf "$logs.tar.xz" "${logs##*/}" && rm -rf "$logs"
-             done ;;
+             cgroup_cpu "after" >> "$OUT/cgroup_cpu.txt"; cat "$OUT/cgroup_cpu.txt"; archive_logs "$OUT" ;;
     capab)   # --batch-cap off against knee (DECIDER_BATCH_CAP), the same tree and offered rates (--full-load-rate),
              # one capacity run each: CAPACITY_ARGS, default 50 and 100 ms at 70-90% of FULL_LOAD_RATE (run CY's 2080)
              for cap in ${CAPS:-off knee}; do
                DECIDER_BATCH_CAP=$cap timeout "${T_CAPAB:-280}" python3 bench/stream_bench.py --capacity --states "${STATES:-8000}" \
                  --full-load-rate "${FULL_LOAD_RATE:-2080}" --out "$OUT/cap-$cap" ${CAPACITY_ARGS:---latency-budget-ms 50,100 \
                  --capacity-loads 0.7,0.8,0.85,0.9} > "$OUT/capab-$cap.txt" 2>&1
-               echo "--batch-cap $cap:"; grep -E "^budget" "$OUT/capab-$cap.txt"
-               for logs in "$OUT/cap-$cap"/*.logs; do [ -d "$logs" ] && tar -C "$OUT/cap-$cap" -cJf "$logs.tar.xz" "${logs##*/}" \
-                 && rm -rf "$logs"; done
+               echo "--batch-cap $cap:"; grep -E "^budget" "$OUT/capab-$cap.txt"; archive_logs "$OUT/cap-$cap"
              done ;;
     scaleout) timeout "${T_SCALEOUT:-270}" python3 bench/stream_bench.py --workers 2 ${SCALEOUT_ARGS---kill-one} \
                --max-wait-ms 20 --states "${STATES:-20000}" --out "$OUT" 2>&1 | tee "$OUT/scaleout_2.txt" | tail -16 ;;

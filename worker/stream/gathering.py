@@ -198,7 +198,6 @@ def gather_window(rate: float | None, engine: CostLine | None, commit: CostLine 
     return window if window >= engine.fixed + commit.fixed else 0.0
 
 
-
 def batch_cap(states_per_second: dict[int, float], mean_batch: float | None, max_batch: int) -> int:
     """The most states a cycle takes under the budget: ``max_batch``, or below it the larger of the *knee* and twice
     ``mean_batch`` (the recent cycles' mean states, None before the rate window holds enough).
@@ -211,7 +210,7 @@ def batch_cap(states_per_second: dict[int, float], mean_batch: float | None, max
     Why a cap: when a stall or a burst leaves a queue, the next cycle takes all of it, yet a GPU's states a second stop
     rising well before its largest batch (the H100's: 1,980 at 32, 2,055 at 128; the H200's: 2,040 and 2,145; runs CV
     and CO), so a batch of 128 drains the queue no faster, while each of its states waits for all of it: at 80% load
-    every budget's p99 was ~131 ms on an H100, against ~18 at 70% (run CX). Batches at the knee drain it at nearly the
+    every budget's p99 was ~131 ms on an H100, against ~18 at 70% (run CY). Batches at the knee drain it at nearly the
     same rate, and the first of them are visible sooner. Never below twice the recent mean batch, so that the cap binds
     only on a queue, not on the load: a cap that bound on the load would keep every cycle full and so double itself."""
     if mean_batch is None or not states_per_second:
