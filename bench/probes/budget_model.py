@@ -12,7 +12,9 @@ run V's, bench/README.md):
   bucket (`engine.buckets.B_BUCKETS`); scores are read `--collect-ms` later;
 - the loop's wait ends when a state is consumable (nothing in flight), when the oldest cycle in flight is scored, when
   the planner's close time comes, or after `--poll-ms` (in flight); it commits cycles in order (`--commit-ms` of its
-  time) and keeps at most two cycles in flight (it waits for the older one's commit after submitting a new one).
+  time) and keeps at most two cycles in flight (it waits for the older one's commit after submitting a new one);
+- with `--stalls AT:MS,...` the loop does nothing for MS ms from AT ms on (a collection, a slow broker call): what a
+  stall leaves behind, and how fast the planner drains it, is where a cap on the batch (`--batch-cap knee`) acts.
 
 It is a model: use it to compare planner changes side by side, and the GPU to measure them. Example (run V's costs
 and rate):
@@ -68,10 +70,12 @@ class _Cycle:
 
 
 def simulate(rate: float, budget_ms: float, costs: Costs, seconds: float = 20.0, max_batch: int = 128,
-             tick_ms: float = 0.25, seed: int = 1, launch_lead: bool = True, cap: bool = False) -> dict:
+             tick_ms: float = 0.25, seed: int = 1, launch_lead: bool = True, cap: bool = False,
+             stalls: tuple[tuple[float, float], ...] = ()) -> dict:
     """One run of the model -> p50/p99 of timestamp -> visible (ms, after the first fifth), the share of states over
     the budget, and the mean batch. ``launch_lead=False``: the planner is not told when batches reach the device (as
-    before it learned the launch lead); ``cap``: the planner caps a cycle (``--batch-cap knee``)."""
+    before it learned the launch lead); ``cap``: the planner caps a cycle (``--batch-cap knee``); ``stalls``: (at, ms)
+    pairs, the loop held for ms from at."""
     rnd = random.Random(seed)
     arrivals, t = [], 0.0
     while t < seconds * 1000:
@@ -95,6 +99,9 @@ def simulate(rate: float, budget_ms: float, costs: Costs, seconds: float = 20.0,
 
     while i < len(arrivals) or open_states or inflight:
         now += tick_ms
+        for at, ms in stalls:
+            if at <= now < at + tick_ms:
+                busy_until = max(busy_until, now + ms)
         if now < busy_until:
             continue
         consumable = i < len(arrivals) and arrivals[i][1] <= now
@@ -146,13 +153,16 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--kafka-ms", default="0.5,2", help="min,max ms from a record's timestamp to consumable")
     ap.add_argument("--batch-ms", default="", help="rows:ms,... measured batch times (e.g. the H100's, run CV: "
                     "1:2.41,8:5.4,32:16.2,128:63.5), joined by straight lines, instead of the fixed and per-row costs")
+    ap.add_argument("--stalls", default="", help="at:ms,... the loop held for ms from at ms (modelled time), e.g. "
+                    "3000:40,6000:60")
     args = ap.parse_args(argv)
+    stalls = tuple((float(at), float(ms)) for at, ms in (p.split(":") for p in args.stalls.split(",") if p))
     batch_ms = tuple((int(n), float(ms)) for n, ms in (p.split(":") for p in args.batch_ms.split(",") if p))
     costs = Costs(args.batch_fixed_ms, args.per_row_ms, tuple(float(x) for x in args.kafka_ms.split(",")),
                   args.launch_ms, args.collect_ms, args.commit_ms, args.poll_ms, batch_ms)
     seconds = 2.0 if args.quick else args.seconds
     results = [simulate(args.rate, float(b), costs, seconds, launch_lead=not args.no_launch_lead,
-                        cap=args.batch_cap == "knee")
+                        cap=args.batch_cap == "knee", stalls=stalls)
                for b in args.budgets.split(",")]
     for result in results:
         print(json.dumps(result), flush=True)

@@ -25,3 +25,11 @@ def test_measured_batch_times_are_joined_by_straight_lines():
     assert h100.gpu_ms(8) == 5.4 and h100.gpu_ms(20) == 5.4 + (16.2 - 5.4) * 12 / 24
     assert h100.gpu_ms(128) == pytest.approx(63.5)
     assert Costs().gpu_ms(10) == Costs().batch_fixed_ms + 10 * Costs().per_row_ms   # no points: the line
+
+
+def test_a_stall_of_the_loop_delays_the_states_behind_it():
+    calm = simulate(600, 100, Costs(), seconds=3)
+    stalled = simulate(600, 100, Costs(), seconds=3, stalls=((1500.0, 80.0),))
+    assert stalled["p99_ms"] > calm["p99_ms"] + 40       # the states that arrived during the 80 ms waited for it
+    quick = ["--quick", "--rate", "600", "--budgets", "100"]
+    assert main([*quick, "--stalls", "1500:80"])[0]["p99_ms"] > main(quick)[0]["p99_ms"] + 40
