@@ -139,6 +139,17 @@ def simulate(rate: float, budget_ms: float, costs: Costs, seconds: float = 20.0,
                 mean_batch=round(statistics.mean(batches), 1))
 
 
+def pairs(first: type, second: type):
+    """An argparse type for "a:b,c:d" (--batch-ms, --stalls) -> ((first(a), second(b)), ...); anything else is a usage
+    error (exit 2)."""
+    def parse(text: str) -> tuple[tuple, ...]:
+        try:
+            return tuple((first(a), second(b)) for a, b in (p.split(":") for p in text.split(",") if p))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected comma-separated a:b pairs of numbers, got {text!r}") from None
+    return parse
+
+
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rate", type=float, default=829.0, help="offered states/s")
@@ -151,18 +162,17 @@ def main(argv=None) -> list[dict]:
     for name in ("batch_fixed_ms", "per_row_ms", "launch_ms", "collect_ms", "commit_ms", "poll_ms"):
         ap.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(defaults, name))
     ap.add_argument("--kafka-ms", default="0.5,2", help="min,max ms from a record's timestamp to consumable")
-    ap.add_argument("--batch-ms", default="", help="rows:ms,... measured batch times (e.g. the H100's, run CV: "
-                    "1:2.41,8:5.4,32:16.2,128:63.5), joined by straight lines, instead of the fixed and per-row costs")
-    ap.add_argument("--stalls", default="", help="at:ms,... the loop held for ms from at ms (modelled time), e.g. "
-                    "3000:40,6000:60")
+    ap.add_argument("--batch-ms", default=(), type=pairs(int, float),
+                    help="rows:ms,... measured batch times (e.g. the H100's, run CV: 1:2.41,8:5.4,32:16.2,128:63.5), "
+                    "joined by straight lines, instead of the fixed and per-row costs")
+    ap.add_argument("--stalls", default=(), type=pairs(float, float),
+                    help="at:ms,... the loop held for ms from at ms (modelled time), e.g. 3000:40,6000:60")
     args = ap.parse_args(argv)
-    stalls = tuple((float(at), float(ms)) for at, ms in (p.split(":") for p in args.stalls.split(",") if p))
-    batch_ms = tuple((int(n), float(ms)) for n, ms in (p.split(":") for p in args.batch_ms.split(",") if p))
     costs = Costs(args.batch_fixed_ms, args.per_row_ms, tuple(float(x) for x in args.kafka_ms.split(",")),
-                  args.launch_ms, args.collect_ms, args.commit_ms, args.poll_ms, batch_ms)
+                  args.launch_ms, args.collect_ms, args.commit_ms, args.poll_ms, args.batch_ms)
     seconds = 2.0 if args.quick else args.seconds
     results = [simulate(args.rate, float(b), costs, seconds, launch_lead=not args.no_launch_lead,
-                        cap=args.batch_cap == "knee", stalls=stalls)
+                        cap=args.batch_cap == "knee", stalls=args.stalls)
                for b in args.budgets.split(",")]
     for result in results:
         print(json.dumps(result), flush=True)

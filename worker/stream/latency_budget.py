@@ -16,10 +16,11 @@ queue sets the batch size, which grows with the load up to --max-batch (or, with
 batch beyond which larger ones were measured to score no faster: ``worker.stream.gathering.batch_cap``). But not
 before its *gathering window* after its first state (``worker.stream.gathering``): 0 at a light load; when the load
 needs larger batches than closing at once makes (every cycle pays a fixed cost on the GPU, on the host and in its
-transaction), as long as the budget allows, so that a larger budget holds a higher load. Gathering up to the latest close that still meets the cycle's
-own deadline, at any load, was tried first (runs P and R in bench/README.md): each cycle's larger batch held the GPU
-past the next cycle's deadline, and at 50 ms and half load every cycle closed already late.
-``bench/probes/budget_model.py`` compares policies. --max-wait-ms still caps a cycle's wait.
+transaction), as long as the budget allows, so that a larger budget holds a higher load. Gathering up to the
+latest close that still meets the cycle's own deadline, at any load, was tried first (runs P and R in
+bench/README.md): each cycle's larger batch held the GPU past the next cycle's deadline, and at 50 ms and half load
+every cycle closed already late. ``bench/probes/budget_model.py`` compares policies. --max-wait-ms still caps a
+cycle's wait.
 
 A cycle closed at time ``t`` is scored when the GPU is free (the cycle in flight ahead of it finishes at ``g``),
 and its transaction commits after its scores are ready and after the cycle ahead of it committed:
