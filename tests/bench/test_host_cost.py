@@ -1,4 +1,6 @@
 """bench/host_cost.py: the worker's host CPU by thread and by stage, per state and per cycle, and the GIL's share."""
+import json
+
 from bench import host_cost
 from tests.brokers import bench_broker_args
 
@@ -33,3 +35,8 @@ def test_a_short_run_reports_host_cost_by_thread_and_by_stage(tmp_path):
     assert 0 < staged["wrapper_overhead_ns"]["self_ns"] < 20_000
     summary = result["summary"][light["tree"]]
     assert summary["exactly_once"] and summary["windows"] == 2 and summary["host_us_per_state"] > 0
+    # the PNG beside the JSON, and again from the JSON alone
+    png = out.with_suffix(".png")
+    assert png.stat().st_size > 1000
+    png.unlink()
+    assert host_cost.main(["--plot", str(out)]) == json.loads(out.read_text()) and png.stat().st_size > 1000
