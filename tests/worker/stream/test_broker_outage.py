@@ -146,9 +146,11 @@ def _rides_out_an_outage(broker, tmp_path, model_dir, protocol: str) -> None:
         counts = Counter(r["state_id"] for r in probabilities)
         assert not dead, dead
         if not set(kept) <= set(counts):   # pytest cuts a long assertion message short: the log's end in full
+            # Twice in CI (never here) none of the 400 states was found: whether the worker stopped committing or the
+            # reader stopped seeing its records, the states' committed offsets and the outputs' stable ones tell.
             pytest.fail(f"{len(set(kept) - set(counts))} states kept by the broker never scored "
-                        f"(e.g. {sorted(set(kept) - set(counts))[:10]}); {len(restarts)} restarts; the worker's log "
-                        f"ends:\n{worker.log()[-6000:]}", pytrace=False)
+                        f"(e.g. {sorted(set(kept) - set(counts))[:10]}); {len(restarts)} restarts; {len(counts)} "
+                        f"scored states read\n{stream.diagnostics(log_lines=12)}", pytrace=False)
         assert set(counts.values()) == {1}, {k: v for k, v in counts.items() if v > 1}
         assert stream.committed_offsets() == stream.end_offsets()
         assert _status(metrics_port, "/readyz") == 200 and _status(metrics_port, "/healthz") == 200
