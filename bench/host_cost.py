@@ -312,7 +312,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", default=None, help="the JSON result (default bench/results/DATE-cpu-host-cost.json)")
     args = ap.parse_args(argv)
     if args.plot:
-        result = json.loads(Path(args.plot).read_text())
+        try:
+            result = json.loads(Path(args.plot).read_text())
+        except (OSError, ValueError) as exc:
+            ap.error(f"--plot {args.plot}: not a host_cost.py result ({exc})")
+        if not {"env", "summary", "runs"} <= set(result):
+            ap.error(f"--plot {args.plot}: not a host_cost.py result (no env, summary and runs)")
         write_plot(result, Path(args.plot))
         return result
     args.max_wait_ms = args.max_wait_ms or args.latency_budget_ms
