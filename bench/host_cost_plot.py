@@ -5,9 +5,10 @@ targets, and the largest stages.
 """
 from __future__ import annotations
 
-import re
 import statistics
 from pathlib import Path
+
+from bench.host_stages import thread_group
 
 TARGET_US_PER_STATE = 60.0
 """Issue 46's host CPU a state, drawn on the PNG."""
@@ -63,10 +64,11 @@ def plot(result: dict, path: Path, stages_shown: int = 12) -> Path:
 
 
 def _by_group(by_thread: dict[str, float]) -> dict[str, float]:
-    """A pool's threads (``decider-tok_0``, ``decider-tok_1``) summed under the pool's name."""
+    """A pool's threads (``decider-tok_0``, ``decider-tok_1``) summed under the pool's name (``thread_group``, as the
+    worker's own snapshots name them)."""
     out: dict[str, float] = {}
     for name, value in by_thread.items():
-        group = re.sub(r"_\d+$", "", name)
+        group = thread_group(name)
         out[group] = out.get(group, 0.0) + value
     return out
 
