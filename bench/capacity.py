@@ -265,13 +265,65 @@ def matplotlib_color(k: int) -> str:
     return matplotlib.colors.to_hex(matplotlib.colormaps["tab20"](k % 20))
 
 
+def compare_plot(results: dict[str, list[dict]], path: Path) -> Path:
+    """One panel as a PNG at ``path``: p99 against offered load, a colour per budget and a line style per label
+    (e.g. ``{"off": [run 1, run 2], "knee": [...]}``: an A/B of two trees or settings, each run a capacity result);
+    each label's curve is the worse p99 of its runs at each load, every window a dot."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(8.5, 5.5), dpi=120)
+    budgets = sorted({curve["budget_ms"] for runs in results.values() for r in runs for curve in r["budgets"]})
+    for style, (label, runs) in zip(("-o", "--s", ":^", "-.v"), results.items()):
+        for k, budget in enumerate(budgets):
+            windows: dict[float, list[float]] = {}
+            for r in runs:
+                for curve in (c for c in r["budgets"] if c["budget_ms"] == budget):
+                    for point in curve["points"]:
+                        windows.setdefault(point["load"] * 100, []).extend(point["p99_ms"])
+            if not windows:
+                continue
+            held = [f"{c['capacity']:.0%}" for r in runs for c in r["budgets"] if c["budget_ms"] == budget]
+            loads = sorted(windows)
+            ax.plot(loads, [max(windows[x]) for x in loads], style, color=f"C{k}", alpha=0.85,
+                    label=f"{label}, budget {budget} ms: capacity {', '.join(held)}")
+            for x in loads:
+                ax.scatter([x] * len(windows[x]), windows[x], color=f"C{k}", s=8, alpha=0.4)
+    for k, budget in enumerate(budgets):
+        ax.axhline(budget, color=f"C{k}", linestyle="--", linewidth=0.8)
+    env = next(iter(results.values()))[0]["env"]
+    ax.set(xlabel="offered load, % of the full-load rate", ylabel="p99 event -> visible (ms)", yscale="log",
+           title=f"{env['gpu']}: {' against '.join(results)}")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(loc="upper left", fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description="Render a capacity result's PNG (the run itself: stream_bench.py --capacity)")
-    ap.add_argument("--plot", required=True, help="a capacity JSON from stream_bench.py --capacity")
+    what = ap.add_mutually_exclusive_group(required=True)
+    what.add_argument("--plot", help="a capacity JSON from stream_bench.py --capacity")
+    what.add_argument("--compare", nargs="+", metavar="LABEL=JSON",
+                      help="capacity JSONs in one picture, a line style per label (a label given twice: its runs "
+                           "together), e.g. off=a.json knee=b.json; needs --png")
     ap.add_argument("--png", help="where to write it (default: beside the JSON)")
     args = ap.parse_args(argv)
-    source = Path(args.plot)
-    print(plot(json.loads(source.read_text()), Path(args.png) if args.png else source.with_suffix(".png")))
+    if args.plot:
+        source = Path(args.plot)
+        print(plot(json.loads(source.read_text()), Path(args.png) if args.png else source.with_suffix(".png")))
+        return
+    if not args.png:
+        ap.error("--compare needs --png (where to write the picture)")
+    results: dict[str, list[dict]] = {}
+    for item in args.compare:
+        label, sep, file = item.partition("=")
+        if not sep or not label or not Path(file).is_file():
+            ap.error(f"--compare: expected LABEL=JSON with an existing file, got {item!r}")
+        results.setdefault(label, []).append(json.loads(Path(file).read_text()))
+    print(compare_plot(results, Path(args.png)))
 
 
 if __name__ == "__main__":

@@ -58,12 +58,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import gil_profile, host_cost_plot  # noqa: E402
 from bench.bench_broker import add_broker_option, bench_broker  # noqa: E402
-from bench.stream_phases import Reader, Stream, exactly_once, produce  # noqa: E402
+from bench.stream_phases import Reader, Stream, exactly_once, produce, stand_in_command  # noqa: E402
 from bench.stream_windows import committed_records, cycle_timelines, read_log_events  # noqa: E402
 from bench.workload import states  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-PROBE = Path(__file__).resolve().parent / "host_stages.py"
 SMALL_CYCLE = 8
 """Cycles of at most this many states are the ones the close -> launch target (0.3 ms) is about."""
 NATIVE = "librdkafka"
@@ -91,8 +90,8 @@ class ProbedStream(Stream):
     def start_worker(self, i: int) -> None:
         cli, env = self.worker_args(i)
         env = {**env, "PYTHONPATH": str(self.tree), "OMP_NUM_THREADS": "1"}
-        cmd = [sys.executable, str(PROBE), "--out", str(self.snapshots_path), "--engine", self.args.engine,
-               "--device-ms", self.args.device_ms, *(["--stages"] if self.stages else []), "--", *cli, *JSON_INPUT_FLAGS]
+        cmd = stand_in_command(self.args.device_ms, self.snapshots_path, [*cli, *JSON_INPUT_FLAGS], self.stages,
+                               self.args.engine)
         log = open(self.log_path(i), "ab")
         self.workers[i] = subprocess.Popen(cmd, env=env, cwd=self.tree, stdin=subprocess.PIPE, stdout=log, stderr=log,
                                            start_new_session=True, text=True)

@@ -59,9 +59,15 @@ from bench.bench_broker import add_broker_option, bench_broker  # noqa: E402
 SHAPE_08B = {**{k: v for k, v in QWEN35_08B.items() if k != "vocab_size"}, "initializer_range": 0.02}
 
 
+def device_tag(env: dict) -> str:
+    """The device in a result's file name: the GPU's name, or cpu-stand-in."""
+    return "cpu-stand-in" if env.get("engine") == "stand-in" else env["gpu"].replace(" ", "-").lower()
+
+
 def write_model(args, root: Path) -> Path:
     from engine.testing import write_tiny_model
-    return write_tiny_model(root / "model", seed=0, **({} if args.quick else SHAPE_08B))
+    tiny = args.quick or args.engine == "stand-in"
+    return write_tiny_model(root / "model", seed=0, **({} if tiny else SHAPE_08B))
 
 
 def schema_document(tok, n_questions: int, n_options: int, prefix_tokens: int) -> dict:
@@ -130,6 +136,13 @@ def main(argv=None) -> dict:
                          "loads are fractions of it: two trees compared at the same offered rates)")
     ap.add_argument("--broker-delay-ms", type=float, default=0.0,
                     help="with --capacity: the workers reach the broker through bench/latency_proxy.py, this much each way")
+    ap.add_argument("--engine", choices=("model", "stand-in"), default="model",
+                    help="stand-in: on a CPU, the tiny model's real path with each batch's scores ready when a GPU "
+                         "of --device-ms would have them (bench/host_stages.py), at the full shapes (not --quick's); "
+                         "the engine-only rate is then the model's, at --max-batch")
+    ap.add_argument("--device-ms", default="2.3,0.45",
+                    help="with --engine stand-in: a batch of n states takes A + B x n ms (default: the H200's t(n), "
+                         "issue 46)")
     add_broker_option(ap)
     ap.add_argument("--start-timeout", type=float, default=300)
     ap.add_argument("--scale-out", default=None, metavar="REBALANCING",
@@ -139,8 +152,16 @@ def main(argv=None) -> dict:
                     help="states/s offered during --scale-out (default 1500: 75%% of one H200; 20 with --quick)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = ap.parse_args(argv)
+    stand_in = args.engine == "stand-in"
+    if stand_in and args.quick:
+        ap.error("--engine stand-in runs the full shapes; --quick's small ones would model nothing")
+    if stand_in:
+        try:
+            fixed_ms, per_state_ms = (float(x) for x in args.device_ms.split(","))
+        except ValueError:
+            ap.error(f"--device-ms: expected A,B (milliseconds: a batch of n takes A + B x n), got {args.device_ms!r}")
     import torch
-    cuda = torch.cuda.is_available() and not args.quick
+    cuda = torch.cuda.is_available() and not args.quick and not stand_in
     args.device = args.device or ("cuda" if cuda else "cpu")
     args.gpus = args.gpus or (torch.cuda.device_count() if args.device.startswith("cuda") else 1)
     args.states = args.states or (120 if args.quick else 20000)
@@ -192,11 +213,18 @@ def main(argv=None) -> dict:
                state_tokens=args.state_tokens, questions=args.questions, options=args.options,
                model="tiny (engine.testing)" if args.quick else "Qwen3.5-0.8B-shaped random weights, test tokenizer",
                cpus=os.cpu_count(), cpu_quota_cpus=cgroup_cpu.quota_cpus())
+    if stand_in:
+        env.update(engine="stand-in", device_ms=args.device_ms,
+                   gpu=f"CPU, a stand-in GPU: t(n) = {fixed_ms:g} + {per_state_ms:g} n ms",
+                   model="tiny (engine.testing), its forward replaced by the stand-in after the first of each shape")
     print(json.dumps(env), flush=True)
     if args.scale_out:
         from bench.scale_out import bench_runs
         return bench_runs(args, env, model_dir, schema_file, texts, root)
-    one_engine = engine_only(args, model_dir, document, texts)
+    if stand_in:    # the modelled GPU's rate at --max-batch
+        one_engine = args.max_batch * 1000 / (fixed_ms + per_state_ms * args.max_batch)
+    else:
+        one_engine = engine_only(args, model_dir, document, texts)
     engine_rate = one_engine * (args.workers if args.device.startswith("cuda") else 1)
     print(f"engine only: {engine_rate:,.1f} states/s (x{args.workers} workers on GPUs)", flush=True)
     # The reader thread stamps when each record becomes visible; a full collection walking torch's and transformers'
@@ -241,7 +269,7 @@ def main(argv=None) -> dict:
         out.mkdir(parents=True, exist_ok=True)
         kill = "-kill" if args.kill_one else ""
         on = "" if args.broker == "kafka" else f"-{args.broker}"
-        path = out / f"{env['date']}-{env['gpu'].replace(' ', '-').lower()}-stream-{args.workers}w{kill}{on}.json"
+        path = out / f"{env['date']}-{device_tag(env)}-stream-{args.workers}w{kill}{on}.json"
         path.write_text(json.dumps(result, indent=1))
         shutil.copytree(logs, path.with_suffix(".logs"), dirs_exist_ok=True)   # the workers' and broker's own account
         print(f"wrote {path} and its logs")
@@ -256,7 +284,7 @@ def capacity_result(args, result: dict) -> dict:
     env, out = result["env"], Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     on = "" if args.broker == "kafka" else f"-{args.broker}"
-    path = out / f"{env['date']}-{env['gpu'].replace(' ', '-').lower()}-capacity-delay{args.broker_delay_ms:g}ms{on}.json"
+    path = out / f"{env['date']}-{device_tag(env)}-capacity-delay{args.broker_delay_ms:g}ms{on}.json"
     path.write_text(json.dumps(result, indent=1))
     shutil.copytree(result["logs"], path.with_suffix(".logs"), dirs_exist_ok=True)
     try:

@@ -32,6 +32,19 @@ from worker.devbroker.processes import free_port
 from worker.kafka_clients import create_topics, plain_producer, reader_consumer
 
 
+REPO = Path(__file__).resolve().parents[1]
+HOST_STAGES = REPO / "bench" / "host_stages.py"
+
+
+def stand_in_command(device_ms: str, snapshots: Path, cli: list[str], stages: bool = False, engine: str = "stand-in",
+                     script: Path = HOST_STAGES) -> list[str]:
+    """The command that runs ``decider`` with ``cli`` under ``bench/host_stages.py``: its CPU by thread (and by stage
+    with ``stages``) on snapshot commands, its engine's compute timed apart, and with ``engine == "stand-in"`` a
+    batch of n states scored in ``device_ms`` = "A,B": A + B x n ms (the modelled GPU; the CPU free meanwhile)."""
+    return [sys.executable, str(script), "--out", str(snapshots), "--engine", engine, "--device-ms", device_ms,
+            *(["--stages"] if stages else []), "--", *cli]
+
+
 class Stream:
     """One phase's topics, schema and workers on the shared broker."""
 
@@ -53,7 +66,14 @@ class Stream:
     def start_worker(self, i: int) -> None:
         args, env = self.worker_args(i)
         log = open(self.log_path(i), "ab")
-        self.workers[i] = subprocess.Popen([sys.executable, "-m", "worker", *args], env=env, stdout=log, stderr=log,
+        if getattr(self.args, "engine", "model") == "stand-in":
+            # the worker under bench/host_stages.py, whose stand-in makes each batch's scores ready when the modelled
+            # GPU would have them (--device-ms), on a CPU; its snapshots are not read here
+            command = stand_in_command(self.args.device_ms, self.logs / f"{self.name}-w{i}.snapshots.jsonl", args)
+            env = {**env, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+        else:
+            command = [sys.executable, "-m", "worker", *args]
+        self.workers[i] = subprocess.Popen(command, env=env, cwd=REPO, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                                            start_new_session=True)
 
     def worker_args(self, i: int) -> tuple[list[str], dict[str, str]]:

@@ -2,6 +2,8 @@
 through the latency proxy, exactly once."""
 import json
 
+import pytest
+
 from bench import cgroup_cpu
 from bench.capacity import capacity_of, holds, loads_from, plot
 from tests.brokers import bench_broker_args
@@ -58,3 +60,36 @@ def test_quick_capacity_run_through_a_slower_broker_is_exactly_once(tmp_path):
                 assert sample["cpu_throttled"]["throttled_ms"] >= 0
     json.dumps(result)  # what --capacity writes on a GPU
     assert plot(result, tmp_path / "capacity.png").stat().st_size > 1000
+
+
+def test_a_stand_in_capacity_run_models_the_gpu_on_a_cpu(tmp_path):
+    """`--engine stand-in`: the worker runs under bench/host_stages.py, its batches scored in the modelled GPU's time,
+    at the full shapes; the engine-only rate is the model's; exactly once."""
+    from bench.stream_bench import main as stream_main
+
+    result = stream_main([*bench_broker_args(), "--capacity", "--engine", "stand-in", "--device-ms", "9.2,1.8",
+                          "--states", "100", "--latency-seconds", "2", "--latency-warmup-seconds", "1",
+                          "--latency-budget-ms", "5000", "--capacity-loads", "0.3", "--capacity-samples", "1",
+                          "--full-load-rate", "534", "--out", str(tmp_path)])
+    assert result["env"]["engine"] == "stand-in" and result["env"]["state_tokens"] == 128
+    assert result["full_load_states_per_s"] == 534
+    (curve,) = result["budgets"]
+    assert curve["exactly_once_ok"], curve
+    (sample,) = curve["points"][0]["samples"]
+    # no state is visible sooner than the modelled GPU scores a batch of one
+    assert sample["measured_visible"] > 0 and sample["p50_ms"] >= 9.2 + 1.8, sample
+    started = [json.loads(line) for path in (tmp_path.glob("*.logs/*.snapshots.jsonl")) for line in
+               path.read_text().splitlines()]
+    assert started and all(s["engine"] == "stand-in" and list(s["device_ms"]) == [9.2, 1.8]
+                           for s in started if s["name"] == "started"), started
+    assert len(list(tmp_path.glob("*-cpu-stand-in-capacity-delay0ms*.json"))) == 1
+
+
+def test_a_stand_in_run_refuses_quick_shapes_and_a_bad_device_model(capsys):
+    from bench.stream_bench import main as stream_main
+
+    for argv, says in ((["--engine", "stand-in", "--quick"], "full shapes"),
+                       (["--engine", "stand-in", "--device-ms", "2.3"], "--device-ms: expected A,B")):
+        with pytest.raises(SystemExit) as exit_info:
+            stream_main(argv)
+        assert exit_info.value.code == 2 and says in capsys.readouterr().err
