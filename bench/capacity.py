@@ -267,7 +267,7 @@ def matplotlib_color(k: int) -> str:
 
 def compare_plot(results: dict[str, list[dict]], path: Path) -> Path:
     """One panel as a PNG at ``path``: p99 against offered load, a colour per budget and a line style per label
-    (e.g. ``{"off": [run 1, run 2], "knee": [...]}``: an A/B of two trees or settings, each run a capacity result);
+    (e.g. ``{"before": [run 1, run 2], "after": [...]}``: an A/B of two trees or settings, each run a capacity result);
     each label's curve is the worse p99 of its runs at each load, every window a dot."""
     import matplotlib
     matplotlib.use("Agg")
@@ -308,7 +308,7 @@ def main(argv=None) -> None:
     what.add_argument("--plot", help="a capacity JSON from stream_bench.py --capacity")
     what.add_argument("--compare", nargs="+", metavar="LABEL=JSON",
                       help="capacity JSONs in one picture, a line style per label (a label given twice: its runs "
-                           "together), e.g. off=a.json knee=b.json; needs --png")
+                           "together), e.g. before=a.json after=b.json; needs --png")
     ap.add_argument("--png", help="where to write it (default: beside the JSON)")
     args = ap.parse_args(argv)
     if args.plot:

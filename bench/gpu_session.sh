@@ -7,7 +7,7 @@
 # bash bench/gpu_session.sh [steps...]
 #   steps: tests timelines (profile_engine.py --graphs --timeline in the fast and deterministic tables, TIMELINE_BATCHES) hostprobe (bench/probes/host_probe.py --profile: the launch's host time by function, HOST_BATCHES) workspace (cuBLAS without a workspace: bench/probes/cublas_workspace_probe.py, the engine in both) flaless (deterministic scoring on CUDA with fla hidden: refused) profile engine lengths (64/256-token states) schemas (many live schemas) variants (bench/probes/variant_ab.py:
 #   VARIANTS="name:module.ATTR=value|...", DETERMINISTIC=1 for the workers' kernel table) stream scaleout (2 workers,
-#   one killed) capab (the capacity with --batch-cap off and knee, CAPS) capacity (stream_bench.py --capacity once per DELAYS, default "0": broker delays in ms, through
+#   one killed) capacity (stream_bench.py --capacity once per DELAYS, default "0": broker delays in ms, through
 #   bench/latency_proxy.py; CAPACITY_ARGS e.g. "--latency-budget-ms 25,50"), ab (the engine step again in another checkout, AB_TREE, default ab/: e.g. a branch to time against
 #   this tree in the same call, extracted with `mkdir ab && git archive BRANCH | tar -x -C ab`, removed after; several
 #   trees: AB_TREE=ab2 bash bench/gpu_session.sh ab, in the same command line)
@@ -66,14 +66,6 @@ for step in $steps; do
                  --states "${STATES:-8000}" --out "$OUT" ${CAPACITY_ARGS:-} 2>&1 | tee "$OUT/capacity_delay$delay.txt" | tail -12
              done
              cgroup_cpu "after" >> "$OUT/cgroup_cpu.txt"; cat "$OUT/cgroup_cpu.txt"; archive_logs "$OUT" ;;
-    capab)   # --batch-cap off against knee (DECIDER_BATCH_CAP), the same tree and offered rates (--full-load-rate),
-             # one capacity run each: CAPACITY_ARGS, default 50 and 100 ms at 70-90% of FULL_LOAD_RATE (run CY's 2080)
-             for cap in ${CAPS:-off knee}; do
-               DECIDER_BATCH_CAP=$cap timeout "${T_CAPAB:-280}" python3 bench/stream_bench.py --capacity --states "${STATES:-8000}" \
-                 --full-load-rate "${FULL_LOAD_RATE:-2080}" --out "$OUT/cap-$cap" ${CAPACITY_ARGS:---latency-budget-ms 50,100 \
-                 --capacity-loads 0.7,0.8,0.85,0.9} > "$OUT/capab-$cap.txt" 2>&1
-               echo "--batch-cap $cap:"; grep -E "^budget" "$OUT/capab-$cap.txt"; archive_logs "$OUT/cap-$cap"
-             done ;;
     hostprobe) # a synchronous step's host and device parts, then its launch's host time by function (cProfile)
              timeout "${T_HOSTPROBE:-180}" python3 bench/probes/host_probe.py --batches "${HOST_BATCHES:-1,4,8}" \
                --profile "${PROFILE_STEPS:-200}" --out "$OUT/host_probe.json" > "$OUT/host_probe.txt" 2>&1

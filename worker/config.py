@@ -17,7 +17,6 @@ DEFAULT_SCHEMAS_TOPIC = "decider.schemas"
 DEFAULT_PROBABILITIES_TOPIC = "decider.probabilities"
 DEFAULT_DEAD_LETTER_TOPIC = "decider.dead-letter"
 DEFAULT_GROUP = "decider"
-BATCH_CAPS = ("off", "knee")   # --batch-cap
 MAX_LATENCY_BUDGET_MS = 600_000  # ten minutes: far beyond any batch's scoring and commit
 MAX_TRANSACTIONAL_IDS = 4  # turns past the second wait for nothing: one transaction's markers take about one commit
 REPLAY_MAX_BATCH = 64  # a replay is throughput-bound: fuller batches than a live worker's default
@@ -63,9 +62,6 @@ class WorkerConfig:
     max_batch: int = 32
     max_wait_ms: int | None = 50  # None: no deadline, cycles close only when a batch is full (replay)
     latency_budget_ms: int | None = None  # None: cycles close by --max-batch and --max-wait-ms alone
-    # Under the budget, how large a cycle grows on a queue: "off" (to --max-batch) or "knee" (worker.stream.gathering's
-    # batch_cap); off until an A/B on the GPU shows the knee pays (bench/README.md, the batch cap).
-    batch_cap: str = "off"
     schema_wait_ms: int = 10_000
     max_state_chars: int = 32_768
     schema_memory_mb: float = 2048.0
@@ -104,8 +100,6 @@ class WorkerConfig:
         if self.latency_budget_ms is not None and not 1 <= self.latency_budget_ms <= MAX_LATENCY_BUDGET_MS:
             raise ConfigError(f"--latency-budget-ms {self.latency_budget_ms} is out of range: give 1 to "
                               f"{MAX_LATENCY_BUDGET_MS} ms, or leave it out to close batches by --max-wait-ms alone")
-        if self.batch_cap not in BATCH_CAPS:
-            raise ConfigError(f"--batch-cap {self.batch_cap!r}: give one of {', '.join(BATCH_CAPS)}")
         if self.max_state_chars < 1:
             raise ConfigError("--max-state-chars must be at least 1")
         if any(n < 1 for n in self.warmup_state_tokens):

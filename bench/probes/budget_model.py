@@ -14,7 +14,7 @@ run V's, bench/README.md):
   the planner's close time comes, or after `--poll-ms` (in flight); it commits cycles in order (`--commit-ms` of its
   time) and keeps at most two cycles in flight (it waits for the older one's commit after submitting a new one);
 - with `--stalls AT:MS,...` the loop does nothing for MS ms from AT ms on (a collection, a slow broker call): what a
-  stall leaves behind, and how fast the planner drains it, is where a cap on the batch (`--batch-cap knee`) acts.
+  stall leaves behind, and how fast the planner drains it.
 
 It is a model: use it to compare planner changes side by side, and the GPU to measure them. Example (run V's costs
 and rate):
@@ -70,18 +70,18 @@ class _Cycle:
 
 
 def simulate(rate: float, budget_ms: float, costs: Costs, seconds: float = 20.0, max_batch: int = 128,
-             tick_ms: float = 0.25, seed: int = 1, launch_lead: bool = True, cap: bool = False,
+             tick_ms: float = 0.25, seed: int = 1, launch_lead: bool = True,
              stalls: tuple[tuple[float, float], ...] = ()) -> dict:
     """One run of the model -> p50/p99 of timestamp -> visible (ms, after the first fifth), the share of states over
     the budget, and the mean batch. ``launch_lead=False``: the planner is not told when batches reach the device (as
-    before it learned the launch lead); ``cap``: the planner caps a cycle (``--batch-cap knee``); ``stalls``: (at, ms)
+    before it learned the launch lead); ``stalls``: (at, ms)
     pairs, the loop held for ms from at."""
     rnd = random.Random(seed)
     arrivals, t = [], 0.0
     while t < seconds * 1000:
         t += rnd.expovariate(rate / 1000)
         arrivals.append((t, t + rnd.uniform(*costs.kafka_ms)))
-    planner = LatencyBudget(budget_ms / 1000, budget_ms / 1000, cap_queues=cap)
+    planner = LatencyBudget(budget_ms / 1000, budget_ms / 1000)
     latencies, batches = [], []
     inflight: list[_Cycle] = []
     open_states: list[float] = []
@@ -109,8 +109,7 @@ def simulate(rate: float, budget_ms: float, costs: Costs, seconds: float = 20.0,
         # the loop's wait ends on a message while nothing is in flight, else on the oldest cycle's scores
         if now < next_wake and not scored and not (consumable and not inflight):
             continue
-        limit = min(max_batch, planner.batch_cap)
-        while i < len(arrivals) and arrivals[i][1] <= now and len(open_states) < limit:
+        while i < len(arrivals) and arrivals[i][1] <= now and len(open_states) < max_batch:
             open_states.append(arrivals[i][0])
             i += 1
         if scored:
@@ -121,7 +120,7 @@ def simulate(rate: float, budget_ms: float, costs: Costs, seconds: float = 20.0,
         if open_states:
             first, n = min(open_states), len(open_states)
             close_at = planner.close_by(now / 1000, first / 1000, gpu_busy) * 1000
-            if n >= limit or now >= close_at or i >= len(arrivals):
+            if n >= max_batch or now >= close_at or i >= len(arrivals):
                 planner.submitted(now / 1000, n, gpu_busy)
                 launched = now + costs.launch_ms
                 gpu_free = max(launched, gpu_free) + costs.gpu_ms(bucket(n, B_BUCKETS))
@@ -157,7 +156,6 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--seconds", type=float, default=20.0, help="modelled seconds of traffic")
     ap.add_argument("--quick", action="store_true", help="2 modelled seconds (a test)")
     ap.add_argument("--no-launch-lead", action="store_true", help="the planner without its learned launch lead")
-    ap.add_argument("--batch-cap", choices=("off", "knee"), default="off", help="the worker's --batch-cap")
     defaults = Costs()
     for name in ("batch_fixed_ms", "per_row_ms", "launch_ms", "collect_ms", "commit_ms", "poll_ms"):
         ap.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(defaults, name))
@@ -172,7 +170,7 @@ def main(argv=None) -> list[dict]:
                   args.launch_ms, args.collect_ms, args.commit_ms, args.poll_ms, args.batch_ms)
     seconds = 2.0 if args.quick else args.seconds
     results = [simulate(args.rate, float(b), costs, seconds, launch_lead=not args.no_launch_lead,
-                        cap=args.batch_cap == "knee", stalls=args.stalls)
+                        stalls=args.stalls)
                for b in args.budgets.split(",")]
     for result in results:
         print(json.dumps(result), flush=True)

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from bench import cgroup_cpu
-from bench.capacity import capacity_of, holds, loads_from, plot
+from bench.capacity import capacity_of, compare_plot, holds, loads_from, plot
 from tests.brokers import bench_broker_args
 
 GRID = [0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95]
@@ -83,6 +83,8 @@ def test_a_stand_in_capacity_run_models_the_gpu_on_a_cpu(tmp_path):
     assert started and all(s["engine"] == "stand-in" and list(s["device_ms"]) == [9.2, 1.8]
                            for s in started if s["name"] == "started"), started
     assert len(list(tmp_path.glob("*-cpu-stand-in-capacity-delay0ms*.json"))) == 1
+    # an A/B in one picture (capacity.py --compare): here the run against itself
+    assert compare_plot({"a": [result], "b": [result, result]}, tmp_path / "ab.png").stat().st_size > 1000
 
 
 def test_a_stand_in_run_refuses_quick_shapes_and_a_bad_device_model(capsys):

@@ -128,12 +128,6 @@ def worker(
              "closes as soon as the GPU can take it, so batches grow with the load, and under a load that needs "
              "larger batches it first gathers for as long as half the budget allows; misses are counted "
              "(docs/tuning.md, Latency budget). --max-wait-ms still caps the wait. Default: no budget."),
-    batch_cap: str = typer.Option(
-        DEFAULTS["batch_cap"], "--batch-cap", envvar="DECIDER_BATCH_CAP",
-        help="With --latency-budget-ms, how large a batch grows when states queue (after a stall or a burst): off "
-             "(up to --max-batch, the default) or knee (at most the smallest batch size measured to score within 10% "
-             "of the fastest larger one's states a second, and at least twice the recent batches' mean: a queue then "
-             "drains as fast, and its first states become visible sooner; docs/tuning.md)."),
     group_protocol: Optional[str] = typer.Option(
         None, "--group-protocol", envvar="DECIDER_GROUP_PROTOCOL",
         help="classic (cooperative-sticky) or consumer (KIP-848, Kafka 4.0+). Default: consumer where the broker has "
@@ -148,7 +142,7 @@ def worker(
     Exit codes: 0 stopped cleanly, 1 fatal error, 2 bad configuration or model, 3 fenced by another worker with the same --worker-id, 4 broker unreachable or topic missing at start, 5 broker unreachable for longer than --broker-outage-s, or a Kafka call hung (restart it with the same --worker-id).
     """
     config = loop_config(ctx, loop_flags, probabilities_topic, worker_id=worker_id, group=group, max_batch=max_batch,
-                          max_wait_ms=max_wait_ms, latency_budget_ms=latency_budget_ms, batch_cap=batch_cap,
+                          max_wait_ms=max_wait_ms, latency_budget_ms=latency_budget_ms,
                           group_protocol=group_protocol, session_timeout_ms=session_timeout_ms)
     from worker.stream.loop import Worker
     from worker.cli.operated import run_logged, stop_on_signals

@@ -76,9 +76,6 @@ LATENCY_BUDGET_OVERLOADED = Gauge(
     "decider_latency_budget_overloaded", "1 while the latency budget does not hold at the load arriving: over the last "
     "10 s more than 5% of the committed cycles were visible later than --latency-budget-ms (a warning names the rate); "
     "add workers or raise the budget")
-BATCH_CAP_STATES = Gauge(
-    "decider_latency_budget_batch_cap_states", "The most states a cycle takes under the latency budget: --max-batch, "
-    "or below it where larger batches were measured to score no faster (a queue is then drained in batches this large)")
 ARRIVAL_STATES_PER_SECOND = Gauge(
     "decider_latency_budget_arrival_states_per_second", "States scored per second over the last 10 s of committed "
     "cycles, the load the latency budget is judged at")

@@ -20,11 +20,11 @@ class CycleClosing:
     """The loop's rule for closing its open cycle, with the latency budget (``budget``) it consults."""
 
     def __init__(self, max_batch: int, max_wait_ms: int | None, budget_ms: int | None,
-                 gpu_busy: Callable[[], bool], cap_queues: bool = False) -> None:
+                 gpu_busy: Callable[[], bool]) -> None:
         self.max_batch = max_batch
         # No --max-wait-ms (replay): only full batches close a cycle, and the input's end closes the last one.
         self.max_wait_s = math.inf if max_wait_ms is None else max_wait_ms / 1000
-        self.budget = CycleBudget(budget_ms, self.max_wait_s, gpu_busy, max_batch, cap_queues)
+        self.budget = CycleBudget(budget_ms, self.max_wait_s, gpu_busy, max_batch)
         self._carried = (0, 0)  # states (all, waiting) the open cycle took over, held back, from the one before it
 
     def due(self, now: float, cycle: Cycle, input_exhausted: Callable[[], bool]) -> bool:
@@ -37,8 +37,7 @@ class CycleClosing:
         if cycle.waiting and (len(cycle), len(cycle.waiting)) == self._carried:
             return False  # nothing but the states held back last time, all still waiting: nothing could commit now
         # No deadline closes the last, partial cycle of a finite input: its end does.
-        return (cycle.due(now, self.budget.max_batch(self.max_batch), self.max_wait_s) or self.budget.due(now, cycle)
-                or input_exhausted())
+        return cycle.due(now, self.max_batch, self.max_wait_s) or self.budget.due(now, cycle) or input_exhausted()
 
     def poll_timeout(self, now: float, cycle: Cycle, in_flight: bool) -> float:
         """How long the loop may wait for a message before the open ``cycle`` is due (``in_flight``: a cycle is on the

@@ -44,10 +44,6 @@ GATHER_SHARE = 0.5
 RATE_WINDOW_S = 2.0
 """The arrival rate is measured over the cycles committed in the last this many seconds."""
 
-KNEE_SLACK = 0.1
-"""A batch bucket whose measured states a second are within this share of the fastest larger one's is as good for
-draining a queue (``batch_cap``)."""
-
 
 @dataclass(frozen=True)
 class CostLine:
@@ -153,17 +149,10 @@ class RecentRate:
         self._window.add(at, n_states)
 
     def per_second(self) -> float | None:
-        if not self._enough():
-            return None
-        return self._window.states_per_second()
-
-    def mean_batch(self) -> float | None:
-        """The window's cycles' mean scored states (None until the window holds enough to say)."""
-        return self._window.states / len(self._window) if self._enough() else None
-
-    def _enough(self) -> bool:
         window = self._window
-        return len(window) >= self.min_cycles and window.span() >= self.window_s / 4
+        if len(window) < self.min_cycles or window.span() < self.window_s / 4:
+            return None
+        return window.states_per_second()
 
     def forget(self) -> None:
         self._window.clear()
@@ -196,29 +185,3 @@ def gather_window(rate: float | None, engine: CostLine | None, commit: CostLine 
     # a wait shorter than a cycle's fixed time (its scoring's and its transaction's) costs the first state more than
     # the cycle it saves (and a tight budget's window is that short: 25 ms on the H200's costs): no wait at all
     return window if window >= engine.fixed + commit.fixed else 0.0
-
-
-def batch_cap(states_per_second: dict[int, float], mean_batch: float | None, max_batch: int) -> int:
-    """The most states a cycle takes under the budget: ``max_batch``, or below it the larger of the *knee* and twice
-    ``mean_batch`` (the recent cycles' mean states, None before the rate window holds enough).
-
-    ``states_per_second`` maps each measured batch bucket (a power of two) to its cycles' states a second (their mean
-    states over their mean time from close to scored). The knee is the smallest measured bucket within KNEE_SLACK of
-    the fastest bucket at or above it, where a larger one was measured; twice the largest measured bucket where that
-    one is the fastest (a larger batch may be faster still: the next cycle to find a queue measures it).
-
-    Why a cap: when a stall or a burst leaves a queue, the next cycle takes all of it, yet a GPU's states a second stop
-    rising well before its largest batch (the H100's: 1,980 at 32, 2,055 at 128; the H200's: 2,040 and 2,145; runs CV
-    and CO), so a batch of 128 drains the queue no faster, while each of its states waits for all of it: at 80% load
-    every budget's p99 was ~131 ms on an H100, against ~18 at 70% (run CY). Batches at the knee drain it at nearly the
-    same rate, and the first of them are visible sooner. Never below twice the recent mean batch, so that the cap binds
-    only on a queue, not on the load: a cap that bound on the load would keep every cycle full and so double itself."""
-    if mean_batch is None or not states_per_second:
-        return max_batch
-    buckets = sorted(states_per_second)
-    knee = 2 * buckets[-1]
-    for k, size in enumerate(buckets[:-1]):
-        if states_per_second[size] >= (1 - KNEE_SLACK) * max(states_per_second[b] for b in buckets[k:]):
-            knee = size
-            break
-    return min(max_batch, max(knee, math.ceil(2 * mean_batch)))

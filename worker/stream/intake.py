@@ -37,12 +37,12 @@ class Intake:
         *wait* for more states, never the taking of states already here: a backlog is taken in full batches
         (a deadline on taking would cap batches at what one deadline's worth of routing allows, below the
         load the GPU can carry)."""
-        count, max_batch = 0, self.budget.max_batch(self.config.max_batch)
+        count = 0
         try:
             while message is not None:
                 self.take(message, cycle())
                 count += 1
-                if count >= max_batch or cycle().full(max_batch):
+                if count >= self.config.max_batch or cycle().full(self.config.max_batch):
                     return
                 message = consumer.poll(0)
         finally:

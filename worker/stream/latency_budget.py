@@ -12,8 +12,8 @@ worker does, and counting from its timestamp would find its --max-wait-ms alread
 The budget is a deadline first: a cycle closes at once when the GPU is idle and, when a cycle is in flight, when
 that one is expected to finish less the time a closed cycle takes to be queued on the device (the *launch lead*), so
 that its batch is queued behind the one in flight. States that arrive while a batch runs make the next batch: the
-queue sets the batch size, which grows with the load up to --max-batch (or, with ``--batch-cap knee``, up to the
-batch beyond which larger ones were measured to score no faster: ``worker.stream.gathering.batch_cap``). But not
+queue sets the batch size, which grows with the load up to --max-batch (a cap at the batch beyond which larger ones
+scored no faster, tried on an H100, made the tail at 80% load no better: bench/README.md, runs DA and DB). But not
 before its *gathering window* after its first state (``worker.stream.gathering``): 0 at a light load; when the load
 needs larger batches than closing at once makes (every cycle pays a fixed cost on the GPU, on the host and in its
 transaction), as long as the budget allows, so that a larger budget holds a higher load. Gathering up to the
@@ -50,7 +50,7 @@ from typing import Callable
 
 from worker.ops import metrics
 from worker.stream.batcher import Cycle
-from worker.stream.gathering import CommitWindow, CostLine, RecentRate, batch_cap, gather_window
+from worker.stream.gathering import CommitWindow, CostLine, RecentRate, gather_window
 
 log = logging.getLogger(__name__)
 
@@ -133,10 +133,6 @@ class BucketedEstimates:
             return pick(self.by_bucket[nearest]) * key / nearest
         return None
 
-    def states_per_second(self) -> dict[int, float]:
-        """Each measured bucket's states a second: its smoothed mean states over its smoothed mean duration."""
-        return {b: self.sizes[b] / e.mean for b, e in self.by_bucket.items() if e.mean > 0}
-
     def values(self) -> dict[int, float]:
         """The estimate of every measured bucket (for the metrics)."""
         return {b: e.value for b, e in sorted(self.by_bucket.items())}
@@ -177,12 +173,10 @@ class CycleTimes:
 class LatencyBudget:
     """The budget's state in a running worker: the estimates, learned from every committed cycle, and the misses."""
 
-    def __init__(self, budget_s: float, max_wait_s: float, max_batch: int = 128, cap_queues: bool = False) -> None:
+    def __init__(self, budget_s: float, max_wait_s: float, max_batch: int = 128) -> None:
         self.budget_s, self.max_wait_s, self.max_batch = budget_s, max_wait_s, max_batch
-        self.cap_queues = cap_queues    # --batch-cap knee: ``batch_cap`` below --max-batch where it measured no gain
         self.rate = RecentRate()        # states/s committed lately: the load the gathering window serves
         self.gather_s = 0.0             # the gathering window (``worker.stream.gathering``), after every commit
-        self.batch_cap = max_batch      # the most states a cycle takes (``worker.stream.gathering.batch_cap``)
         self.engine = BucketedEstimates()
         self.commit = BucketedEstimates()
         self.launch_lead: RunningEstimate | None = None  # from closing a cycle to its batch queued on the device
@@ -227,8 +221,6 @@ class LatencyBudget:
         self.rate.add(times.committed_at, times.n_states)
         self.gather_s = gather_window(self.rate.per_second(), self.engine.line(), self.commit.line(), self.budget_s,
                                       self._lead(), self.max_batch)
-        if self.cap_queues:
-            self.batch_cap = batch_cap(self.engine.states_per_second(), self.rate.mean_batch(), self.max_batch)
         missed = times.committed_at - times.first_arrival > self.budget_s
         self.misses += missed
         return missed
@@ -239,7 +231,6 @@ class LatencyBudget:
         self._gpu_free_at = None
         self.rate.forget()
         self.gather_s = 0.0
-        self.batch_cap = self.max_batch
 
 
 @dataclass
@@ -302,10 +293,9 @@ class CycleBudget:
     ``gpu_busy`` says whether a submitted cycle is still being scored (the loop's cycles in flight)."""
 
     def __init__(self, budget_ms: int | None, max_wait_s: float, gpu_busy: Callable[[], bool],
-                 max_batch: int = 128, cap_queues: bool = False) -> None:
+                 max_batch: int = 128) -> None:
         self.budget_ms = budget_ms
-        self.state = (LatencyBudget(budget_ms / 1000, max_wait_s, max_batch, cap_queues) if budget_ms is not None
-                      else None)
+        self.state = LatencyBudget(budget_ms / 1000, max_wait_s, max_batch) if budget_ms is not None else None
         self.overload = Overload(budget_ms) if budget_ms is not None else None
         self._gpu_busy = gpu_busy
 
@@ -338,11 +328,6 @@ class CycleBudget:
             return None
         return self.state.close_by(now, cycle.arrived_at, self._gpu_busy())
 
-    def max_batch(self, max_batch: int) -> int:
-        """The most states the open cycle takes: ``max_batch`` (--max-batch), or below it under the budget where a
-        larger batch would score no faster than the load needs (``worker.stream.gathering.batch_cap``)."""
-        return max_batch if self.state is None else min(max_batch, self.state.batch_cap)
-
     def due(self, now: float, cycle: Cycle) -> bool:
         """Whether the budget closes the open ``cycle`` now."""
         close = self.close_by(now, cycle)
@@ -367,7 +352,6 @@ class CycleBudget:
         metrics.observe_budget(self.state.engine.values(), self.state.commit.values(), missed)
         verdict = self.overload.add(now, n_states, missed)
         metrics.ARRIVAL_STATES_PER_SECOND.set(self.overload.rate())
-        metrics.BATCH_CAP_STATES.set(self.state.batch_cap)
         if verdict is not None:
             metrics.LATENCY_BUDGET_OVERLOADED.set(int(self.overload.overloaded))
             (log.warning if self.overload.overloaded else log.info)("%s", verdict)

@@ -88,7 +88,7 @@ class Worker:
         self._cycle = Cycle()
         self._inflight = CyclesInFlight()
         self._closing = CycleClosing(config.max_batch, config.max_wait_ms, config.latency_budget_ms,
-                                     self._inflight.gpu_busy, cap_queues=config.batch_cap == "knee")  # with the latency budget, which learns from every commit
+                                     self._inflight.gpu_busy)  # with the latency budget, which learns from every commit
         self._rewind_due = False  # a transaction failed during a rebalance callback: seek at the next step
         self._schemas_unanswered = False  # the broker did not answer the schema table's catch-up: close no cycle
 

@@ -6,8 +6,7 @@ import random
 
 import pytest
 
-from worker.stream.gathering import (GATHER_SHARE, KNEE_SLACK, UTILISATION, CommitWindow, CostLine, RecentRate, batch_cap,
-                                    gather_window)
+from worker.stream.gathering import GATHER_SHARE, UTILISATION, CommitWindow, CostLine, RecentRate, gather_window
 from worker.stream.latency_budget import CycleTimes, LatencyBudget
 
 # the H200's shape of issue 46: a cycle's GPU time 2.3 ms + 0.45 ms a state, a transaction 2.2 ms, launch lead 1.5 ms
@@ -102,12 +101,11 @@ def test_the_commit_window_keeps_the_sums_of_the_cycles_still_in_it():
     assert (len(window), window.states, window.missed) == (0, 0, 0)
 
 
-def _learned(budget_s: float, rate: float, seconds: float = 3.0, seed: int = 0, cap_queues: bool = False
-             ) -> LatencyBudget:
+def _learned(budget_s: float, rate: float, seconds: float = 3.0, seed: int = 0) -> LatencyBudget:
     """A planner fed the cycles a GPU of ENGINE's costs commits at ``rate`` states/s, closing each cycle as the
     planner says (a small model of the loop: one cycle on the GPU at a time, commits 2.2 ms after the scores)."""
     rng = random.Random(seed)
-    budget = LatencyBudget(budget_s, max_wait_s=budget_s, cap_queues=cap_queues)
+    budget = LatencyBudget(budget_s, max_wait_s=budget_s)
     t, gpu_free, arrivals = 0.0, 0.0, []
     while t < seconds:
         t += rng.expovariate(rate)
@@ -151,44 +149,3 @@ def test_a_cycle_never_gathers_past_the_size_beyond_which_batches_stopped_gettin
     # where the largest measured bucket is the cheapest, the next one up is worth a try: twice its size
     linear = CostLine.fitted([(n, 0.0023 + 0.00045 * n, 0.001) for n in (2.0, 6.0, 12.0)])
     assert linear.cheapest_up_to == 24.0
-
-
-# states a second per batch bucket as an H100 scores them (run CV): they stop rising past 32
-H100_RATES = {1: 420.0, 2: 760.0, 4: 1150.0, 8: 1480.0, 16: 1750.0, 32: 1980.0, 64: 2020.0, 128: 2055.0}
-
-
-def test_a_cycle_is_capped_at_the_knee_where_larger_batches_stop_scoring_faster():
-    assert batch_cap(H100_RATES, mean_batch=3.0, max_batch=128) == 32
-    # 16 is short of 64's and 128's by more than the slack; 32 is within it of both
-    assert H100_RATES[16] < (1 - KNEE_SLACK) * H100_RATES[128] <= H100_RATES[32]
-    # the cap never binds on the load: twice the recent cycles' mean batch, at least
-    assert batch_cap(H100_RATES, mean_batch=20.0, max_batch=128) == 40
-    assert batch_cap(H100_RATES, mean_batch=20.0, max_batch=36) == 36
-    # nothing learned yet, or no rate window: --max-batch
-    assert batch_cap({}, mean_batch=3.0, max_batch=128) == 128
-    assert batch_cap(H100_RATES, mean_batch=None, max_batch=128) == 128
-
-
-def test_where_the_largest_measured_batch_is_the_fastest_the_cap_lets_a_queue_try_twice_it():
-    small = {b: r for b, r in H100_RATES.items() if b <= 8}
-    assert batch_cap(small, mean_batch=1.5, max_batch=128) == 16
-    # a knee is only where a larger bucket was measured no faster
-    flat = {1: 420.0, 2: 800.0, 4: 790.0}
-    assert batch_cap(flat, mean_batch=1.0, max_batch=128) == 2
-
-
-def test_a_cap_that_binds_on_every_cycle_doubles_itself():
-    cap = batch_cap({1: 400.0, 2: 800.0, 4: 790.0}, mean_batch=1.0, max_batch=128)
-    for _ in range(3):                  # every cycle full at the cap: the mean batch is the cap
-        cap = batch_cap({1: 400.0, 2: 800.0, 4: 790.0}, mean_batch=float(cap), max_batch=128)
-    assert cap == 16
-
-
-def test_a_planner_learns_its_cap_from_the_cycles_it_commits_and_forgets_it_on_a_rewind():
-    assert _learned(0.05, 0.6 * FULL_LOAD).batch_cap == 128          # --batch-cap off (the default): --max-batch
-    planner = _learned(0.05, 0.6 * FULL_LOAD, cap_queues=True)
-    assert planner.rate.mean_batch() is not None
-    expected = batch_cap(planner.engine.states_per_second(), planner.rate.mean_batch(), planner.max_batch)
-    assert planner.batch_cap == expected < planner.max_batch
-    planner.forget_order()
-    assert planner.batch_cap == planner.max_batch
