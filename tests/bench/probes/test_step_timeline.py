@@ -26,6 +26,15 @@ def test_a_step_splits_into_kernels_and_gaps_by_family_and_transition():
     assert summary["transitions"][("GEMM (cuBLAS)", "memset")] == (1, 0)
 
 
+def test_the_time_from_the_first_kernel_leaves_out_the_inputs_copies_and_the_launchs_delay():
+    # the inputs' copies, then 50 us until the graph's first kernel starts (its launch on the host)
+    step = [Interval("Memcpy HtoD (Pinned -> Device)", 0, 1), Interval("Memcpy HtoD (Pinned -> Device)", 1, 2),
+            *_step(52.0)]
+    summary = step_summary(step)
+    assert summary["wall_us"] == 80 and summary["from_first_kernel_us"] == 28
+    assert "from the first kernel after the input's copies: median 28.0 us" in summarize(step, 1)
+
+
 def test_overlapping_events_are_not_counted_as_idle():
     summary = step_summary([Interval("_a", 0, 10), Interval("_b", 5, 8), Interval("_c", 11, 12)])
     assert summary["wall_us"] == 12 and summary["gaps_us"] == 1
