@@ -297,7 +297,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--seconds", type=float, default=10.0, help="measured window")
     ap.add_argument("--warmup-seconds", type=float, default=3.0)
     ap.add_argument("--engine", choices=("stand-in", "tiny"), default="stand-in")
-    ap.add_argument("--device-ms", default="2.3,0.45", help="with --engine stand-in: a batch of n states takes A + B x n ms")
+    ap.add_argument("--device-ms", default="2.3,0.45", help="with --engine stand-in: a batch of n states takes A + B x n ms, or n:ms,... "
+                    "(a GPU's measured batch times)")
     ap.add_argument("--max-batch", type=int, default=128)
     ap.add_argument("--latency-budget-ms", type=int, default=25)
     ap.add_argument("--max-wait-ms", type=int, default=None, help="default: the budget")

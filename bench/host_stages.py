@@ -175,10 +175,29 @@ def install_poll_timer() -> bool:
     return True
 
 
-def install_engine(engine: str, device_ms: tuple[float, float]) -> None:
+def parse_device_ms(text: str) -> tuple[tuple[float, float], ...]:
+    """``--device-ms``: "A,B" (a batch of n states takes A + B x n ms) -> ((0, A), (1, A + B)), a line through two
+    points; or measured "n:ms,..." points (the GPU's own batch times: between them a broken line, beyond the last
+    two the line through them). ValueError where it is neither."""
+    if ":" not in text:
+        fixed, per_state = (float(x) for x in text.split(","))
+        return ((0.0, fixed), (1.0, fixed + per_state))
+    points = tuple(sorted((float(n), float(ms)) for n, ms in (item.split(":") for item in text.split(","))))
+    if len(points) < 2 or len({n for n, _ in points}) != len(points):
+        raise ValueError(f"--device-ms {text!r}: at least two points of distinct batch sizes")
+    return points
+
+
+def device_ms_at(points: tuple[tuple[float, float], ...], n: float) -> float:
+    """The modelled time of a batch of ``n`` on ``parse_device_ms``'s points."""
+    (n0, t0), (n1, t1) = next(((a, b) for a, b in zip(points, points[1:]) if n <= b[0]), points[-2:])
+    return t0 + (t1 - t0) * (n - n0) / (n1 - n0)
+
+
+def install_engine(engine: str, device_ms: tuple[tuple[float, float], ...]) -> None:
     """Time the engine's forward apart (``FORWARD``); with ``engine == "stand-in"``, replace its compute by its
-    first output per step shape, and make the scores of a batch of n states ready ``device_ms[0] + device_ms[1] * n``
-    ms after the batch ahead of it."""
+    first output per step shape, and make the scores of a batch of n states ready ``device_ms_at(device_ms, n)`` ms
+    after the batch ahead of it (n padded to the engine's batch bucket where the points are measured ones)."""
     from engine import scores, schema_engine
 
     import torch
@@ -209,12 +228,14 @@ def install_engine(engine: str, device_ms: tuple[float, float]) -> None:
     if engine != "stand-in":
         return
     launch, details = schema_engine.SchemaEngine.launch_mixed, scores.PendingScores.details
+    from engine.buckets import B_BUCKETS, bucket
     device = {"free_at": 0.0}
-    fixed_s, per_state_s = device_ms[0] / 1000, device_ms[1] / 1000
+    measured = device_ms[0][0] >= 1      # points of real batch sizes: a batch runs as its graph's bucket
 
     def launch_mixed(self, requests):
         pending = launch(self, requests)
-        ready_at = max(time.monotonic(), device["free_at"]) + fixed_s + per_state_s * len(requests)
+        n = (bucket(len(requests), B_BUCKETS) or len(requests)) if measured else len(requests)
+        ready_at = max(time.monotonic(), device["free_at"]) + device_ms_at(device_ms, n) / 1000
         device["free_at"] = pending.stand_in_ready_at = ready_at
         return pending
 
@@ -294,7 +315,7 @@ def main() -> None:
     ap.add_argument("--engine", choices=("stand-in", "tiny"), default="stand-in")
     ap.add_argument("--device-ms", default="2.3,0.45")
     args = ap.parse_args(argv[:split])
-    device_ms = tuple(float(x) for x in args.device_ms.split(","))
+    device_ms = parse_device_ms(args.device_ms)
     import torch
 
     torch.set_num_threads(1)    # the forward's compute all on the GPU thread, where FORWARD counts it
@@ -306,7 +327,7 @@ def main() -> None:
                 missing.append(f"{module_name}.{path}")
         if not install_poll_timer():
             missing.append("worker.stream.assignment.Consumer")
-    extra = {"stages_installed": args.stages, "engine": args.engine, "device_ms": device_ms, "missing": missing,
+    extra = {"stages_installed": args.stages, "engine": args.engine, "device_ms": args.device_ms, "missing": missing,
              "overhead": calibrate() if args.stages else None, "pid": os.getpid()}
     threading.Thread(target=serve_snapshots, args=(args.out, extra), name="host-stages-control", daemon=True).start()
     from worker.cli.app import main as decider

@@ -51,12 +51,21 @@ from bench.replay_phase import replay_phase  # noqa: E402
 from bench.stream_phases import latency_phase, throughput_phase  # noqa: E402
 from bench.workload import QWEN35_08B, questions, states  # noqa: E402
 from bench.bench_broker import add_broker_option, bench_broker  # noqa: E402
+from bench.host_stages import device_ms_at, parse_device_ms  # noqa: E402
 
 
 # The engine benchmark's Qwen3.5-0.8B shape with the offline test tokenizer's vocabulary (the worker loads a tokenizer
 # from the model directory, and the real Qwen3.5 BPE ships only in tiktoken form). Token counts of the shape (state,
 # prefix) are measured with that tokenizer, so the work per state matches the engine benchmark.
 SHAPE_08B = {**{k: v for k, v in QWEN35_08B.items() if k != "vocab_size"}, "initializer_range": 0.02}
+
+
+def stand_in_label(device_ms: str) -> str:
+    """How the stand-in's GPU is written in titles: its line, or its measured points."""
+    if ":" in device_ms:
+        return "batch times " + ", ".join(f"{n}: {ms} ms" for n, ms in (p.split(":") for p in device_ms.split(",")))
+    fixed, per_state = device_ms.split(",")
+    return f"t(n) = {fixed} + {per_state} n ms"
 
 
 def device_tag(env: dict) -> str:
@@ -141,8 +150,9 @@ def main(argv=None) -> dict:
                          "of --device-ms would have them (bench/host_stages.py), at the full shapes (not --quick's); "
                          "the engine-only rate is then the model's, at --max-batch")
     ap.add_argument("--device-ms", default="2.3,0.45",
-                    help="with --engine stand-in: a batch of n states takes A + B x n ms (default: the H200's t(n), "
-                         "issue 46)")
+                    help="with --engine stand-in: A,B (a batch of n states takes A + B x n ms; default: the H200's "
+                         "t(n), issue 46), or a GPU's measured batch times n:ms,... (a batch padded to its graph's "
+                         "bucket, a broken line between the points)")
     add_broker_option(ap)
     ap.add_argument("--start-timeout", type=float, default=300)
     ap.add_argument("--scale-out", default=None, metavar="REBALANCING",
@@ -157,9 +167,10 @@ def main(argv=None) -> dict:
         ap.error("--engine stand-in runs the full shapes; --quick's small ones would model nothing")
     if stand_in:
         try:
-            fixed_ms, per_state_ms = (float(x) for x in args.device_ms.split(","))
+            device_points = parse_device_ms(args.device_ms)
         except ValueError:
-            ap.error(f"--device-ms: expected A,B (milliseconds: a batch of n takes A + B x n), got {args.device_ms!r}")
+            ap.error(f"--device-ms: expected A,B (milliseconds: a batch of n takes A + B x n) or n:ms,... (measured "
+                     f"batch times, at least two), got {args.device_ms!r}")
     import torch
     cuda = torch.cuda.is_available() and not args.quick and not stand_in
     args.device = args.device or ("cuda" if cuda else "cpu")
@@ -215,14 +226,14 @@ def main(argv=None) -> dict:
                cpus=os.cpu_count(), cpu_quota_cpus=cgroup_cpu.quota_cpus())
     if stand_in:
         env.update(engine="stand-in", device_ms=args.device_ms,
-                   gpu=f"CPU, a stand-in GPU: t(n) = {fixed_ms:g} + {per_state_ms:g} n ms",
+                   gpu=f"CPU, a stand-in GPU: {stand_in_label(args.device_ms)}",
                    model="tiny (engine.testing), its forward replaced by the stand-in after the first of each shape")
     print(json.dumps(env), flush=True)
     if args.scale_out:
         from bench.scale_out import bench_runs
         return bench_runs(args, env, model_dir, schema_file, texts, root)
     if stand_in:    # the modelled GPU's rate at --max-batch
-        one_engine = args.max_batch * 1000 / (fixed_ms + per_state_ms * args.max_batch)
+        one_engine = args.max_batch * 1000 / device_ms_at(device_points, args.max_batch)
     else:
         one_engine = engine_only(args, model_dir, document, texts)
     engine_rate = one_engine * (args.workers if args.device.startswith("cuda") else 1)

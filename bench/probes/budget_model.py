@@ -35,6 +35,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from engine.buckets import B_BUCKETS, bucket  # noqa: E402
+from bench.host_stages import device_ms_at  # noqa: E402
 from worker.stream.latency_budget import CycleTimes, LatencyBudget  # noqa: E402
 
 
@@ -55,9 +56,7 @@ class Costs:
         engine whose time per state stops falling past some batch, as the H100's does past 32: run CV)."""
         if not self.batch_ms:
             return self.batch_fixed_ms + self.per_row_ms * rows
-        points = sorted(self.batch_ms)
-        (n0, t0), (n1, t1) = next(((a, b) for a, b in zip(points, points[1:]) if rows <= b[0]), points[-2:])
-        return t0 + (t1 - t0) * (rows - n0) / (n1 - n0)
+        return device_ms_at(tuple(sorted(self.batch_ms)), rows)
 
 
 @dataclass

@@ -1,6 +1,8 @@
 """bench/host_cost.py: the worker's host CPU by thread and by stage, per state and per cycle, and the GIL's share."""
 import json
 
+import pytest
+
 from bench import host_cost
 from tests.brokers import bench_broker_args
 
@@ -40,3 +42,16 @@ def test_a_short_run_reports_host_cost_by_thread_and_by_stage(tmp_path):
     assert png.stat().st_size > 1000
     png.unlink()
     assert host_cost.main(["--plot", str(out)]) == json.loads(out.read_text()) and png.stat().st_size > 1000
+
+
+def test_the_stand_ins_gpu_is_a_line_or_a_gpus_measured_batch_times():
+    from bench.host_stages import device_ms_at, parse_device_ms
+
+    line = parse_device_ms("2.3,0.45")
+    assert device_ms_at(line, 1) == pytest.approx(2.75) and device_ms_at(line, 128) == pytest.approx(59.9)
+    measured = parse_device_ms("8:5.33,1:2.55,32:16.74,128:63.58")     # any order
+    assert device_ms_at(measured, 8) == 5.33 and device_ms_at(measured, 20) == pytest.approx((5.33 + 16.74) / 2)
+    assert device_ms_at(measured, 256) == pytest.approx(63.58 + (63.58 - 16.74) / 96 * 128)   # the last two's line
+    for bad in ("2.3", "8:5.3", "8:5.3,8:6.0", "a,b"):
+        with pytest.raises(ValueError):
+            parse_device_ms(bad)
