@@ -36,12 +36,13 @@ REPO = Path(__file__).resolve().parents[1]
 HOST_STAGES = REPO / "bench" / "host_stages.py"
 
 
-def stand_in_command(device_ms: str, snapshots: Path, cli: list[str], stages: bool = False, engine: str = "stand-in",
-                     script: Path = HOST_STAGES) -> list[str]:
+def stand_in_command(device_ms: str, snapshots: Path, cli: list[str], stages: bool = False,
+                     engine: str = "stand-in") -> list[str]:
     """The command that runs ``decider`` with ``cli`` under ``bench/host_stages.py``: its CPU by thread (and by stage
-    with ``stages``) on snapshot commands, its engine's compute timed apart, and with ``engine == "stand-in"`` a
-    batch of n states scored in ``device_ms`` = "A,B": A + B x n ms (the modelled GPU; the CPU free meanwhile)."""
-    return [sys.executable, str(script), "--out", str(snapshots), "--engine", engine, "--device-ms", device_ms,
+    with ``stages``) on snapshot commands, its engine's compute timed apart, and with ``engine == "stand-in"`` each
+    batch scored in the time ``device_ms`` gives it ("A,B" or "n:ms,...": ``host_stages.parse_device_ms``; the
+    modelled GPU, the CPU free meanwhile)."""
+    return [sys.executable, str(HOST_STAGES), "--out", str(snapshots), "--engine", engine, "--device-ms", device_ms,
             *(["--stages"] if stages else []), "--", *cli]
 
 
