@@ -194,10 +194,19 @@ def device_ms_at(points: tuple[tuple[float, float], ...], n: float) -> float:
     return t0 + (t1 - t0) * (n - n0) / (n1 - n0)
 
 
+def stand_in_batch_ms(points: tuple[tuple[float, float], ...], n_states: int) -> float:
+    """The stand-in GPU's time for a batch of ``n_states``: on a line, for the states themselves; on a GPU's measured
+    points (real batch sizes), for the engine's batch bucket it is padded to, as its graph would run it."""
+    if points[0][0] >= 1:
+        from engine.buckets import B_BUCKETS, bucket
+        n_states = bucket(n_states, B_BUCKETS) or n_states
+    return device_ms_at(points, n_states)
+
+
 def install_engine(engine: str, device_ms: tuple[tuple[float, float], ...]) -> None:
     """Time the engine's forward apart (``FORWARD``); with ``engine == "stand-in"``, replace its compute by its
-    first output per step shape, and make the scores of a batch of n states ready ``device_ms_at(device_ms, n)`` ms
-    after the batch ahead of it (n padded to the engine's batch bucket where the points are measured ones)."""
+    first output per step shape, and make the scores of a batch of n states ready ``stand_in_batch_ms(device_ms, n)``
+    ms after the batch ahead of it."""
     from engine import scores, schema_engine
 
     import torch
@@ -228,14 +237,11 @@ def install_engine(engine: str, device_ms: tuple[tuple[float, float], ...]) -> N
     if engine != "stand-in":
         return
     launch, details = schema_engine.SchemaEngine.launch_mixed, scores.PendingScores.details
-    from engine.buckets import B_BUCKETS, bucket
     device = {"free_at": 0.0}
-    measured = device_ms[0][0] >= 1      # points of real batch sizes: a batch runs as its graph's bucket
 
     def launch_mixed(self, requests):
         pending = launch(self, requests)
-        n = (bucket(len(requests), B_BUCKETS) or len(requests)) if measured else len(requests)
-        ready_at = max(time.monotonic(), device["free_at"]) + device_ms_at(device_ms, n) / 1000
+        ready_at = max(time.monotonic(), device["free_at"]) + stand_in_batch_ms(device_ms, len(requests)) / 1000
         device["free_at"] = pending.stand_in_ready_at = ready_at
         return pending
 

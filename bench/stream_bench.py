@@ -51,7 +51,7 @@ from bench.replay_phase import replay_phase  # noqa: E402
 from bench.stream_phases import latency_phase, throughput_phase  # noqa: E402
 from bench.workload import QWEN35_08B, questions, states  # noqa: E402
 from bench.bench_broker import add_broker_option, bench_broker  # noqa: E402
-from bench.host_stages import device_ms_at, parse_device_ms  # noqa: E402
+from bench.host_stages import parse_device_ms, stand_in_batch_ms  # noqa: E402
 
 
 # The engine benchmark's Qwen3.5-0.8B shape with the offline test tokenizer's vocabulary (the worker loads a tokenizer
@@ -233,7 +233,7 @@ def main(argv=None) -> dict:
         from bench.scale_out import bench_runs
         return bench_runs(args, env, model_dir, schema_file, texts, root)
     if stand_in:    # the modelled GPU's rate at --max-batch
-        one_engine = args.max_batch * 1000 / device_ms_at(device_points, args.max_batch)
+        one_engine = args.max_batch * 1000 / stand_in_batch_ms(device_points, args.max_batch)
     else:
         one_engine = engine_only(args, model_dir, document, texts)
     engine_rate = one_engine * (args.workers if args.device.startswith("cuda") else 1)

@@ -45,13 +45,16 @@ def test_a_short_run_reports_host_cost_by_thread_and_by_stage(tmp_path):
 
 
 def test_the_stand_ins_gpu_is_a_line_or_a_gpus_measured_batch_times():
-    from bench.host_stages import device_ms_at, parse_device_ms
+    from bench.host_stages import device_ms_at, parse_device_ms, stand_in_batch_ms
 
     line = parse_device_ms("2.3,0.45")
     assert device_ms_at(line, 1) == pytest.approx(2.75) and device_ms_at(line, 128) == pytest.approx(59.9)
     measured = parse_device_ms("8:5.33,1:2.55,32:16.74,128:63.58")     # any order
     assert device_ms_at(measured, 8) == 5.33 and device_ms_at(measured, 20) == pytest.approx((5.33 + 16.74) / 2)
     assert device_ms_at(measured, 256) == pytest.approx(63.58 + (63.58 - 16.74) / 96 * 128)   # the last two's line
+    # a measured GPU runs a batch as its graph's bucket (9 states: 10), a line the states themselves
+    assert stand_in_batch_ms(measured, 9) == device_ms_at(measured, 10)
+    assert stand_in_batch_ms(line, 9) == device_ms_at(line, 9)
     for bad in ("2.3", "8:5.3", "8:5.3,8:6.0", "a,b"):
         with pytest.raises(ValueError):
             parse_device_ms(bad)

@@ -13,7 +13,7 @@ The budget is a deadline first: a cycle closes at once when the GPU is idle and,
 that one is expected to finish less the time a closed cycle takes to be queued on the device (the *launch lead*), so
 that its batch is queued behind the one in flight. States that arrive while a batch runs make the next batch: the
 queue sets the batch size, which grows with the load up to --max-batch (a cap at the batch beyond which larger ones
-scored no faster, tried on an H100, made the tail at 80% load no better: bench/README.md, runs DA and DB). But not
+scored no faster, tried on an H100, made the tail at 80% load no better: bench/README.md, run DB). But not
 before its *gathering window* after its first state (``worker.stream.gathering``): 0 at a light load; when the load
 needs larger batches than closing at once makes (every cycle pays a fixed cost on the GPU, on the host and in its
 transaction), as long as the budget allows, so that a larger budget holds a higher load. Gathering up to the
