@@ -43,10 +43,11 @@ for step in $steps; do
                  > "$OUT/timeline_$table.txt" 2>&1; grep -E "^===|device wall|first kernel|^\| GEMM" "$OUT/timeline_$table.txt"
              done ;;
     workspace-timelines) # cuBLAS's default workspace against none (its memsets gone, run DC), the deterministic table's
-             # timelines in WS_ROUNDS processes of each setting, alternated (torch reads the setting once a process)
+             # timelines in WS_ROUNDS processes of each setting, alternated (torch reads the setting once a process; the
+             # engine sets none unless told DECIDER_CUBLAS_WORKSPACE=default: engine/cublas_workspace.py)
              for round in $(seq "${WS_ROUNDS:-3}"); do
                for setting in default none; do
-                 env $([ $setting = none ] && echo CUBLAS_WORKSPACE_CONFIG=:0:0 CUBLASLT_WORKSPACE_SIZE=0) \
+                 env $([ $setting = none ] && echo CUBLAS_WORKSPACE_CONFIG=:0:0 CUBLASLT_WORKSPACE_SIZE=0 || echo DECIDER_CUBLAS_WORKSPACE=default) \
                    timeout "${T_TIMELINES:-200}" python3 bench/probes/profile_engine.py --graphs --timeline --deterministic \
                    --batch "${TIMELINE_BATCHES:-1,8}" --rows 40 > "$OUT/timeline_ws${round}_$setting.txt" 2>&1
                  echo "round $round, workspace $setting:"; grep -E "^===|first kernel|^\| memset" "$OUT/timeline_ws${round}_$setting.txt"
@@ -89,7 +90,7 @@ for step in $steps; do
              [ "${PROBE:-1}" = 1 ] && timeout "${T_WORKSPACE:-200}" python3 bench/probes/cublas_workspace_probe.py \
                --out "$OUT/cublas_workspace.json" 2>&1 | tee "$OUT/cublas_workspace.txt" | tail -45
              for round in $(seq "${ROUNDS:-1}"); do for setting in default no_workspace; do
-               ( [ $setting = no_workspace ] && export CUBLAS_WORKSPACE_CONFIG=:0:0 CUBLASLT_WORKSPACE_SIZE=0
+               ( [ $setting = no_workspace ] && export CUBLAS_WORKSPACE_CONFIG=:0:0 CUBLASLT_WORKSPACE_SIZE=0 || export DECIDER_CUBLAS_WORKSPACE=default
                  timeout "${T_ENGINE:-170}" python3 bench/engine_bench.py --state-tokens 128 --batches "${BATCHES:-1,8,128}" \
                    --methods "${METHODS:-cached_graphs,cached_graphs_deterministic}" --iters 6 --out "$OUT/$setting$round" \
                    > "$OUT/engine_bench_$setting$round.txt" 2>&1

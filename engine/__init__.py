@@ -2,6 +2,10 @@
 
 Knows nothing of Kafka.  See `SchemaEngine` for the request path and `engine.reference.score_full` for the oracle.
 """
+from engine import cublas_workspace
+
+cublas_workspace.configure()    # before any GEMM of the process: torch reads it once (engine.cublas_workspace)
+
 from engine.errors import DeviceUnavailableError, InputError, KernelsUnavailableError, ModelLoadError
 from engine.fingerprint import Fingerprint
 from engine.loader import Engine

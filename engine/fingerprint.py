@@ -32,6 +32,8 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any, Sequence
 
+from engine import cublas_workspace
+
 log = logging.getLogger(__name__)
 
 PARTS = ("model", "decider", "kernels", "prompt", "calibration")
@@ -140,7 +142,8 @@ def kernels_part(kernels, device, dtype) -> str:
     label = f"{device.type} {str(dtype).removeprefix('torch.')} {family} {'deterministic' if kernels.batch_invariant else 'fast'}"
     env = {"torch": torch.__version__, "transformers": _version("transformers"), "table": kernels.name}
     if device.type == "cuda":
-        env.update(gpu=torch.cuda.get_device_name(device), cuda=torch.version.cuda, fla=_version("fla-core"))
+        env.update(gpu=torch.cuda.get_device_name(device), cuda=torch.version.cuda, fla=_version("fla-core"),
+                   cublas=cublas_workspace.describe())     # which GEMM kernels cuBLAS may pick, so the bits
     return f"{label} #{short_digest('kernels', label, env)}"
 
 

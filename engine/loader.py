@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from engine import cublas_workspace
 from engine.errors import DeviceUnavailableError, ModelLoadError
 from engine.fingerprint import decider_part, kernels_part, model_part, model_part_of_tensors
 from engine.label_mass import FullVocabulary
@@ -98,7 +99,8 @@ class Engine:
             raise ModelLoadError(f"{model_dir}: no tokenizer (expected one of {', '.join(_TOKENIZER_FILES)})")
         tok = AutoTokenizer.from_pretrained(model_dir)
         model = build_model(text_cfg, load_weights(model_dir), dev, torch_dtype)
-        log.info("loaded %s on %s (%s): %d layers", model_dir, dev, torch_dtype, text_cfg.num_hidden_layers)
+        log.info("loaded %s on %s (%s): %d layers%s", model_dir, dev, torch_dtype, text_cfg.num_hidden_layers,
+                 f"; cuBLAS: {cublas_workspace.describe()}" if dev.type == "cuda" else "")
         if deterministic is None:
             deterministic = DETERMINISTIC_BY_DEFAULT[dev.type]
         return cls(model, tok, model_id=model_dir.name, use_graphs=use_graphs, deterministic=deterministic,

@@ -23,9 +23,9 @@ import sys
 from pathlib import Path
 
 SETTINGS = {
-    "default": {},
+    "default": {"DECIDER_CUBLAS_WORKSPACE": "default"},        # else importing the engine sets none (engine.cublas_workspace)
     "no_workspace": {"CUBLAS_WORKSPACE_CONFIG": ":0:0", "CUBLASLT_WORKSPACE_SIZE": "0"},
-    "cublaslt": {"DECIDER_PROBE_BLAS": "cublaslt"},
+    "cublaslt": {"DECIDER_PROBE_BLAS": "cublaslt", "DECIDER_CUBLAS_WORKSPACE": "default"},
     "cublaslt_no_workspace": {"DECIDER_PROBE_BLAS": "cublaslt", "CUBLAS_WORKSPACE_CONFIG": ":0:0",
                               "CUBLASLT_WORKSPACE_SIZE": "0"},
 }

@@ -247,3 +247,16 @@ def test_the_deterministic_table_runs_one_kernel_attention_and_the_answers_at_ev
         calls.update(suffix=0, answers=0)
         se.score(h, texts[:size])
         assert calls == {"suffix": attention_layers - 1, "answers": 1, "split": 0}, (size, calls)
+
+
+def test_without_a_workspace_every_projection_is_one_cublas_gemm(engines):
+    """Importing the engine leaves cuBLAS no workspace (engine.cublas_workspace), so it never splits K, and each
+    projection shape is batch-invariant as one GEMM: no blocked down projection, no Triton matmul (run CU)."""
+    import os
+
+    from engine import cublas_workspace
+
+    if any(os.environ.get(name) != value for name, value in cublas_workspace.NO_WORKSPACE.items()):
+        pytest.skip(f"cuBLAS's workspace chosen outside the engine: {cublas_workspace.describe()}")
+    linear = engines[True].forward.kernels.linear
+    assert linear.floors and linear.blocked == set() and linear.triton == set(), (linear.blocked, linear.triton)
