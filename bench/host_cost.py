@@ -58,7 +58,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import gil_profile, host_cost_plot  # noqa: E402
 from bench.bench_broker import add_broker_option, bench_broker  # noqa: E402
-from bench.stream_phases import Reader, Stream, exactly_once, produce, stand_in_command  # noqa: E402
+from bench.host_stages import stand_in_command  # noqa: E402
+from bench.stream_phases import Reader, Stream, exactly_once, produce  # noqa: E402
 from bench.stream_windows import committed_records, cycle_timelines, read_log_events  # noqa: E402
 from bench.workload import states  # noqa: E402
 

@@ -39,6 +39,7 @@ import re
 import sys
 import threading
 import time
+from pathlib import Path
 
 if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
     sys.path.pop(0)     # run as a script: bench/ itself is no package root; the tree under test is on PYTHONPATH
@@ -175,6 +176,16 @@ def install_poll_timer() -> bool:
     return True
 
 
+def stand_in_command(device_ms: str, snapshots: Path, cli: list[str], stages: bool = False,
+                     engine: str = "stand-in") -> list[str]:
+    """The command that runs ``decider`` with ``cli`` under this script: its CPU by thread (and by stage with
+    ``stages``) on snapshot commands, its engine's compute timed apart, and with ``engine == "stand-in"`` each batch
+    scored in the time ``device_ms`` gives it ("A,B" or "n:ms,...": ``parse_device_ms``; the modelled GPU, the CPU free
+    meanwhile)."""
+    return [sys.executable, str(Path(__file__).resolve()), "--out", str(snapshots), "--engine", engine, "--device-ms",
+            device_ms, *(["--stages"] if stages else []), "--", *cli]
+
+
 def parse_device_ms(text: str) -> tuple[tuple[float, float], ...]:
     """``--device-ms``: "A,B" (a batch of n states takes A + B x n ms) -> ((0, A), (1, A + B)), a line through two
     points; or measured "n:ms,..." points (the GPU's own batch times: between them a broken line, beyond the last
@@ -194,10 +205,16 @@ def device_ms_at(points: tuple[tuple[float, float], ...], n: float) -> float:
     return t0 + (t1 - t0) * (n - n0) / (n1 - n0)
 
 
+def points_padded(points: tuple[tuple[float, float], ...]) -> bool:
+    """Whether ``parse_device_ms``'s points are a GPU's measured batch times (its graphs pad a batch to a bucket)
+    rather than a line."""
+    return points[0][0] >= 1
+
+
 def stand_in_batch_ms(points: tuple[tuple[float, float], ...], n_states: int) -> float:
     """The stand-in GPU's time for a batch of ``n_states``: on a line, for the states themselves; on a GPU's measured
     points (real batch sizes), for the engine's batch bucket it is padded to, as its graph would run it."""
-    if points[0][0] >= 1:
+    if points_padded(points):
         from engine.buckets import B_BUCKETS, bucket
         n_states = bucket(n_states, B_BUCKETS) or n_states
     return device_ms_at(points, n_states)
@@ -253,6 +270,9 @@ def install_engine(engine: str, device_ms: tuple[tuple[float, float], ...]) -> N
 
     schema_engine.SchemaEngine.launch_mixed = launch_mixed
     scores.PendingScores.details = wait_for_device
+    if points_padded(device_ms):      # the modelled GPU runs graphs: --unpadded-batches sees its buckets
+        from engine.buckets import unpadded_prefix
+        schema_engine.SchemaEngine.unpadded_count = lambda self, schemas: unpadded_prefix([h.P for h in schemas])
 
 
 def calibrate(calls: int = 20000) -> dict[str, float]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import os
 import signal
 import statistics
@@ -24,6 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import schemas
 from bench import cgroup_cpu, gil_profile, tail_causes
+from bench.host_stages import stand_in_command
 from bench.stream_windows import (all_workers_window, budget_plan_errors, cycle_timelines, gpu_pipeline,
                                   held_partitions, read_log_events)
 from worker.cli.commands import put_schema
@@ -33,19 +35,6 @@ from worker.kafka_clients import create_topics, plain_producer, reader_consumer
 
 
 REPO = Path(__file__).resolve().parents[1]
-HOST_STAGES = REPO / "bench" / "host_stages.py"
-
-
-def stand_in_command(device_ms: str, snapshots: Path, cli: list[str], stages: bool = False,
-                     engine: str = "stand-in") -> list[str]:
-    """The command that runs ``decider`` with ``cli`` under ``bench/host_stages.py``: its CPU by thread (and by stage
-    with ``stages``) on snapshot commands, its engine's compute timed apart, and with ``engine == "stand-in"`` each
-    batch scored in the time ``device_ms`` gives it ("A,B" or "n:ms,...": ``host_stages.parse_device_ms``; the
-    modelled GPU, the CPU free meanwhile)."""
-    return [sys.executable, str(HOST_STAGES), "--out", str(snapshots), "--engine", engine, "--device-ms", device_ms,
-            *(["--stages"] if stages else []), "--", *cli]
-
-
 class Stream:
     """One phase's topics, schema and workers on the shared broker."""
 
@@ -234,7 +223,7 @@ def produce(bootstrap: str, topic: str, ids: list[str], texts: list[str], rate: 
     as fast as possible. Paced at a rate, each record is sent at once (linger.ms 0, as a latency-sensitive producer
     would): the producer's linger would otherwise be part of every measured latency, before the worker could see the
     record."""
-    producer = plain_producer(bootstrap, linger_ms=0 if rate else 5)
+    producer = _paced_producer(bootstrap, topic) if rate else plain_producer(bootstrap, linger_ms=5)
     t0 = time.time()
     for k, (sid, text) in enumerate(zip(ids, texts)):
         if rate:
@@ -246,6 +235,15 @@ def produce(bootstrap: str, topic: str, ids: list[str], texts: list[str], rate: 
         if on_progress:
             on_progress(k + 1)
     producer.flush(30)
+
+
+@functools.cache
+def _paced_producer(bootstrap: str, topic: str):
+    """One producer per broker and topic for every paced window, its metadata fetched first: a new one holds its first
+    ~0.5 s of records until it is ready and then sends them at once, half a second old (bench/README.md, run DJ)."""
+    producer = plain_producer(bootstrap, linger_ms=0)
+    producer.list_topics(topic, timeout=10)
+    return producer
 
 
 def exactly_once(reader: Reader, ids: list[str]) -> dict:
