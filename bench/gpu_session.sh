@@ -7,7 +7,7 @@
 # bash bench/gpu_session.sh [steps...]
 #   steps: tests timelines (profile_engine.py --graphs --timeline in the fast and deterministic tables, TIMELINE_BATCHES) workspace-timelines (the deterministic table's, cuBLAS's workspace against none, WS_ROUNDS processes each) hostprobe (bench/probes/host_probe.py --profile: the launch's host time by function, HOST_BATCHES) workspace (cuBLAS without a workspace: bench/probes/cublas_workspace_probe.py, the engine in both) flaless (deterministic scoring on CUDA with fla hidden: refused) profile engine lengths (64/256-token states) schemas (many live schemas) variants (bench/probes/variant_ab.py:
 #   VARIANTS="name:module.ATTR=value|...", DETERMINISTIC=1 for the workers' kernel table) stream scaleout (2 workers,
-#   one killed) capacity (stream_bench.py --capacity once per DELAYS, default "0": broker delays in ms, through
+#   one killed) unpadded-ab (the capacity with --padded-batches, then --unpadded-batches, SETTINGS) capacity (stream_bench.py --capacity once per DELAYS, default "0": broker delays in ms, through
 #   bench/latency_proxy.py; CAPACITY_ARGS e.g. "--latency-budget-ms 25,50"), ab (the engine step again in another checkout, AB_TREE, default ab/: e.g. a branch to time against
 #   this tree in the same call, extracted with `mkdir ab && git archive BRANCH | tar -x -C ab`, removed after; several
 #   trees: AB_TREE=ab2 bash bench/gpu_session.sh ab, in the same command line)
@@ -77,6 +77,14 @@ for step in $steps; do
                  --states "${STATES:-8000}" --out "$OUT" ${CAPACITY_ARGS:-} 2>&1 | tee "$OUT/capacity_delay$delay.txt" | tail -12
              done
              cgroup_cpu "after" >> "$OUT/cgroup_cpu.txt"; cat "$OUT/cgroup_cpu.txt"; archive_logs "$OUT" ;;
+    unpadded-ab) # --padded-batches against --unpadded-batches (DECIDER_UNPADDED_BATCHES), the same tree and offered rates
+             # (--full-load-rate), one capacity run each, alternated: CAPACITY_ARGS, default 50 and 100 ms at 75-90%
+             for setting in ${SETTINGS:-false true}; do
+               DECIDER_UNPADDED_BATCHES=$setting timeout "${T_UNPADDED:-280}" python3 bench/stream_bench.py --capacity \
+                 --states "${STATES:-8000}" --full-load-rate "${FULL_LOAD_RATE:-2080}" --out "$OUT/unpadded-$setting" \
+                 ${CAPACITY_ARGS:---latency-budget-ms 50,100 --capacity-loads 0.75,0.8,0.85,0.9} > "$OUT/unpadded-$setting.txt" 2>&1
+               echo "unpadded batches $setting:"; grep -E "^budget" "$OUT/unpadded-$setting.txt"; archive_logs "$OUT/unpadded-$setting"
+             done ;;
     hostprobe) # a synchronous step's host and device parts, then its launch's host time by function (cProfile)
              timeout "${T_HOSTPROBE:-180}" python3 bench/probes/host_probe.py --batches "${HOST_BATCHES:-1,4,8}" \
                --profile "${PROFILE_STEPS:-200}" --out "$OUT/host_probe.json" > "$OUT/host_probe.txt" 2>&1

@@ -7,6 +7,8 @@ buckets give, so the kernel wing never imports the graph manager.
 """
 from __future__ import annotations
 
+from typing import Sequence
+
 TS_BUCKETS = (*range(32, 257, 8), *range(288, 1025, 32), 1280, 1536, 2048)
 """Suffix lengths graphs are captured for: steps of 8 tokens where states usually fall (a 182-token suffix runs as
 184, not 192: padding is wasted compute), coarser above; longer suffixes run eagerly."""
@@ -28,3 +30,17 @@ def batch_buckets(max_batch: int) -> list[int]:
     if max_batch > B_BUCKETS[-1]:
         return list(B_BUCKETS)            # larger batches run as chunks of the largest bucket plus a remainder
     return [b for b in B_BUCKETS if b <= bucket(max_batch, B_BUCKETS)]
+
+
+def unpadded_prefix(rows_per_request: Sequence[int], buckets: tuple[int, ...] = B_BUCKETS) -> int:
+    """How many leading requests of a batch (each ``rows_per_request`` rows, in order) make steps with no padded row:
+    steps of ``buckets[-1]`` rows and a last one of exactly a bucket's rows. All of them when the whole batch does, or
+    when no prefix of it does (requests of rows that fall between buckets); else the most that do."""
+    largest = buckets[-1]
+    exact = set(buckets)
+    rows, best = 0, 0
+    for k, n in enumerate(rows_per_request, start=1):
+        rows += n
+        if rows % largest == 0 or rows % largest in exact:
+            best = k
+    return len(rows_per_request) if best in (0, len(rows_per_request)) else best

@@ -31,7 +31,7 @@ import torch
 
 from engine.calibration import CONTENT_FREE_STATES, check_calibration, contextual_bias, option_biases
 from engine.errors import InputError
-from engine.buckets import batch_buckets
+from engine.buckets import batch_buckets, unpadded_prefix
 from engine.fingerprint import Fingerprint, calibration_part, prompt_part
 from engine.graph_plans import GraphPlans, answers_per_row, serves
 from engine.graphs import GraphManager, StepShape
@@ -235,6 +235,15 @@ class SchemaEngine(GraphPlans):
         """`score_rows` as plain Python: per state, per question, the probabilities of that question's options."""
         inv_temps = self._inv_temps(h, temperature)
         return self._launch([(h, r, inv_temps) for r in rows]).result()
+
+    def unpadded_count(self, schemas: Sequence[PreparedSchema]) -> int:
+        """For a batch of states of these schemas (one entry a state, in order): how many leading states run with no
+        padded row in their steps' CUDA graphs (`engine.buckets.unpadded_prefix`; all of them without graphs). A padded
+        row costs the device what a real one does, so a caller whose batch would wait behind another anyway can launch
+        these and keep the rest for its next batch."""
+        if not self.graphs.enabled:
+            return len(schemas)
+        return unpadded_prefix([h.P for h in schemas], self.graphs.batch_sizes)
 
     def score_mixed(self, requests: Sequence[tuple[PreparedSchema, TokenizedState]]) -> list[list[list[float]]]:
         """States of any mix of prepared schemas in one batch ((schema, tokenized state) pairs, each schema's own

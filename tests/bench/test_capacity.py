@@ -95,3 +95,24 @@ def test_a_stand_in_run_refuses_quick_shapes_and_a_bad_device_model(capsys):
         with pytest.raises(SystemExit) as exit_info:
             stream_main(argv)
         assert exit_info.value.code == 2 and says in capsys.readouterr().err
+
+
+def test_unpadded_batches_leave_a_cycles_tail_to_the_next_exactly_once(tmp_path, monkeypatch):
+    """--unpadded-batches on the real worker and Apache Kafka, the stand-in GPU on an H100's measured batch times (its
+    graphs pad a batch to a bucket): with a cycle on the GPU, a closing cycle launches a bucket's states and the
+    rest open the next one; every state is visible once."""
+    from bench.stream_bench import main as stream_main
+
+    monkeypatch.setenv("DECIDER_UNPADDED_BATCHES", "true")
+    result = stream_main([*bench_broker_args(), "--capacity", "--engine", "stand-in",
+                          "--device-ms", "1:9.16,8:19.24,16:33.76,32:63.28,128:247.5",
+                          "--states", "100", "--latency-seconds", "3", "--latency-warmup-seconds", "1",
+                          "--latency-budget-ms", "5000", "--capacity-loads", "0.9", "--capacity-samples", "1",
+                          "--full-load-rate", "520", "--out", str(tmp_path)])
+    (curve,) = result["budgets"]
+    assert curve["exactly_once_ok"], curve
+    (log,) = tmp_path.glob("*.logs/cap5000-w0.log")
+    events = [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
+    cut = [e["message"] for e in events if e.get("message", "").startswith("unpadded batches:")]
+    assert cut, "no cycle was cut to its graph's batch size"
+    assert [e["scored"] for e in events if e.get("event") == "committed"], "nothing committed"

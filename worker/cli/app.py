@@ -128,6 +128,12 @@ def worker(
              "closes as soon as the GPU can take it, so batches grow with the load, and under a load that needs "
              "larger batches it first gathers for as long as half the budget allows; misses are counted "
              "(docs/tuning.md, Latency budget). --max-wait-ms still caps the wait. Default: no budget."),
+    unpadded_batches: bool = typer.Option(
+        DEFAULTS["unpadded_batches"], "--unpadded-batches/--padded-batches", envvar="DECIDER_UNPADDED_BATCHES",
+        help="A batch that closes while the one before it is still on the GPU launches only as many states as fill "
+             "its CUDA graph's batch size (1-8, 10, 12, ..., 128), and the rest wait in the next batch: a padded row "
+             "costs the GPU what a real one does (docs/tuning.md, Latency budget). Default: --padded-batches, every "
+             "state at once."),
     group_protocol: Optional[str] = typer.Option(
         None, "--group-protocol", envvar="DECIDER_GROUP_PROTOCOL",
         help="classic (cooperative-sticky) or consumer (KIP-848, Kafka 4.0+). Default: consumer where the broker has "
@@ -143,6 +149,7 @@ def worker(
     """
     config = loop_config(ctx, loop_flags, probabilities_topic, worker_id=worker_id, group=group, max_batch=max_batch,
                           max_wait_ms=max_wait_ms, latency_budget_ms=latency_budget_ms,
+                          unpadded_batches=unpadded_batches,
                           group_protocol=group_protocol, session_timeout_ms=session_timeout_ms)
     from worker.stream.loop import Worker
     from worker.cli.operated import run_logged, stop_on_signals

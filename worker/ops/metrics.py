@@ -18,6 +18,7 @@ CYCLE_SECONDS = Histogram(
     buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
 )
 BATCH_SIZE = Histogram("decider_batch_states", "States per scored batch (a cycle's states of every schema)", buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256))
+UNPADDED_CARRIED = Counter("decider_unpadded_carried_states_total", "States a closing batch left to the next one so that its CUDA graph ran no padded row (--unpadded-batches)")
 LABEL_MASS = Histogram(
     "decider_label_mass", "Per probability record, the lowest label mass among its questions: the share of the model's "
     "next-token distribution on the question's option labels (low: the model is not answering in format)",

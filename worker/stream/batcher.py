@@ -35,6 +35,7 @@ class Pending:
     batch_key: SchemaKey | None = None  # in this batch ...
     batch_index: int = -1  # ... at this position
     wait_deadline: float | None = None  # waiting for its schema until this monotonic time
+    arrived: float = 0.0  # when it arrived (its record's timestamp, on the monotonic clock), once tracked
 
 
 @dataclass
@@ -74,6 +75,7 @@ class Cycle:
         if self.opened_at is None:
             self.opened_at = now
         arrived = now if arrived is None else min(arrived, now)
+        pending.arrived = arrived
         self.arrived_at = arrived if self.arrived_at is None else min(self.arrived_at, arrived)
         self.entries.append(pending)
         source = pending.source
@@ -132,30 +134,63 @@ class Cycle:
         for pending in self.waiting:
             where = (pending.source.topic, pending.source.partition)
             first_held[where] = min(first_held.get(where, pending.source.offset), pending.source.offset)
+        return self._carry_from(first_held, now, held=True)
+
+    def carry_tail(self, scored: int, now: float) -> "Cycle":
+        """Keep this cycle's first ``scored`` batched states (in consume order, with the dead letters among them) and
+        move every state after them into a new cycle, which is returned: it goes on with their batches, is open and
+        arrived since the earliest of them arrived (each batch since its earliest), and its states count towards a full
+        batch. Per partition, the states moved are its last ones, so the offsets this cycle commits stop before them.
+        Call it on a cycle with no state waiting for its schema (``carry_held`` first)."""
+        kept = 0
+        for cut, pending in enumerate(self.entries):
+            if pending.batch_key is not None:
+                if kept == scored:
+                    break
+                kept += 1
+        else:
+            return Cycle()
+        first_moved: dict[tuple[str, int], int] = {}
+        for pending in self.entries[cut:]:
+            first_moved.setdefault((pending.source.topic, pending.source.partition), pending.source.offset)
+        tail = self._carry_from(first_moved, now, held=False)
+        # their own arrivals, not this cycle's: a state moved on at each close would otherwise pass the first one's on
+        tail.opened_at = tail.arrived_at = min(pending.arrived for pending in tail.entries)
+        for batch in tail.batches.values():
+            batch.opened_at = min(member.arrived for member in batch.members)
+        return tail
+
+    def _carry_from(self, first: dict[tuple[str, int], int], now: float, held: bool) -> "Cycle":
+        """Move, per partition of ``first``, the state at its offset and every later one into a new cycle (``held``:
+        they wait for a schema, and do not make a batch full); this cycle's offsets stop before them."""
         carried = Cycle()
-        if not first_held:
+        if not first:
             return carried
         kept = []
         for pending in self.entries:
             where = (pending.source.topic, pending.source.partition)
-            if where in first_held and pending.source.offset >= first_held[where]:
-                carried._carry_in(pending, self.batches.get(pending.batch_key), now)
+            if where in first and pending.source.offset >= first[where]:
+                carried._carry_in(pending, self.batches.get(pending.batch_key), now, held)
             else:
                 kept.append(pending)
-        self.entries, self.waiting = kept, []
+        self.entries = kept
+        if held:
+            self.waiting = []
         self._keep_batch_members({id(p) for p in kept})
-        for (topic, partition), offset in first_held.items():
+        for (topic, partition), offset in first.items():
             self._next_offsets[(topic, partition)] = offset
         return carried
 
-    def _carry_in(self, pending: Pending, batch: Batch | None, now: float) -> None:
-        """Take ``pending`` over from the cycle it was held back in (``batch``: its batch there, if any)."""
-        self.track(pending, now)
+    def _carry_in(self, pending: Pending, batch: Batch | None, now: float, held: bool = True) -> None:
+        """Take ``pending`` over from the cycle it was moved out of (``batch``: its batch there, if any; ``held``:
+        waiting for a schema, not counted towards a full batch)."""
+        self.track(pending, now, None if held else pending.arrived)
         if pending.dead_letter is not None:
             return
         if batch is not None:
             self.add_to_batch(pending, batch.schema, batch.handle, batch.rows[pending.batch_index], now)
-            self.batches[batch.key].carried += 1
+            if held:
+                self.batches[batch.key].carried += 1
         else:
             self.add_waiting(pending, pending.wait_deadline)
 

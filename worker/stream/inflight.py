@@ -27,7 +27,8 @@ from worker.stream import gc_pauses
 from worker.stream.batcher import Cycle, monotonic
 from worker.stream.latency_budget import CycleBudget
 from worker.stream.schema_table import TableView
-from worker.stream.scorer import BatchJob, LaunchTimes, Scorer
+from worker.stream.scored import LaunchTimes
+from worker.stream.scorer import BatchJob, Scorer
 
 
 @dataclass

@@ -91,6 +91,7 @@ class Worker:
                                      self._inflight.gpu_busy)  # with the latency budget, which learns from every commit
         self._rewind_due = False  # a transaction failed during a rebalance callback: seek at the next step
         self._schemas_unanswered = False  # the broker did not answer the schema table's catch-up: close no cycle
+        self._unpadded_noted = False  # the first batch --unpadded-batches cut is logged
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
     def run(self) -> None:
@@ -191,6 +192,8 @@ class Worker:
         closed_at = monotonic()
         self._router.reroute(self._cycle, closed_at)
         ready, self._cycle = self._cycle, self._cycle.carry_held(monotonic())
+        if self.config.unpadded_batches and not len(self._cycle) and self._inflight.unscored():
+            self._cycle = self._unpadded_tail(ready)
         self._closing.carried_over(self._cycle)
         if not len(ready):
             return
@@ -200,6 +203,23 @@ class Worker:
         while self._inflight.unscored() > 1:
             if not self._hand(next(self._inflight.unhanded())):
                 return
+
+    def _unpadded_tail(self, ready: Cycle) -> Cycle:
+        """The states of ``ready`` past those that fill its CUDA graph's batch size, moved into a new cycle (empty when
+        none are): ``ready`` waits behind a cycle on the GPU, and the next one closes as soon as the GPU can take it,
+        so they wait about one cycle longer while the GPU scores no padded row."""
+        handles = [ready.batches[pending.batch_key].handle for pending in ready.entries if pending.batch_key is not None]
+        keep = self._scorer.unpadded_count(handles)
+        if keep >= len(handles):
+            return Cycle()
+        tail = ready.carry_tail(keep, monotonic())
+        if not self._unpadded_noted:
+            self._unpadded_noted = True
+            log.info("unpadded batches: a batch of %d states launched %d, its CUDA graph's batch size, and left %d to the "
+                     "next batch (counted in decider_unpadded_carried_states_total; --padded-batches launches them all)",
+                     len(handles), keep, len(handles) - keep)
+        metrics.UNPADDED_CARRIED.inc(len(handles) - keep)
+        return tail
 
     def _schemas_confirmed(self, inflight: InFlight) -> bool:
         """Whether ``inflight`` was routed with every schema record published before it closed. Almost always known

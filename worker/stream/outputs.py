@@ -20,7 +20,7 @@ from worker.formats.output_formats import DEAD_LETTER, PROBABILITIES, OutputEnco
 from worker.formats.probability_avro import ProbabilityWriter, matches_schema
 from worker.formats.records import (Headers, OutgoingRecord, Reason, SchemaKey, SourceRecord, dead_letter,
                                     probability_record, state_key)
-from worker.stream.scorer import ScoredState
+from worker.stream.scored import ScoredState
 
 SAMPLES = 3
 """Probability records kept per cycle for the ``committed`` event (the demo prints them)."""

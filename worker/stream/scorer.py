@@ -21,6 +21,7 @@ from worker.ops import metrics
 from worker.config import WorkerConfig
 from worker.exceptions import ConfigError
 from worker.formats.records import Reason, SchemaKey, engine_options, engine_questions, probabilities_problem
+from worker.stream.scored import LaunchTimes, ScoredState
 from worker.stream.tokenizing import RowSlot, bind, tokenized_rows
 
 log = logging.getLogger(__name__)
@@ -81,36 +82,10 @@ class _Entry:
                 and time.monotonic() - self.created_at > FAILED_PREPARE_RETRY_S)
 
 
-@dataclass
-class ScoredState:
-    """Outcome for one state: probabilities (per question, per option; with the raw ones where calibration changed
-    them, and the label mass per question where the schema asks for it), or a dead-letter reason and message."""
-
-    probabilities: list[list[float]] | None = None
-    raw_probabilities: list[list[float] | None] | None = None
-    label_mass: list[float] | None = None
-    truncated: bool = False
-    reason: Reason | None = None  # set when scoring did not happen
-    error: str | None = None
-    fingerprint: dict[str, str] | None = None  # the scoring fingerprint (``engine.fingerprint``) of its schema version
-
-
 FIRST_SCHEMA_CAPTURE_WAIT_S = 300.0
 """The longest a schema prepared alone (the worker's first) waits for its graphs before scoring goes on beside them."""
 EAGER_NOTE_INTERVAL_S = 30.0
 """At most one log line this often for batches that ran without a CUDA graph (each one is a capture's request)."""
-
-
-@dataclass(frozen=True)
-class LaunchTimes:
-    """When the GPU thread took a cycle, had its tokenized states (the tokenizer pool may still have been on them)
-    and had its batch queued on the device, in ``time.monotonic()`` seconds; and the CUDA graphs its launch captured on
-    the scoring path (``bench/tail_causes.py`` charges its time to them)."""
-
-    taken_at: float
-    gathered_at: float
-    launched_at: float
-    captures: int = 0
 
 
 @dataclass
@@ -257,6 +232,14 @@ class Scorer:
     def tokenize_many(self, handle_future: Future, texts: Sequence[str], slots: Sequence[RowSlot]) -> None:
         """Tokenize ``texts`` as one job of the tokenizer pool: ``slots[i]`` then holds the row of ``texts[i]``."""
         bind(slots, self._tokenizers.submit(tokenized_rows, self._se, handle_future, list(texts)))
+
+    def unpadded_count(self, handles: Sequence[Future]) -> int:
+        """Of a cycle's states (their prepared schemas' futures, in consume order), how many leading ones the engine
+        runs with no padded row (``SchemaEngine.unpadded_count``); all of them while a schema is being prepared."""
+        if not all(h.done() and h.exception() is None for h in set(handles)):
+            return len(handles)
+        prepared = {h: h.result() for h in set(handles)}
+        return self._se.unpadded_count([prepared[h] for h in handles])
 
     def submit(self, jobs: Sequence[BatchJob], on_launched: Callable[[LaunchTimes], None] | None = None) -> Future:
         """Score a cycle's batches, every schema's states in one mixed GPU batch (the engine reads each row's prefix by

@@ -141,3 +141,41 @@ def test_nothing_is_carried_when_no_state_waits():
     cycle = Cycle()
     _batch(cycle, _pending(0, 0), _schema(), 0.0)
     assert len(cycle.carry_held(now=1.0)) == 0 and len(cycle) == 1 and cycle.wait_deadline() is None
+
+
+def test_a_tail_past_an_unpadded_batch_opens_the_next_cycle_with_its_wait_and_arrival():
+    """``carry_tail`` (--unpadded-batches): the first n batched states stay, with the dead letters among them; every
+    later state moves, per partition its last ones, so each partition's offset stops before its first moved state."""
+    cycle = Cycle()
+    a0, b0, dead, a1, c0, b1 = (_pending(0, 5), _pending(1, 7), _pending(1, 8), _pending(0, 6), _pending(2, 3),
+                                _pending(1, 9, schema_id="t"))
+    _batch(cycle, a0, _schema(), 1.0)
+    _batch(cycle, b0, _schema(), 1.1)
+    cycle.track(dead, 1.2)               # decided at once: a dead letter, in no batch
+    _batch(cycle, a1, _schema(), 1.3)
+    _batch(cycle, c0, _schema(), 1.4)
+    _batch(cycle, b1, _schema("t"), 1.5)
+    rows = {id(p): cycle.batches[p.batch_key].rows[p.batch_index] for p in (a1, c0, b1)}
+
+    tail = cycle.carry_tail(2, now=3.0)
+
+    assert cycle.entries == [a0, b0, dead] and list(cycle.batches) == [("s", 1)]
+    assert cycle.batches[("s", 1)].members == [a0, b0]
+    # partition 2's one state moved: its offset stays where the cycle found it (3), a commit that moves nothing
+    assert sorted((tp.partition, tp.offset) for tp in cycle.offsets()) == [(0, 6), (1, 9), (2, 3)]
+    assert tail.entries == [a1, c0, b1] and tail.batches[("s", 1)].members == [a1, c0]
+    assert [tail.batches[p.batch_key].rows[p.batch_index] for p in (a1, c0, b1)] == [rows[id(p)] for p in (a1, c0, b1)]
+    assert sorted((tp.partition, tp.offset) for tp in tail.offsets()) == [(0, 7), (1, 10), (2, 4)]
+    # the moved states' own arrivals, per batch too (not the cycle's first state's: moved on at every close, a state
+    # would pass it on and on), and they count towards a full batch (they are ready, unlike held ones)
+    assert tail.arrived_at == tail.opened_at == 1.3
+    assert tail.batches[("s", 1)].opened_at == 1.3 and tail.batches[("t", 1)].opened_at == 1.5
+    assert tail.full(3) and tail.due(3.0, max_batch=3, max_wait_s=10.0)
+
+
+def test_no_tail_when_every_batched_state_is_kept():
+    cycle = Cycle()
+    _batch(cycle, _pending(0, 0), _schema(), 0.0)
+    cycle.track(_pending(0, 1), 0.1)      # a dead letter after the last batched state stays with it
+    assert len(cycle.carry_tail(1, now=1.0)) == 0 and len(cycle) == 2
+    assert [(tp.partition, tp.offset) for tp in cycle.offsets()] == [(0, 2)]
