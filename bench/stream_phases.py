@@ -223,7 +223,9 @@ def produce(bootstrap: str, topic: str, ids: list[str], texts: list[str], rate: 
     as fast as possible. Paced at a rate, each record is sent at once (linger.ms 0, as a latency-sensitive producer
     would): the producer's linger would otherwise be part of every measured latency, before the worker could see the
     record."""
-    producer = _paced_producer(bootstrap, topic) if rate else plain_producer(bootstrap, linger_ms=5)
+    producer = _paced_producer(bootstrap) if rate else plain_producer(bootstrap, linger_ms=5)
+    if rate:
+        producer.list_topics(topic, timeout=10)
     t0 = time.time()
     for k, (sid, text) in enumerate(zip(ids, texts)):
         if rate:
@@ -238,12 +240,11 @@ def produce(bootstrap: str, topic: str, ids: list[str], texts: list[str], rate: 
 
 
 @functools.cache
-def _paced_producer(bootstrap: str, topic: str):
-    """One producer per broker and topic for every paced window, its metadata fetched first: a new one holds its first
-    ~0.5 s of records until it is ready and then sends them at once, half a second old (bench/README.md, run DJ)."""
-    producer = plain_producer(bootstrap, linger_ms=0)
-    producer.list_topics(topic, timeout=10)
-    return producer
+def _paced_producer(bootstrap: str):
+    """One producer per broker for every paced window, the topic's metadata fetched before each (``produce``): a new
+    one holds its first ~0.5 s of records until it is ready, then sends them at once, half a second old (bench/README.md,
+    runs DI and DJ)."""
+    return plain_producer(bootstrap, linger_ms=0)
 
 
 def exactly_once(reader: Reader, ids: list[str]) -> dict:
@@ -278,6 +279,7 @@ def running_stream(args, bootstrap, model_dir, schema_file, texts, logs, name: s
     finally:
         reader.halt.set()
         stream.stop()
+        _paced_producer.cache_clear()     # its broker may stop with the phase: no producer retrying it for ever
 
 
 def throughput_phase(args, bootstrap, model_dir, schema_file, texts, logs) -> dict:
