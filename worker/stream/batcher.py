@@ -153,9 +153,10 @@ class Cycle:
         first_moved: dict[tuple[str, int], int] = {}
         for pending in self.entries[cut:]:
             first_moved.setdefault((pending.source.topic, pending.source.partition), pending.source.offset)
-        tail = self._carry_from(first_moved, now, held=False)
-        # their own arrivals, not this cycle's: a state moved on at each close would otherwise pass the first one's on
-        tail.opened_at = tail.arrived_at = min(pending.arrived for pending in tail.entries)
+        tail = self._carry_from(first_moved, now, held=False)   # tracked with their own arrivals (``_carry_in``)
+        # open since the earliest of them arrived, not since now, nor since this cycle's first state: a state moved on
+        # at each close would otherwise pass the first one's arrival on
+        tail.opened_at = tail.arrived_at
         for batch in tail.batches.values():
             batch.opened_at = min(member.arrived for member in batch.members)
         return tail

@@ -236,9 +236,10 @@ class Scorer:
     def unpadded_count(self, handles: Sequence[Future]) -> int:
         """Of a cycle's states (their prepared schemas' futures, in consume order), how many leading ones the engine
         runs with no padded row (``SchemaEngine.unpadded_count``); all of them while a schema is being prepared."""
-        if not all(h.done() and h.exception() is None for h in set(handles)):
+        distinct = set(handles)
+        if not all(h.done() and h.exception() is None for h in distinct):
             return len(handles)
-        prepared = {h: h.result() for h in set(handles)}
+        prepared = {h: h.result() for h in distinct}
         return self._se.unpadded_count([prepared[h] for h in handles])
 
     def submit(self, jobs: Sequence[BatchJob], on_launched: Callable[[LaunchTimes], None] | None = None) -> Future:
