@@ -22,7 +22,8 @@ Each phase runs on an embedded broker of its own (``fresh_broker`` says why). Tw
 one GPU call, and both are in the JSON: the samples of a budget are consecutive
 windows on one set of warm workers and topics (a window starts after the one before is visible in full; starting
 fresh workers per sample would cost a model load and the graph captures each time), and a budget starts one load step
-below the capacity of the tighter budget before it (`first_load`): the loads below that held for the tighter budget.
+below the capacity of the tighter budget before it (`first_load`): the loads below that held for the tighter budget
+(where its first load does not hold, the loads below it are measured, highest first, until one holds).
 """
 from __future__ import annotations
 
@@ -103,37 +104,50 @@ def _sample_summary(window: dict) -> dict:
 
 
 def budget_curve(args, bootstrap: str, model_dir, schema_file, texts, logs, budget_ms: int, full_rate: float,
-                 loads: list[float]) -> dict:
-    """Offer each of ``loads`` (fractions of ``full_rate``) to workers run with ``budget_ms``, until one does not hold."""
+                 loads: list[float], below: list[float] = ()) -> dict:
+    """Offer each of ``loads`` (fractions of ``full_rate``) to workers run with ``budget_ms``, until one does not hold;
+    where the first does not, the ``below`` loads, highest first, until one holds (a budget's first load is the one the
+    tighter budget held: run DK's 100 ms failed it on its start-up queue, and its capacity read 0)."""
     points, ids = [], []
     with running_stream(args, bootstrap, model_dir, schema_file, texts, logs, f"cap{budget_ms}", budget_ms,
                         budget_ms) as (stream, reader, warm_ids):
         ids += warm_ids
+        measure = lambda load: _load_point(args, stream, reader, texts, load, full_rate, budget_ms, ids)  # noqa: E731
         for load in loads:
-            samples = []
-            for k in range(args.capacity_samples):
-                window = latency_window(args, stream, reader, texts, load * full_rate, f"c{round(load * 100)}s{k}",
-                                        budget_ms)
-                ids += window.pop("ids")
-                samples.append(_sample_summary(window))
-            point = dict(load=load, offered_states_per_s=load * full_rate, held=all(holds(s, budget_ms) for s in samples),
-                         p99_ms=[s["p99_ms"] for s in samples], over_budget_share=[
-                             s["over_budget"] / s["measured_visible"] for s in samples],
-                         tail_causes=tail_causes.merged([s["tail_causes"] for s in samples if "tail_causes" in s]),
-                         samples=samples)
-            points.append(point)
-            throttled = ", ".join(f"{t['throttled_ms']:.0f} ms in {t['throttled_periods']}" for t in
-                                  (s["cpu_throttled"] for s in samples if s.get("cpu_throttled")))
-            print(f"budget {budget_ms} ms, load {load:.0%} ({load * full_rate:,.0f}/s): p99 "
-                  f"{', '.join(f'{p:.1f}' for p in point['p99_ms'])} ms -> {'holds' if point['held'] else 'does not hold'}"
-                  + (f" (the CPU quota throttled {throttled} periods)" if throttled else ""), flush=True)
-            if not point["held"]:
+            points.append(measure(load))
+            if not points[-1]["held"]:
                 break
+        if points and not points[0]["held"]:
+            for load in sorted(below, reverse=True):
+                points.insert(0, measure(load))
+                if points[0]["held"]:
+                    break
         time.sleep(1.0)   # a duplicate would be visible by now
         once = exactly_once(reader, ids)
     capacity = capacity_of(points)
     return dict(budget_ms=budget_ms, first_load=loads[0], capacity=capacity, capacity_states_per_s=capacity * full_rate,
                 points=points, **{f"exactly_once_{k}": v for k, v in once.items()})
+
+
+def _load_point(args, stream, reader, texts, load: float, full_rate: float, budget_ms: int, ids: list) -> dict:
+    """One load's --capacity-samples windows on the running workers -> its point (printed as it ends); the states'
+    ids are added to ``ids``."""
+    samples = []
+    for k in range(args.capacity_samples):
+        window = latency_window(args, stream, reader, texts, load * full_rate, f"c{round(load * 100)}s{k}", budget_ms)
+        ids += window.pop("ids")
+        samples.append(_sample_summary(window))
+    point = dict(load=load, offered_states_per_s=load * full_rate, held=all(holds(s, budget_ms) for s in samples),
+                 p99_ms=[s["p99_ms"] for s in samples], over_budget_share=[
+                     s["over_budget"] / s["measured_visible"] for s in samples],
+                 tail_causes=tail_causes.merged([s["tail_causes"] for s in samples if "tail_causes" in s]),
+                 samples=samples)
+    throttled = ", ".join(f"{t['throttled_ms']:.0f} ms in {t['throttled_periods']}" for t in
+                          (s["cpu_throttled"] for s in samples if s.get("cpu_throttled")))
+    print(f"budget {budget_ms} ms, load {load:.0%} ({load * full_rate:,.0f}/s): p99 "
+          f"{', '.join(f'{p:.1f}' for p in point['p99_ms'])} ms -> {'holds' if point['held'] else 'does not hold'}"
+          + (f" (the CPU quota throttled {throttled} periods)" if throttled else ""), flush=True)
+    return point
 
 
 def loads_from(grid: list[float], tighter_capacity: float | None) -> list[float]:
@@ -176,8 +190,9 @@ def capacity_run(args, env: dict, engine_rate: float, model_dir, schema_file, te
     curves, tighter = [], None
     for budget_ms in sorted(args.latency_budget_ms):
         with fresh_broker(args, logs, f"cap{budget_ms}") as (broker, proxy_stats):
+            loads = loads_from(grid, tighter)
             curve = budget_curve(args, broker.bootstrap, model_dir, schema_file, texts, logs, budget_ms, full_rate,
-                                 loads_from(grid, tighter))
+                                 loads, [load for load in grid if load < loads[0]])
         curve["proxy"] = proxy_stats
         curves.append(curve)
         tighter = curve["capacity"]

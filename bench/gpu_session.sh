@@ -7,7 +7,8 @@
 # bash bench/gpu_session.sh [steps...]
 #   steps: tests timelines (profile_engine.py --graphs --timeline in the fast and deterministic tables, TIMELINE_BATCHES) workspace-timelines (the deterministic table's, cuBLAS's workspace against none, WS_ROUNDS processes each) hostprobe (bench/probes/host_probe.py --profile: the launch's host time by function, HOST_BATCHES) workspace (cuBLAS without a workspace: bench/probes/cublas_workspace_probe.py, the engine in both) flaless (deterministic scoring on CUDA with fla hidden: refused) profile engine lengths (64/256-token states) schemas (many live schemas) variants (bench/probes/variant_ab.py:
 #   VARIANTS="name:module.ATTR=value|...", DETERMINISTIC=1 for the workers' kernel table) stream scaleout (2 workers,
-#   one killed) unpadded-ab (the capacity with --padded-batches, then --unpadded-batches, SETTINGS) capacity (stream_bench.py --capacity once per DELAYS, default "0": broker delays in ms, through
+#   one killed) unpadded-ab (the capacity with --padded-batches, then --unpadded-batches, SETTINGS) capacity-ab (this
+#   tree's capacity against AB_TREE's, alternated ROUNDS times) capacity (stream_bench.py --capacity once per DELAYS, default "0": broker delays in ms, through
 #   bench/latency_proxy.py; CAPACITY_ARGS e.g. "--latency-budget-ms 25,50"), ab (the engine step again in another checkout, AB_TREE, default ab/: e.g. a branch to time against
 #   this tree in the same call, extracted with `mkdir ab && git archive BRANCH | tar -x -C ab`, removed after; several
 #   trees: AB_TREE=ab2 bash bench/gpu_session.sh ab, in the same command line)
@@ -85,6 +86,15 @@ for step in $steps; do
                  ${CAPACITY_ARGS:---latency-budget-ms 50,100 --capacity-loads 0.75,0.8,0.85,0.9} > "$OUT/unpadded-$setting.txt" 2>&1
                echo "unpadded batches $setting:"; grep -E "^budget" "$OUT/unpadded-$setting.txt"; archive_logs "$OUT/unpadded-$setting"
              done ;;
+    capacity-ab) # this tree's capacity against another checkout's (AB_TREE, default ab/: `mkdir ab && git archive REV |
+             # tar -x -C ab`), ROUNDS rounds alternated, at the same offered rates (--full-load-rate); CAPACITY_ARGS
+             for round in $(seq "${ROUNDS:-1}"); do for tree in "${AB_TREE:-ab}" .; do
+               label=$([ "$tree" = . ] && echo this || echo "${tree//\//_}")$round
+               (cd "$tree" && timeout "${T_CAPACITY_AB:-270}" python3 bench/stream_bench.py --capacity --states "${STATES:-8000}" \
+                 --full-load-rate "${FULL_LOAD_RATE:-2080}" --out "$OUT/capab-$label" \
+                 ${CAPACITY_ARGS:---latency-budget-ms 50,100 --capacity-loads 0.75,0.8,0.85,0.9}) > "$OUT/capab-$label.txt" 2>&1
+               echo "tree $label:"; grep -E "^budget" "$OUT/capab-$label.txt"; archive_logs "$OUT/capab-$label"
+             done; done ;;
     hostprobe) # a synchronous step's host and device parts, then its launch's host time by function (cProfile)
              timeout "${T_HOSTPROBE:-180}" python3 bench/probes/host_probe.py --batches "${HOST_BATCHES:-1,4,8}" \
                --profile "${PROFILE_STEPS:-200}" --out "$OUT/host_probe.json" > "$OUT/host_probe.txt" 2>&1
