@@ -64,6 +64,13 @@ class InFlight:
         """When the GPU thread took it, had its states and queued its batch; None until then."""
         return self.launched.result() if self.launched.done() else None
 
+    def queued_s(self) -> float:
+        """Seconds from its handoff to the GPU thread to that thread taking it (0 before either)."""
+        launch = self.launch
+        if launch is None or self.submitted_at is None:
+            return 0.0
+        return max(0.0, launch.taken_at - self.submitted_at)
+
     def latency_fields(self, committed_at: float) -> dict[str, float | None]:
         """Its first state's arrival-to-visible time, once committed at ``committed_at``, what the plan expected under a
         budget, and where the time went: when, after that arrival, the cycle closed, the loop handed it to the GPU

@@ -10,8 +10,11 @@ ours), and one older than the whole budget when consumed (a backlog, a replay): 
 worker does, and counting from its timestamp would find its --max-wait-ms already spent and close every cycle at once.
 
 The budget is a deadline first: a cycle closes at once when the GPU is idle and, when a cycle is in flight, when
-that one is expected to finish less the time a closed cycle takes to be queued on the device (the *launch lead*), so
-that its batch is queued behind the one in flight. States that arrive while a batch runs make the next batch: the
+that one is expected to finish less the time a closed cycle of its size takes to be queued on the device (the *launch
+lead*, learned per batch bucket, planned at its mean plus LEAD_DEVIATIONS deviations), so that its batch is queued
+behind the one in flight. When the GPU frees is learned from the GPU's own time on each cycle (from its launch, or the
+scores of the cycle ahead, to its scores), and a cycle that waited longer than the budget for the GPU thread (behind a
+schema's preparation) teaches none of it. States that arrive while a batch runs make the next batch: the
 queue sets the batch size, which grows with the load up to --max-batch (a cap at the batch beyond which larger ones
 scored no faster, tried on an H100, made the tail at 80% load no better: bench/README.md, run DB). But not
 before its *gathering window* after its first state (``worker.stream.gathering``): 0 at a light load; when the load
@@ -57,6 +60,10 @@ log = logging.getLogger(__name__)
 MEAN_GAIN = 1 / 8       # RFC 6298's alpha
 DEVIATION_GAIN = 1 / 4  # RFC 6298's beta
 DEVIATIONS = 4          # RFC 6298's K
+LEAD_DEVIATIONS = 2
+"""The launch lead a cycle closes by: its mean plus this many mean deviations. A lead at its mean launched a third of
+the cycles queued behind another after the GPU had freed (run DM, an H100, batches of 1-16: the GPU idle 10-13% of
+its time while states waited); a larger one costs the states that arrive meanwhile the wait for the next cycle."""
 
 
 def bucket(n: int) -> int:
@@ -118,11 +125,11 @@ class BucketedEstimates:
         (``worker.stream.gathering.CostLine``); None before any measurement."""
         return CostLine.fitted([(self.sizes[b], e.mean, e.value - e.mean) for b, e in sorted(self.by_bucket.items())])
 
-    def seconds(self, n: int, expected: bool = False) -> float | None:
+    def seconds(self, n: int, expected: bool = False, deviations: float = DEVIATIONS) -> float | None:
         """The duration to plan with for ``n`` states (``expected``: the smoothed mean instead), or None before any
         measurement."""
         key = bucket(n)
-        pick = (lambda e: e.mean) if expected else (lambda e: e.value)
+        pick = (lambda e: e.mean) if expected else (lambda e: e.mean + deviations * e.deviation)
         if key in self.by_bucket:
             return pick(self.by_bucket[key])
         larger = [b for b in self.by_bucket if b > key]
@@ -168,6 +175,7 @@ class CycleTimes:
     scored_at: float       # its scores were ready (all its batches)
     committed_at: float    # its transaction ended: its records are visible
     launched_at: float | None = None  # its batch was queued on the device (None: nothing was scored)
+    queued_s: float = 0.0  # from its handoff to the GPU thread to that thread taking it
 
 
 class LatencyBudget:
@@ -179,19 +187,27 @@ class LatencyBudget:
         self.gather_s = 0.0             # the gathering window (``worker.stream.gathering``), after every commit
         self.engine = BucketedEstimates()
         self.commit = BucketedEstimates()
-        self.launch_lead: RunningEstimate | None = None  # from closing a cycle to its batch queued on the device
+        # from closing a cycle to its batch queued on the device, per bucket: its states' gathering and padding grow
+        # with the batch (~1.5 ms at 8 states, ~5 ms at 128 on run DK's H100)
+        self.launch_lead = BucketedEstimates()
+        # the GPU's own time on a cycle, from its launch (or the batch ahead's scores) to its scores: when the GPU
+        # frees. E(n) (``engine``) counts from the close, so a cycle launched after the GPU freed adds the idle gap to
+        # it, and a free time predicted from it closed every next cycle after the GPU was idle already (run DK)
+        self.device = BucketedEstimates()
         self.misses = 0
         self._last_scored_at = -math.inf
         self._last_committed_at = -math.inf
         self._gpu_free_at: float | None = None
 
-    def close_by(self, now: float, first_arrival: float, gpu_busy: bool) -> float:
-        """When the open cycle should close (see ``close_by``); ``gpu_busy``: a submitted cycle is not scored yet."""
+    def close_by(self, now: float, first_arrival: float, gpu_busy: bool, n_states: int = 1) -> float:
+        """When the open cycle of ``n_states`` should close (see ``close_by``); ``gpu_busy``: a submitted cycle is not
+        scored yet."""
         return close_by(now, first_arrival, self.max_wait_s, self._gpu_free_at if gpu_busy else None,
-                        self._lead(), self.gather_s)
+                        self._lead(n_states), self.gather_s)
 
-    def _lead(self) -> float:
-        return self.launch_lead.mean if self.launch_lead is not None else 0.0
+    def _lead(self, n_states: int, expected: bool = False) -> float:
+        """The launch lead of a cycle of ``n_states`` to close by (``expected``: its mean, to say when it launches)."""
+        return self.launch_lead.seconds(n_states, expected, LEAD_DEVIATIONS) or 0.0
 
     def submitted(self, now: float, n_states: int, gpu_busy: bool) -> float | None:
         """A cycle of ``n_states`` was closed at ``now`` and submitted: expect the GPU busy until it is scored.
@@ -204,23 +220,37 @@ class LatencyBudget:
         scoring = self.engine.seconds(n_states) if n_states else 0.0
         committing = self.commit.seconds(n_states)
         planned = None if scoring is None or committing is None else visible_at(now, gpu_free_at, scoring, committing)
-        expected = self.engine.seconds(n_states, expected=True) if n_states else 0.0
-        self._gpu_free_at = gpu_free_at + (expected or 0.0)
+        self._gpu_free_at = self._frees_at(now, gpu_free_at, n_states)
         return planned
+
+    def _frees_at(self, now: float, gpu_free_at: float, n_states: int) -> float:
+        """When the GPU is expected free after a cycle of ``n_states`` closed at ``now``, behind the batch in flight
+        (``gpu_free_at``: now if none): launched a lead after its close, started when both it and the GPU are ready."""
+        if not n_states:
+            return gpu_free_at
+        device = self.device.seconds(n_states, expected=True)
+        if device is None:      # no launch timed yet: the time from the close, which holds the lead
+            return gpu_free_at + (self.engine.seconds(n_states, expected=True) or 0.0)
+        return max(now + self._lead(n_states, expected=True), gpu_free_at) + device
 
     def committed(self, times: CycleTimes) -> bool:
         """Learn from a committed cycle; True if its first state's record became visible later than the budget."""
         started_scoring = max(times.closed_at, self._last_scored_at)  # the GPU scores cycles one after the other
         started_commit = max(times.scored_at, self._last_committed_at)  # and the loop commits them in order
-        if times.n_states:
+        # A cycle that waited longer than the whole budget for the GPU thread waited for a schema's preparation (the
+        # first schema's graphs, 3.7 s on run DK's H100), not on the path the plan times: as a first sample it made
+        # every estimate seconds long for ~50 cycles, and the cycles closed late the whole while.
+        steady = times.queued_s <= self.budget_s
+        if times.n_states and steady:
             self.engine.add(times.n_states, max(0.0, times.scored_at - started_scoring))
-        if times.launched_at is not None:
-            self.launch_lead = RunningEstimate.folded(self.launch_lead, max(0.0, times.launched_at - times.closed_at))
+        if times.launched_at is not None and times.n_states and steady:
+            self.launch_lead.add(times.n_states, max(0.0, times.launched_at - times.closed_at))
+            self.device.add(times.n_states, max(0.0, times.scored_at - max(times.launched_at, self._last_scored_at)))
         self.commit.add(times.n_states, max(0.0, times.committed_at - started_commit))
         self._last_scored_at, self._last_committed_at = times.scored_at, times.committed_at
         self.rate.add(times.committed_at, times.n_states)
         self.gather_s = gather_window(self.rate.per_second(), self.engine.line(), self.commit.line(), self.budget_s,
-                                      self._lead(), self.max_batch)
+                                      self._lead(times.n_states), self.max_batch)
         missed = times.committed_at - times.first_arrival > self.budget_s
         self.misses += missed
         return missed
@@ -326,7 +356,7 @@ class CycleBudget:
         """When the budget closes the open ``cycle`` (monotonic seconds); None without a budget or an opened cycle."""
         if self.state is None or cycle.arrived_at is None:
             return None
-        return self.state.close_by(now, cycle.arrived_at, self._gpu_busy())
+        return self.state.close_by(now, cycle.arrived_at, self._gpu_busy(), len(cycle))
 
     def due(self, now: float, cycle: Cycle) -> bool:
         """Whether the budget closes the open ``cycle`` now."""
@@ -341,14 +371,15 @@ class CycleBudget:
         return self.state.submitted(closed_at, scored_states(cycle), gpu_busy=self._gpu_busy())
 
     def committed(self, cycle: Cycle, closed_at: float, scored_at: float | None, now: float,
-                  launched_at: float | None = None) -> None:
-        """``cycle`` committed at ``now``: learn its times, update the estimates' metrics, count a miss."""
+                  launched_at: float | None = None, queued_s: float = 0.0) -> None:
+        """``cycle`` committed at ``now``: learn its times, update the estimates' metrics, count a miss (``queued_s``:
+        how long it waited for the GPU thread to take it)."""
         if self.state is None or cycle.arrived_at is None:
             return
         n_states = scored_states(cycle)
         missed = self.state.committed(CycleTimes(
             n_states=n_states, first_arrival=cycle.arrived_at, closed_at=closed_at,
-            scored_at=scored_at or now, committed_at=now, launched_at=launched_at))
+            scored_at=scored_at or now, committed_at=now, launched_at=launched_at, queued_s=queued_s))
         metrics.observe_budget(self.state.engine.values(), self.state.commit.values(), missed)
         verdict = self.overload.add(now, n_states, missed)
         metrics.ARRIVAL_STATES_PER_SECOND.set(self.overload.rate())

@@ -11,7 +11,7 @@ import pytest
 from prometheus_client import REGISTRY
 
 from worker.stream.batcher import Cycle, Pending
-from worker.stream.latency_budget import (BucketedEstimates, CycleBudget, CycleTimes, LatencyBudget, Overload, RunningEstimate, bucket,
+from worker.stream.latency_budget import (BucketedEstimates, CycleBudget, CycleTimes, LatencyBudget, LEAD_DEVIATIONS, Overload, RunningEstimate, bucket,
                                    close_by, visible_at)
 from worker.formats.records import SourceRecord
 
@@ -97,7 +97,7 @@ def test_the_worker_state_learns_from_committed_cycles_and_counts_misses():
     assert budget.commit.by_bucket[4].mean == pytest.approx(0.01 + (0.11 - 0.01) / 8)  # 0.01, then 0.15 - 0.04
     assert budget.close_by(1.0, 1.0, gpu_busy=False) == 1.0
     # a submitted cycle keeps the GPU busy for its expected scoring time: the next cycle gathers until then
-    assert budget.launch_lead is None      # no cycle said when it reached the device
+    assert not budget.launch_lead.by_bucket      # no cycle said when it reached the device
     planned = budget.submitted(2.0, 4, gpu_busy=False)
     assert budget.close_by(2.0, 2.0, gpu_busy=True) == pytest.approx(2.0 + budget.engine.by_bucket[4].mean)
     assert budget.close_by(2.0, 2.0, gpu_busy=False) == 2.0  # scored sooner than expected: at once
@@ -203,11 +203,65 @@ def test_the_launch_lead_is_learned_from_committed_cycles_and_moves_the_close():
         t = float(k)
         budget.committed(CycleTimes(n_states=4, first_arrival=t, closed_at=t, scored_at=t + 0.02, committed_at=t + 0.025,
                                     launched_at=t + 0.003))
-    assert budget.launch_lead.mean == pytest.approx(0.003)
-    budget.submitted(10.0, 4, gpu_busy=False)            # the GPU is expected busy until 10.02
-    gpu_free_at = 10.0 + budget.engine.seconds(4, expected=True)
+    assert budget.launch_lead.seconds(4, expected=True) == pytest.approx(0.003)
+    budget.submitted(10.0, 4, gpu_busy=False)            # launched at 10.003, the GPU busy until 10.02
+    gpu_free_at = 10.0 + 0.003 + budget.device.seconds(4, expected=True)
+    assert gpu_free_at == pytest.approx(10.02)
     # the next cycle closes a launch's time before the GPU frees, so its batch is queued behind the one in flight
-    assert budget.close_by(10.0, 9.99, gpu_busy=True) == pytest.approx(gpu_free_at - 0.003)
+    lead = budget.launch_lead.by_bucket[4]
+    assert budget.close_by(10.0, 9.99, gpu_busy=True, n_states=4) == pytest.approx(
+        gpu_free_at - lead.mean - LEAD_DEVIATIONS * lead.deviation)
+
+
+def test_a_larger_cycle_closes_its_own_larger_lead_before_the_gpu_frees():
+    budget = LatencyBudget(budget_s=0.1, max_wait_s=1.0)
+    for k in range(8):   # small cycles gather their states in 1 ms, large ones in 5 ms
+        t = float(k)
+        budget.committed(CycleTimes(n_states=8, first_arrival=t, closed_at=t, scored_at=t + 0.006, committed_at=t + 0.01,
+                                    launched_at=t + 0.001))
+        budget.committed(CycleTimes(n_states=128, first_arrival=t + 0.5, closed_at=t + 0.5, scored_at=t + 0.565,
+                                    committed_at=t + 0.57, launched_at=t + 0.505))
+    budget.submitted(10.0, 128, gpu_busy=False)          # launched at 10.005, scored at 10.065
+    assert budget._gpu_free_at == pytest.approx(10.065)
+    # each closes its own lead, and LEAD_DEVIATIONS of its spread, before then (the spread almost gone after 8 alike)
+    assert budget.close_by(10.0, 10.0, gpu_busy=True, n_states=100) == pytest.approx(10.065 - 0.005, abs=1e-3)
+    assert budget.close_by(10.0, 10.0, gpu_busy=True, n_states=8) == pytest.approx(10.065 - 0.001, abs=3e-4)
+    for n, b in ((100, 128), (8, 8)):
+        lead = budget.launch_lead.by_bucket[b]
+        assert budget.close_by(10.0, 10.0, gpu_busy=True, n_states=n) == pytest.approx(
+            10.065 - lead.mean - LEAD_DEVIATIONS * lead.deviation)
+
+
+def test_the_gpu_frees_on_its_own_time_not_on_the_idle_gap_before_a_late_launch():
+    # Cycles of 125 states, 61 ms on the GPU, each closed 2 ms before the one ahead is scored and launched 3 ms after
+    # it (its lead is 5 ms). Timed from the scores ahead, those 3 idle ms counted as the GPU's: every cycle queued
+    # behind another was expected to free the GPU 3 ms late, and the next one closed that much late again.
+    budget = LatencyBudget(budget_s=0.1, max_wait_s=1.0)
+    scored = 0.0
+    for _ in range(16):
+        closed, launched = scored - 0.002, scored + 0.003
+        scored = launched + 0.061
+        budget.committed(CycleTimes(n_states=125, first_arrival=closed - 0.03, closed_at=closed, scored_at=scored,
+                                    committed_at=scored + 0.008, launched_at=launched))
+    assert budget.device.seconds(125, expected=True) == pytest.approx(0.061)
+    budget.submitted(100.0, 125, gpu_busy=False)          # launched at 100.005 on an idle GPU, free at 100.066
+    budget.submitted(100.05, 125, gpu_busy=True)          # queued behind it: starts when it frees
+    assert budget._gpu_free_at == pytest.approx(100.066 + 0.061)
+    assert budget.close_by(100.05, 100.05, gpu_busy=True, n_states=125) == pytest.approx(100.127 - 0.005)
+
+
+def test_a_cycle_that_waited_for_a_schemas_preparation_teaches_the_plan_nothing_but_its_commit():
+    # Run DK: the first schema's graphs took 3.7 s to capture, the first cycles waited for the GPU thread meanwhile,
+    # and their seconds-long times, as first samples, kept every estimate far too long for ~50 cycles.
+    budget = LatencyBudget(budget_s=0.1, max_wait_s=1.0)
+    budget.committed(CycleTimes(n_states=128, first_arrival=0.0, closed_at=0.0, scored_at=3.75, committed_at=3.76,
+                                launched_at=3.69, queued_s=3.68))
+    assert not budget.engine.by_bucket and not budget.device.by_bucket and not budget.launch_lead.by_bucket
+    assert budget.commit.by_bucket[128].mean == pytest.approx(0.01)
+    budget.committed(CycleTimes(n_states=128, first_arrival=4.0, closed_at=4.0, scored_at=4.065, committed_at=4.07,
+                                launched_at=4.005, queued_s=0.001))
+    assert budget.engine.by_bucket[128].mean == pytest.approx(0.065)
+    assert budget.device.by_bucket[128].mean == pytest.approx(0.060)
 
 
 def test_a_committed_cycles_event_says_where_its_first_states_time_went():
