@@ -63,9 +63,9 @@ class WorkerConfig:
     max_wait_ms: int | None = 50  # None: no deadline, cycles close only when a batch is full (replay)
     latency_budget_ms: int | None = None  # None: cycles close by --max-batch and --max-wait-ms alone
     # A cycle closing behind one on the GPU launches only the states that fill its CUDA graph's batch size, and the
-    # rest open the next cycle: a padded row costs the GPU what a real one does. Off until a GPU A/B of the fixed
-    # code shows it pays (bench/README.md, runs DI and DJ and the stand-in's A/B).
-    unpadded_batches: bool = False
+    # rest open the next cycle: a padded row costs the GPU what a real one does. On since the H100's A/B (run DK:
+    # 90% of full load held at 50 ms against 85% padded, bench/README.md).
+    unpadded_batches: bool = True
     schema_wait_ms: int = 10_000
     max_state_chars: int = 32_768
     schema_memory_mb: float = 2048.0

@@ -132,8 +132,8 @@ def worker(
         DEFAULTS["unpadded_batches"], "--unpadded-batches/--padded-batches", envvar="DECIDER_UNPADDED_BATCHES",
         help="A batch that closes while the one before it is still on the GPU launches only as many states as fill "
              "its CUDA graph's batch size (1-8, 10, 12, ..., 128), and the rest wait in the next batch: a padded row "
-             "costs the GPU what a real one does (docs/tuning.md, Latency budget). Default: --padded-batches, every "
-             "state at once."),
+             "costs the GPU what a real one does (docs/tuning.md, Latency budget). Default: --unpadded-batches; "
+             "--padded-batches launches every state at once."),
     group_protocol: Optional[str] = typer.Option(
         None, "--group-protocol", envvar="DECIDER_GROUP_PROTOCOL",
         help="classic (cooperative-sticky) or consumer (KIP-848, Kafka 4.0+). Default: consumer where the broker has "
