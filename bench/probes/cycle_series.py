@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench.stream_windows import log_events  # noqa: E402
+from bench.stream_windows import gpu_pipeline, log_events  # noqa: E402
 
 
 def read_log(spec: str) -> str:
@@ -102,7 +102,7 @@ def main(argv=None) -> None:
         text = read_log(spec)
         series[label] = committed_series(text)
         gaps[label] = idle_before_launch(text)
-        print(f"{label}: {len(series[label])} committed cycles")
+        print(f"{label}: {len(series[label])} committed cycles; GPU pipeline {gpu_pipeline(log_events(text))}")
     print(f"wrote {plot(series, args.png, args.budget_ms, gaps if args.gaps else None)}")
 
 

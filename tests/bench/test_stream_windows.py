@@ -153,8 +153,17 @@ def test_gpu_pipeline_places_cycles_on_the_workers_clock_and_measures_the_gpus_i
                     for k, (arrived, closed, launched, scored) in enumerate(cycles)),
                   _line(9.0, "committed", scored=3, dead_letters={}, arrival_to_visible_ms=5.0, closed_ms=1.0,
                         launched_ms=2.0, scored_ms=3.0))    # a worker before session 13: no monotonic arrival, left out
-    # busy: 111..118 (7 ms) + 118..125 (7 ms) of the 15 ms from the first cycle's scores to the last one's
+    # busy: 111..118 (7 ms) + 118..125 (7 ms) of the 15 ms from the first cycle's scores to the last one's; idle
+    # while states waited: the second cycle's 1 ms (its first state arrived at 105, before the GPU freed at 110)
     assert gpu_pipeline(events, since=T0) == dict(cycles=3, gpu_busy_fraction=round(14 / 15, 3),
-                                                  idle_before_launch_ms=0.0, close_lead_ms=2.0)
+                                                  idle_before_launch_ms=0.0, close_lead_ms=2.0,
+                                                  idle_while_waiting_fraction=round(1 / 15, 3))
     assert gpu_pipeline(events[:2], since=T0)["idle_before_launch_ms"] == 1.0
+    # a cycle whose first state came after the GPU freed: its gap is the load's, not the worker's
+    late = _log(*(_line(1.0 + k, "committed", scored=3, dead_letters={}, arrived_monotonic_ms=arrived,
+                        arrival_to_visible_ms=scored - arrived + 3, closed_ms=closed - arrived,
+                        launched_ms=launched - arrived, scored_ms=scored - arrived)
+                  for k, (arrived, closed, launched, scored) in enumerate([(100.0, 101.0, 102.0, 110.0),
+                                                                           (112.0, 112.5, 113.0, 120.0)])))
+    assert gpu_pipeline(late, since=T0)["idle_while_waiting_fraction"] == 0.0
     assert gpu_pipeline(events, since=T0 + 20) == {"cycles": 0}
