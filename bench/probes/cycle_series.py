@@ -30,19 +30,20 @@ def read_log(spec: str) -> str:
         return tar.extractfile(found[0]).read().decode(errors="replace")
 
 
-def committed_series(text: str) -> list[tuple[float, int, float]]:
-    """(seconds since the first committed cycle, states scored, arrival -> visible ms) per committed cycle."""
-    cycles = [e for e in log_events(text) if e["event"] == "committed" and "arrived_monotonic_ms" in e]
+def committed_series(events: list[dict]) -> list[tuple[float, int, float]]:
+    """(seconds since the first committed cycle, states scored, arrival -> visible ms) per committed cycle of a log's
+    ``events`` (``bench.stream_windows.log_events``)."""
+    cycles = [e for e in events if e["event"] == "committed" and "arrived_monotonic_ms" in e]
     if not cycles:
         return []
     start = cycles[0]["arrived_monotonic_ms"]
     return [((e["arrived_monotonic_ms"] - start) / 1000, e["scored"], e["arrival_to_visible_ms"]) for e in cycles]
 
 
-def idle_before_launch(text: str) -> list[tuple[float, float]]:
+def idle_before_launch(events: list[dict]) -> list[tuple[float, float]]:
     """(seconds since the first committed cycle, ms from the scores of the cycle launched before it to its launch)
-    per launched cycle, in launch order."""
-    cycles = [e for e in log_events(text) if e["event"] == "committed" and e.get("launched_ms") is not None
+    per launched cycle of a log's ``events``, in launch order."""
+    cycles = [e for e in events if e["event"] == "committed" and e.get("launched_ms") is not None
               and e.get("scored_ms") is not None and "arrived_monotonic_ms" in e]
     if not cycles:
         return []
@@ -99,10 +100,10 @@ def main(argv=None) -> None:
         label, sep, spec = item.partition("=")
         if not sep:
             ap.error(f"{item!r}: expected LABEL=LOG")
-        text = read_log(spec)
-        series[label] = committed_series(text)
-        gaps[label] = idle_before_launch(text)
-        print(f"{label}: {len(series[label])} committed cycles; GPU pipeline {gpu_pipeline(log_events(text))}")
+        events = log_events(read_log(spec))      # parsed once for the three views of it
+        series[label] = committed_series(events)
+        gaps[label] = idle_before_launch(events)
+        print(f"{label}: {len(series[label])} committed cycles; GPU pipeline {gpu_pipeline(events)}")
     print(f"wrote {plot(series, args.png, args.budget_ms, gaps if args.gaps else None)}")
 
 

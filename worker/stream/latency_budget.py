@@ -99,7 +99,11 @@ class RunningEstimate:
     @property
     def value(self) -> float:
         """The duration to plan with: mean plus DEVIATIONS mean deviations."""
-        return self.mean + DEVIATIONS * self.deviation
+        return self.within(DEVIATIONS)
+
+    def within(self, deviations: float) -> float:
+        """The mean plus ``deviations`` mean deviations."""
+        return self.mean + deviations * self.deviation
 
 
 @dataclass
@@ -129,7 +133,7 @@ class BucketedEstimates:
         """The duration to plan with for ``n`` states (``expected``: the smoothed mean instead), or None before any
         measurement."""
         key = bucket(n)
-        pick = (lambda e: e.mean) if expected else (lambda e: e.mean + deviations * e.deviation)
+        pick = (lambda e: e.mean) if expected else (lambda e: e.within(deviations))
         if key in self.by_bucket:
             return pick(self.by_bucket[key])
         larger = [b for b in self.by_bucket if b > key]
@@ -243,9 +247,9 @@ class LatencyBudget:
         steady = times.queued_s <= self.budget_s
         if times.n_states and steady:
             self.engine.add(times.n_states, max(0.0, times.scored_at - started_scoring))
-        if times.launched_at is not None and times.n_states and steady:
-            self.launch_lead.add(times.n_states, max(0.0, times.launched_at - times.closed_at))
-            self.device.add(times.n_states, max(0.0, times.scored_at - max(times.launched_at, self._last_scored_at)))
+            if times.launched_at is not None:
+                self.launch_lead.add(times.n_states, max(0.0, times.launched_at - times.closed_at))
+                self.device.add(times.n_states, max(0.0, times.scored_at - max(times.launched_at, self._last_scored_at)))
         self.commit.add(times.n_states, max(0.0, times.committed_at - started_commit))
         self._last_scored_at, self._last_committed_at = times.scored_at, times.committed_at
         self.rate.add(times.committed_at, times.n_states)
