@@ -13,17 +13,20 @@ rm -rf "$OUT" && mkdir -p "$OUT/stage/libs"
 "$JDK/bin/jlink" --add-modules java.base,java.logging,java.management,java.naming,java.xml,jdk.unsupported,java.security.jgss,java.security.sasl,jdk.management,java.desktop \
     --strip-debug --no-man-pages --no-header-files --compress=zip-0 --output "$OUT/stage/jre"
 .venv/bin/python - "$LIBS" "$OUT/stage/libs" <<'PY'
-"""Each jar again, stored rather than deflated (xz packs the classes far better), zstd-jni without the native
-libraries of other platforms than linux/amd64."""
-import sys, zipfile
+"""Each jar again, stored rather than deflated (xz packs the classes far better), without the native libraries of
+other platforms than Linux on x86-64 (zstd-jni, snappy-java, lz4-java: ~23 MB of them as they come)."""
+import re, sys, zipfile
 from pathlib import Path
+
+# zstd-jni: linux/amd64/; snappy-java: .../native/Linux/x86_64/; lz4-java: .../linux/amd64/
+LINUX_X86_64 = re.compile(r"(^|/)linux/(amd64|x86_64)/", re.IGNORECASE)
 
 source, target = Path(sys.argv[1]), Path(sys.argv[2])
 for jar in sorted(source.glob("*.jar")):
     with zipfile.ZipFile(jar) as zin, zipfile.ZipFile(target / jar.name, "w", zipfile.ZIP_STORED) as zout:
         for info in zin.infolist():
-            native = jar.name.startswith("zstd-jni") and "/" in info.filename and info.filename.endswith((".so", ".dll", ".dylib", ".a"))
-            if native and not info.filename.startswith("linux/amd64/"):
+            native = info.filename.endswith((".so", ".dll", ".dylib", ".jnilib", ".a"))
+            if native and not LINUX_X86_64.search(info.filename):
                 continue
             zout.writestr(info, zin.read(info.filename), compress_type=zipfile.ZIP_STORED)
 PY
