@@ -140,6 +140,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--capacity-loads", default=None,
                     help="comma-separated offered loads, fractions of the full-load rate (default 0.3,0.4,...,0.9,0.95)")
     ap.add_argument("--capacity-samples", type=int, default=2, help="measured windows per load")
+    ap.add_argument("--capacity-settle-seconds", type=float, default=None,
+                    help="states at a budget's first load, not measured, before its first window: the fresh broker "
+                         "and workers of each budget settle (default 12; 0 with --quick)")
     ap.add_argument("--full-load-rate", type=float, default=None,
                     help="with --capacity: take this many states/s as the full load instead of measuring it (the "
                          "loads are fractions of it: two trees compared at the same offered rates)")
@@ -190,6 +193,8 @@ def main(argv=None) -> dict:
                            else [0.3, 0.6] if args.quick else list(capacity.DEFAULT_LOADS))
     if args.broker_delay_ms and not args.capacity:
         ap.error("--broker-delay-ms is measured by --capacity runs only")
+    args.capacity_settle_seconds = (args.capacity_settle_seconds if args.capacity_settle_seconds is not None
+                                    else 0 if args.quick else 12)
     args.latency_seconds = args.latency_seconds or (3 if args.quick else 8 if args.capacity else 15)
     args.latency_warmup_seconds = (args.latency_warmup_seconds if args.latency_warmup_seconds is not None
                                    else (1 if args.quick else 2 if args.capacity else 5))

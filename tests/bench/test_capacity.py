@@ -40,12 +40,14 @@ def test_quick_capacity_run_through_a_slower_broker_is_exactly_once(tmp_path):
     from bench.stream_bench import main as stream_main
 
     result = stream_main([*bench_broker_args(), "--capacity", "--quick", "--states", "60", "--latency-seconds", "2", "--broker-delay-ms", "2",
-                          "--latency-budget-ms", "5000", "--capacity-loads", "0.2,0.4"])
+                          "--latency-budget-ms", "5000", "--capacity-loads", "0.2,0.4", "--capacity-settle-seconds", "2"])
     assert result["broker_delay_ms"] == 2.0 and result["full_load_states_per_s"] > 0
     # the proxy was in the workers' way, and says what it added
     (curve,) = result["budgets"]
     for proxy in (result["full_load"]["proxy"], curve["proxy"]):
         assert proxy["frames"] > 0 and proxy["added_p50_ms"] >= 2.0, proxy
+    # the settling states before the first window: at its load, not measured, and in the exactly-once count
+    assert result["settle_seconds"] == 2 and curve["settle_states"] == int(0.2 * result["full_load_states_per_s"] * 2)
     assert curve["exactly_once_ok"], curve
     assert [p["load"] for p in curve["points"]] == [0.2, 0.4][:len(curve["points"])]
     assert all(len(p["samples"]) == 2 for p in curve["points"])
@@ -70,7 +72,7 @@ def test_a_stand_in_capacity_run_models_the_gpu_on_a_cpu(tmp_path):
     result = stream_main([*bench_broker_args(), "--capacity", "--engine", "stand-in", "--device-ms", "9.2,1.8",
                           "--states", "100", "--latency-seconds", "2", "--latency-warmup-seconds", "1",
                           "--latency-budget-ms", "5000", "--capacity-loads", "0.3", "--capacity-samples", "1",
-                          "--full-load-rate", "534", "--out", str(tmp_path)])
+                          "--capacity-settle-seconds", "0", "--full-load-rate", "534", "--out", str(tmp_path)])
     assert result["env"]["engine"] == "stand-in" and result["env"]["state_tokens"] == 128
     assert result["full_load_states_per_s"] == 534
     (curve,) = result["budgets"]
@@ -108,7 +110,7 @@ def test_unpadded_batches_leave_a_cycles_tail_to_the_next_exactly_once(tmp_path,
                           "--device-ms", "1:9.16,8:19.24,16:33.76,32:63.28,128:247.5",
                           "--states", "100", "--latency-seconds", "3", "--latency-warmup-seconds", "1",
                           "--latency-budget-ms", "5000", "--capacity-loads", "0.9", "--capacity-samples", "1",
-                          "--full-load-rate", "520", "--out", str(tmp_path)])
+                          "--capacity-settle-seconds", "0", "--full-load-rate", "520", "--out", str(tmp_path)])
     (curve,) = result["budgets"]
     assert curve["exactly_once_ok"], curve
     (log,) = tmp_path.glob("*.logs/cap5000-w0.log")
