@@ -8,9 +8,10 @@ those fixed costs decide whether the load is held, and a larger budget could pay
 every cycle closed at once the budget changed nothing but the count of misses (runs CN and before, bench/README.md:
 the p99s of 25, 50 and 100 ms at a load were within noise of each other).
 
-So the planner first asks what the load needs. At ``rate`` states a second, cycles of ``n`` states keep the scoring
-path busy ``utilisation(n) = rate x E(n) / n`` of the time, where ``E(n) = fixed + per_state x n`` is the learned
-time of a cycle (``CostLine``, fitted to the budget's per-bucket estimates). The cycle gathers for the time ``n - 1``
+So the planner first asks what the load needs. At ``rate`` states a second, cycles of ``n`` states keep the GPU
+busy ``utilisation(n) = rate x G(n) / n`` of the time, where ``G(n) = fixed + per_state x n`` is the learned GPU
+time of a cycle from its launch (``CostLine``, fitted to the budget's per-bucket estimates; the time from the close,
+``E(n)``, until the GPU's is learned). The cycle gathers for the time ``n - 1``
 more states take to arrive, for the smallest ``n`` whose utilisation is at most ``UTILISATION`` (the rest of the time
 is the headroom that absorbs a stall without a queue building up): 0 at a light load, where one state's cycle
 already leaves that headroom, so a light load and a tight budget close every cycle as soon as the GPU can take it, as
@@ -159,19 +160,26 @@ class RecentRate:
 
 
 def gather_window(rate: float | None, engine: CostLine | None, commit: CostLine | None, budget_s: float,
-                  launch_lead_s: float, max_batch: int) -> float:
+                  launch_lead_s: float, max_batch: int, device: CostLine | None = None) -> float:
     """How long (seconds) a cycle gathers after its first state before it may close (see the module's docstring):
     ``rate`` states/s arriving, ``engine`` and ``commit`` the learned cycle times, ``launch_lead_s`` from close to
-    the batch queued. 0 without a rate or estimates yet, and at a load one-state cycles serve within UTILISATION."""
-    if not rate or engine is None or commit is None or rate <= 0 or engine.fixed <= 0:
+    the batch queued, ``device`` the GPU's own time on a cycle (from its launch), which is what a batch keeps busy
+    (``engine`` where not learned yet). 0 without a rate or estimates yet, and at a load one-state cycles serve
+    within UTILISATION."""
+    busy = device if device is not None else engine
+    if not rate or busy is None or commit is None or engine is None or rate <= 0 or busy.fixed <= 0:
         return 0.0          # nothing to go on, or a batch's time all per state: a larger batch would gain nothing
-    # the smallest batch whose scoring keeps the path busy at most UTILISATION of the time at this rate; none (the
+    # the smallest batch whose scoring keeps the GPU busy at most UTILISATION of the time at this rate; none (the
     # states' own time fills that share): the load is at the edge of what any batch sustains, and the queue behind the
-    # GPU sets the batch, as large as it needs, without an idle GPU while a cycle gathers
-    headroom = UTILISATION - rate * engine.per_state
+    # GPU sets the batch, as large as it needs, without an idle GPU while a cycle gathers. The GPU's own time, not the
+    # time from the close: that one holds the launch, whose host time overlaps the batch ahead and grows with the
+    # batch (0.72 against the GPU's 0.47 ms a state on an H100, run DN), so at 60% of full load it found no batch
+    # size that left headroom, never gathered, and the GPU ran cycles of 4-5 states ~95% busy (a 10 ms stall every
+    # ~1.5 s then queued states past 50 ms)
+    headroom = UTILISATION - rate * busy.per_state
     if headroom <= 0:
         return 0.0
-    needed = rate * engine.fixed / headroom
+    needed = rate * busy.fixed / headroom
     if needed <= 1:
         return 0.0
     # the largest batch whose first state is planned visible within GATHER_SHARE of the budget:

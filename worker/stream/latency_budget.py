@@ -254,7 +254,7 @@ class LatencyBudget:
         self._last_scored_at, self._last_committed_at = times.scored_at, times.committed_at
         self.rate.add(times.committed_at, times.n_states)
         self.gather_s = gather_window(self.rate.per_second(), self.engine.line(), self.commit.line(), self.budget_s,
-                                      self._lead(times.n_states), self.max_batch)
+                                      self._lead(times.n_states), self.max_batch, self.device.line())
         missed = times.committed_at - times.first_arrival > self.budget_s
         self.misses += missed
         return missed

@@ -43,6 +43,26 @@ def test_a_light_load_or_nothing_learned_gathers_nothing():
     assert gather_window(1500.0, CostLine(0.0, 0.0005), COMMIT, 0.1, LEAD, 128) == 0.0
 
 
+def test_the_gpus_own_time_sets_the_batch_a_load_needs_not_the_time_from_the_close():
+    """Run DN's H100 at 60% of full load (1,249 states/s, budget 50 ms): from the close a cycle took 0.4 ms + 0.72 ms
+    a state (the launch's host time grows with the batch), the GPU 1.3 ms + 0.47 ms a state. By the first line no
+    batch leaves the GPU headroom (1,249 x 0.72 ms > UTILISATION) and nothing was gathered: cycles of 4-5 states kept
+    it ~95% busy. By the GPU's own, batches of ~11 leave it: the cycle gathers."""
+    engine, device = CostLine(0.0004, 0.00072, margin=0.0014), CostLine(0.0013, 0.00047)
+    commit = CostLine(0.0014, 0.000256, margin=0.002)
+    rate = 1249.0
+    assert rate * engine.per_state > UTILISATION
+    assert gather_window(rate, engine, commit, 0.05, 0.0017, 128) == 0.0                 # no device line learned yet
+    window = gather_window(rate, engine, commit, 0.05, 0.0017, 128, device=device)
+    n = 1 + rate * window
+    assert window > 0 and rate * device.seconds(n) / n <= UTILISATION + 0.05, (window, n)
+    # the budget still caps it: the first state's plan, from the close's line, within its share
+    plan = window + 0.0017 + engine.seconds(n, pessimistic=True) + commit.seconds(n, pessimistic=True)
+    assert plan <= GATHER_SHARE * 0.05 + 1e-9
+    # and a GPU whose own time leaves no headroom at this rate gathers nothing (the queue sets the batch)
+    assert gather_window(rate, engine, commit, 0.05, 0.0017, 128, device=CostLine(0.0013, 0.0006)) == 0.0
+
+
 @pytest.mark.parametrize("load", [0.4, 0.5, 0.6])
 def test_at_a_given_load_the_window_grows_with_the_budget_and_keeps_the_plan_within_its_share(load):
     rate = load * FULL_LOAD
