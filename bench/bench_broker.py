@@ -6,6 +6,7 @@ One place, so that every bench starts it alike and its results say which it was 
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 from pathlib import Path
 from typing import Iterator
@@ -20,6 +21,15 @@ def add_broker_option(parser) -> None:
                              "the embedded development broker (noida-db)")
 
 
+def broker_cpus(cores: int | None = None) -> int | None:
+    """The cores a bench's Apache Kafka may use: a quarter of this machine's where it has 8 or more (the GPU machine's
+    16: 4), so that the broker, which production runs on machines of its own, does not take the worker's cores for its
+    collections (run DN: G1's pauses on every core every ~1.5 s); all of them on a smaller machine (this project's
+    2-core one), where confining it would starve it."""
+    cores = cores or len(os.sched_getaffinity(0))
+    return cores // 4 if cores >= 8 else None
+
+
 @contextlib.contextmanager
 def bench_broker(kind: str, logs: Path, name: str = "broker") -> Iterator:
     """A fresh broker of ``kind`` for the ``with`` block (``.bootstrap``, ``.port``), its log under ``logs``; stopped
@@ -31,7 +41,7 @@ def bench_broker(kind: str, logs: Path, name: str = "broker") -> Iterator:
         if problem is not None:
             raise SystemExit(f"--broker kafka: {problem}; or run on the embedded broker with --broker embedded")
         # Its log directory beside the logs, not in them (the logs are kept with the results), its own log copied in.
-        broker = ApacheKafka(directory=str(logs.parent / f"{name}-kafka"))
+        broker = ApacheKafka(directory=str(logs.parent / f"{name}-kafka"), cpus=broker_cpus())
         try:
             with broker:
                 yield broker

@@ -165,13 +165,14 @@ class ApacheKafka:
     ``directory`` None means a fresh temporary directory, deleted on a clean stop. It holds ``server.properties``,
     ``server.log`` (the broker's output) and ``data/`` (the log). ``port`` and ``controller_port`` 0 mean free
     ones, chosen once, so that a restart listens where clients already look. ``settings`` override
-    ``server_properties``'s.
+    ``server_properties``'s. ``cpus`` confines the broker to that many of this machine's cores (None: all of them).
     """
 
     port: int = 0
     controller_port: int = 0
     directory: str | None = None
     heap_mb: int = 512
+    cpus: int | None = None
     settings: Mapping[str, str] = field(default_factory=dict)
     home: Path | None = None
     process: subprocess.Popen | None = field(default=None, init=False)
@@ -248,13 +249,33 @@ class ApacheKafka:
         # Each collection's pause on a line of the broker's log: a stall of the clients' broker calls is then told
         # apart from one of their own (on the GPU machine, transactions slowed for ~10 ms every ~1.5 s at 1,250 states/s)
         command = ["java", f"-Xms{self.heap_mb}m", f"-Xmx{self.heap_mb}m", "-XX:+UseG1GC", "-XX:MaxGCPauseMillis=20",
-                   "-Xlog:gc:stdout:utctime", "-Djava.awt.headless=true", f"-Dlog4j2.configurationFile={log_config}",
+                   "-Xlog:gc:stdout:utctime", *self._cpu_flags(), "-Djava.awt.headless=true", f"-Dlog4j2.configurationFile={log_config}",
                    "-cp", self._classpath(), "kafka.Kafka", str(properties)]
         self._log = open(self.log_path, "ab")
         # Its own session: a Ctrl-C in the terminal reaches us, and we decide when the broker stops.
         self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                        start_new_session=True, preexec_fn=dies_with_this_thread())
+                                        start_new_session=True, preexec_fn=self._in_child())
         self._reapers.append(Reaper([self.process.pid], [self._own_dir] if self._own_dir else []))
+
+    def _cpu_flags(self) -> list[str]:
+        """The JVM sized as if it had ``cpus`` processors (its GC and JIT threads; None: all of this machine's). A
+        broker beside the worker otherwise runs its collections on every core: G1 with ~13 parallel threads on a
+        16-core GPU machine, a pause every ~1.5 s at 1,250 states/s, while the worker's threads waited for a core."""
+        return [] if self.cpus is None else [f"-XX:ActiveProcessorCount={self.cpus}"]
+
+    def _in_child(self):
+        """What the broker's process does before it runs Java: die with the thread that started it, and with ``cpus``
+        run on the last ``cpus`` of this process's cores only (set before the JVM starts, so every thread of it
+        inherits them), as a broker on a machine of its own would leave the rest to the clients."""
+        dies = dies_with_this_thread()
+        if self.cpus is None:
+            return dies
+        cores = set(sorted(os.sched_getaffinity(0))[-self.cpus:])
+
+        def in_child() -> None:
+            dies()
+            os.sched_setaffinity(0, cores)
+        return in_child
 
     def _started_since(self, log_start: int) -> bool:
         """Whether the log holds this start's 'Kafka Server started' line (past ``log_start`` bytes: earlier starts on

@@ -1,0 +1,41 @@
+"""The benches' Apache Kafka: on a machine of 8 cores or more it runs on a quarter of them, its JVM sized to them, as
+a broker of its own machine would leave the rest to the worker; every collection's pause is in its log."""
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+from bench.bench_broker import broker_cpus
+from tests import brokers
+
+
+def test_a_quarter_of_a_large_machines_cores_and_all_of_a_small_ones():
+    assert broker_cpus(16) == 4 and broker_cpus(8) == 2 and broker_cpus(128) == 32
+    assert broker_cpus(2) is None and broker_cpus(7) is None
+
+
+@pytest.mark.skipif(brokers.kafka_problem() is not None, reason="needs Java and the Kafka jars (bash dev/setup.sh)")
+def test_a_confined_broker_runs_on_its_cores_only_and_logs_its_collections(tmp_path):
+    from confluent_kafka.admin import AdminClient
+
+    from worker.devbroker.apache_kafka import ApacheKafka
+
+    with ApacheKafka(directory=str(tmp_path / "kafka"), cpus=1) as broker:
+        assert AdminClient({"bootstrap.servers": broker.bootstrap}).list_topics(timeout=30).brokers
+        status = Path(f"/proc/{broker.process.pid}/status").read_text()
+        allowed = re.search(r"^Cpus_allowed_list:\s*(\S+)$", status, re.M).group(1)
+        # the last core of this process's own: every thread of the JVM inherited it (set before Java started)
+        last = str(max(os.sched_getaffinity(0)))
+        assert allowed == last, status
+        threads = list(Path(f"/proc/{broker.process.pid}/task").iterdir())
+        assert len(threads) > 10 and all(
+            re.search(r"^Cpus_allowed_list:\s*(\S+)$", (t / "status").read_text(), re.M).group(1) == last
+            for t in threads)
+        command = Path(f"/proc/{broker.process.pid}/cmdline").read_bytes().split(b"\0")
+        assert b"-XX:ActiveProcessorCount=1" in command and b"-Xlog:gc:stdout:utctime" in command
+    # at least the start's collections (the metadata's threshold), each on a line with its pause
+    log = broker.log_path.read_text()
+    assert re.search(r"^\[\d{4}-\d\d-\d\dT[\d:.]+\+0000\] GC\(\d+\) Pause .* [\d.]+ms$", log, re.M), log[-2000:]
