@@ -16,8 +16,8 @@ measured load held too, as a fraction of the full-load throughput, and a budget 
 does not hold.
 
 Every window's states over B are charged to one cause each (`bench/tail_causes.py`: the GPU busy with the cycle
-ahead, the state's own scoring, a host stage, a broker call, garbage collection, a graph capture, a rebalance, the
-reader): the window's `tail_causes` and each load's (its windows together) in the JSON, a table below the capacity
+ahead, the state's own scoring, a host stage, a broker call, garbage collection, a pause of Apache Kafka's JVM, a graph
+capture, a rebalance, the reader): the window's `tail_causes` and each load's (its windows together) in the JSON, a table below the capacity
 table, and the PNG's second panel (the share of each load's states over B, stacked by cause).
 
 Each phase runs on an embedded broker of its own (``fresh_broker`` says why). Two simplifications keep a run inside
@@ -195,6 +195,8 @@ def fresh_broker(args, logs: Path, name: str):
     with bench_broker(args.broker, logs, f"broker-{name}") as broker, \
             slower_broker(broker.port, args.broker_delay_ms, logs) as (worker_bootstrap, proxy_stats):
         args.worker_bootstrap = worker_bootstrap
+        # Apache Kafka's log, with its JVM's pauses (the tail's ``broker_gc``); the embedded broker has none
+        args.broker_log = getattr(broker, "log_path", None)
         yield broker, proxy_stats
 
 

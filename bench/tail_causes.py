@@ -30,7 +30,9 @@ Then, per late state, on its own span (from its event time, placed on the cycle'
 1. a rebalance, an abort or a worker (re)start (``assigned``, ``revoked``, ``lost``, ``aborted``, ``model_loaded``
    events of any worker) inside the span: the cause is ``rebalance``, whatever the pieces say;
 2. else every garbage collection overlapping the span (the event's ``gc_pauses_ms``) is charged to ``gc`` and taken
-   out of the pieces it overlaps (a collection stops every thread: whatever ran then waited for it);
+   out of the pieces it overlaps (a collection stops every thread: whatever ran then waited for it); and every pause
+   of the broker's JVM (Apache Kafka's GC log, ``broker_pauses``) overlapping a piece that waits on the broker
+   (``broker_schema``, ``broker_commit``, ``reader``) is charged to ``broker_gc`` and taken out of that piece;
 3. the cause is the one with the most time inside the span; a tie goes to the one earlier in ``CAUSES``.
 
 So a state is charged to what took most of its time, not to what exceeded a typical value: at a load the GPU cannot
@@ -40,15 +42,20 @@ log not read, an event without the times) is counted ``unmapped``.
 from __future__ import annotations
 
 import bisect
+import datetime
+import re
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
-CAUSES = ("rebalance", "capture", "gc", "gpu_busy", "scoring", "host_intake", "broker_schema", "host_handoff",
+CAUSES = ("rebalance", "capture", "gc", "broker_gc", "gpu_busy", "scoring", "host_intake", "broker_schema", "host_handoff",
           "host_gather", "host_launch", "host_records", "host_produce", "broker_queue", "broker_commit", "reader",
           "other")
 """Every cause, in the order that breaks a tie."""
 
 MEMBERSHIP = ("assigned", "revoked", "lost", "aborted", "model_loaded")
+WAITS_ON_BROKER = ("broker_schema", "broker_commit", "reader")
+"""The pieces a pause of the broker holds up (its requests are not answered meanwhile)."""
+_GC_PAUSE = re.compile(r"^\[(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d+)\+0000\] GC\(\d+\) Pause .* ([\d.]+)ms$", re.M)
 SAME_TRANSACTION_MS = 0.05
 """Cycles whose records became visible this close together (the event's rounding) ended in one transaction."""
 _TIMES = ("arrived_monotonic_ms", "closed_ms", "scored_ms", "arrival_to_visible_ms", "offsets")
@@ -73,6 +80,17 @@ class CyclePieces:
     visible_ms: float                      # its records visible, after arrival
     pieces: list[tuple[float, float, str]] = field(default_factory=list)   # (from, to, cause)
     gc: list[tuple[float, float]] = field(default_factory=list)             # (from, to) of each collection
+
+
+def broker_pauses(log_text: str) -> list[tuple[float, float]]:
+    """The JVM's pauses in an Apache Kafka broker's log (``-Xlog:gc:stdout:utctime``, ``worker.devbroker.apache_kafka``)
+    as (start, end) wall times in ms since the epoch: a line is written as its pause ends."""
+    pauses = []
+    for match in _GC_PAUSE.finditer(log_text):
+        end = datetime.datetime.strptime(match.group(1), "%Y-%m-%dT%H:%M:%S.%f").replace(
+            tzinfo=datetime.timezone.utc).timestamp() * 1000
+        pauses.append((end - float(match.group(2)), end))
+    return pauses
 
 
 def _piece(pieces: list, start: float | None, end: float | None, cause: str) -> None:
@@ -128,24 +146,28 @@ def _overlap(a0: float, a1: float, b0: float, b1: float) -> float:
     return max(0.0, min(a1, b1) - max(a0, b0))
 
 
-def cause_of(cycle: CyclePieces, state: LateState, membership_wall_ms: list[float]) -> tuple[str, dict[str, float]]:
-    """The one cause of ``state``'s lateness (the rule of the module's docstring), and its time per cause (ms)."""
+def cause_of(cycle: CyclePieces, state: LateState, membership_wall_ms: list[float],
+             broker_pauses_wall_ms: list[tuple[float, float]] = ()) -> tuple[str, dict[str, float]]:
+    """The one cause of ``state``'s lateness (the rule of the module's docstring), and its time per cause (ms);
+    ``broker_pauses_wall_ms``: the broker's pauses (``broker_pauses``)."""
     start = max(0.0, state.event_ms - cycle.arrival_wall_ms)
     end = max(start, state.visible_ms - cycle.arrival_wall_ms)
+    broker = [(b0 - cycle.arrival_wall_ms, b1 - cycle.arrival_wall_ms) for b0, b1 in broker_pauses_wall_ms
+              if b1 > state.event_ms and b0 < state.visible_ms]
     times: dict[str, float] = defaultdict(float)
     covered = 0.0
-    for p0, p1, cause in cycle.pieces:
+    for p0, p1, cause in (*cycle.pieces, (cycle.visible_ms, end, "reader")):
         share = _overlap(start, end, p0, p1)
         if share <= 0:
             continue
-        stopped = sum(_overlap(max(start, p0), min(end, p1), g0, g1) for g0, g1 in cycle.gc)
-        times[cause] += share - stopped
+        a, b = max(start, p0), min(end, p1)
+        stopped = sum(_overlap(a, b, g0, g1) for g0, g1 in cycle.gc)
+        paused = sum(_overlap(a, b, g0, g1) for g0, g1 in broker) if cause in WAITS_ON_BROKER else 0.0
+        paused = min(paused, share - stopped)
+        times[cause] += share - stopped - paused
         times["gc"] += stopped
+        times["broker_gc"] += paused
         covered += share
-    gc_after = sum(_overlap(max(start, cycle.visible_ms), end, g0, g1) for g0, g1 in cycle.gc)
-    times["reader"] += _overlap(start, end, cycle.visible_ms, end) - gc_after
-    times["gc"] += gc_after
-    covered += _overlap(start, end, cycle.visible_ms, end)
     times["other"] += max(0.0, (end - start) - covered)   # steps an event did not time
     times = {cause: round(ms, 3) for cause, ms in times.items() if ms > 1e-9}
     bisect_at = bisect.bisect_left(membership_wall_ms, state.event_ms)
@@ -207,11 +229,11 @@ def place_arrivals(index: CycleIndex, states: list[LateState], budget_ms: float)
 
 
 def window_causes(events_by_worker: list[list[dict]], states: list[LateState], budget_ms: float,
-                  compute_in_launch: bool = False) -> dict:
+                  compute_in_launch: bool = False, broker_pauses_wall_ms: list[tuple[float, float]] = ()) -> dict:
     """The tail table of one measured window: of ``states`` (every state the reader saw with an event time; those not
     ``measured`` only place their cycles), the measured ones over ``budget_ms``, how many per cause, their share, and
     the mean ms per cause over them (what the late states' time was spent on, whichever cause each was charged to).
-    ``compute_in_launch``: see ``cycle_pieces``."""
+    ``compute_in_launch``: see ``cycle_pieces``; ``broker_pauses_wall_ms``: the broker's pauses (``broker_pauses``)."""
     index = CycleIndex(events_by_worker, compute_in_launch)
     place_arrivals(index, states, budget_ms)
     late = [s for s in states if s.measured and s.visible_ms - s.event_ms > budget_ms]
@@ -222,7 +244,7 @@ def window_causes(events_by_worker: list[list[dict]], states: list[LateState], b
         if k is None:
             counts["unmapped"] += 1
             continue
-        cause, times = cause_of(index.cycles[k], state, index.membership)
+        cause, times = cause_of(index.cycles[k], state, index.membership, broker_pauses_wall_ms)
         counts[cause] += 1
         for name, ms in times.items():
             spent[name] += ms

@@ -2,7 +2,8 @@
 ``committed`` events a worker logs) and reader observations."""
 import pytest
 
-from bench.tail_causes import CAUSES, CycleIndex, LateState, cause_of, cycle_pieces, merged, window_causes
+from bench.tail_causes import (CAUSES, CycleIndex, LateState, broker_pauses, cause_of, cycle_pieces, merged,
+                                window_causes)
 
 T0 = 1_000_000.0   # wall seconds of the first cycle's arrival
 BUDGET = 25.0
@@ -82,6 +83,30 @@ def test_a_collection_is_charged_to_gc_and_taken_out_of_what_it_stopped():
     before = _event(0.0, [[0, 1]], scored=4.0, visible=40.0, commit_ms=35.0, gc_pauses_ms=[[-40.0, 30.0]],
                     steps={"produce": 0.5, "offsets": 30.0, "flush": 1.0, "commit": 3.5})
     assert _cause([before], _state(0.0, 41.0)) == {"broker_commit": 1}
+
+
+def test_a_pause_of_the_broker_is_charged_to_broker_gc_where_the_worker_waited_on_the_broker():
+    """A G1 pause of Apache Kafka's JVM (its GC log) inside a slow transaction step is the broker's collection, not
+    its commit; inside the host's own work it is nothing of the broker's."""
+    steps = {"produce": 0.5, "offsets": 30.0, "flush": 1.0, "commit": 3.5}
+    event = _event(0.0, [[0, 1]], scored=4.0, visible=40.0, commit_ms=35.0, steps=steps)
+    # the log line is written as the pause ends: 25 ms from 8 to 33 ms after the arrival (the offsets step: 5.5-35.5)
+    log = ("[1970-01-12T13:46:40.033+0000] GC(7) Pause Young (Normal) (G1 Evacuation Pause) 300M->40M(512M) 25.000ms\n"
+           "[1970-01-12T13:46:40.050+0000] GC(8) Concurrent Mark Cycle 1.2ms\n")
+    pauses = broker_pauses(log)
+    assert pauses == [pytest.approx((1000 * T0 + 8.0, 1000 * T0 + 33.0))]       # the concurrent phase is no pause
+    result = window_causes([[event]], [_state(0.0, 41.0)], BUDGET, broker_pauses_wall_ms=pauses)
+    assert result["causes"] == {"broker_gc": 1}
+    assert result["mean_ms"]["broker_gc"] == pytest.approx(25.0)
+    assert result["mean_ms"]["broker_commit"] == pytest.approx(34.5 - 25.0)
+    # the same pause while the host made the records is the host's time still
+    host = _event(0.0, [[0, 1]], scored=4.0, visible=40.0, commit_ms=4.0)     # records from 4 to 36
+    result = window_causes([[host]], [_state(0.0, 41.0)], BUDGET, broker_pauses_wall_ms=pauses)
+    assert result["causes"] == {"host_records": 1} and "broker_gc" not in result["mean_ms"]
+    # and one outside the state's span is nobody's
+    later = [(1000 * T0 + 100.0, 1000 * T0 + 125.0)]
+    assert window_causes([[event]], [_state(0.0, 41.0)], BUDGET, broker_pauses_wall_ms=later)["causes"] == {
+        "broker_commit": 1}
 
 
 def test_a_capture_on_the_launch_is_charged_to_capture():
