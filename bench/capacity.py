@@ -17,8 +17,8 @@ does not hold.
 
 Every window's states over B are charged to one cause each (`bench/tail_causes.py`: the GPU busy with the cycle
 ahead, the state's own scoring, a host stage, a broker call, garbage collection, a pause of Apache Kafka's JVM, a graph
-capture, a rebalance, the reader): the window's `tail_causes` and each load's (its windows together) in the JSON, a table below the capacity
-table, and the PNG's second panel (the share of each load's states over B, stacked by cause).
+capture, a rebalance, the reader): the window's `tail_causes` and each load's (its windows together) in the JSON, a
+table below the capacity table, and the PNG's second panel (the share of each load's states over B, stacked by cause).
 
 Each phase runs on an embedded broker of its own (``fresh_broker`` says why). Two simplifications keep a run inside
 one GPU call, and both are in the JSON: the samples of a budget are consecutive
