@@ -193,6 +193,8 @@ def main(argv=None) -> dict:
                            else [0.3, 0.6] if args.quick else list(capacity.DEFAULT_LOADS))
     if args.broker_delay_ms and not args.capacity:
         ap.error("--broker-delay-ms is measured by --capacity runs only")
+    if args.capacity_settle_seconds is not None and args.capacity_settle_seconds < 0:
+        ap.error(f"--capacity-settle-seconds must be 0 or more, not {args.capacity_settle_seconds:g}")
     args.capacity_settle_seconds = (args.capacity_settle_seconds if args.capacity_settle_seconds is not None
                                     else 0 if args.quick else 12)
     args.latency_seconds = args.latency_seconds or (3 if args.quick else 8 if args.capacity else 15)
