@@ -380,8 +380,7 @@ def latency_window(args, stream: Stream, reader: Reader, texts: list[str], rate:
         worker0_plans=budget_plan_errors(events[0], latency_budget_ms, since=measured_from),
         worker0_timelines=cycle_timelines(events[0], latency_budget_ms, since=measured_from),
         worker0_pipeline=gpu_pipeline(events[0], since=measured_from),
-        tail_causes=window_tail(events, reader, start_seen, tag, latency_budget_ms, stream.args.device,
-                                getattr(stream.args, "broker_log", None)),
+        tail_causes=window_tail(events, reader, start_seen, tag, latency_budget_ms, stream.args),
         **({"worker0_gil": gil.result()} if gil is not None else {}))
     if not lat:
         raise SystemExit(f"window {tag}: none of its {n} measured states became visible within 120 s; see {stream.logs}")
@@ -392,13 +391,10 @@ def latency_window(args, stream: Stream, reader: Reader, texts: list[str], rate:
                 **({"cpu_throttled": throttled} if throttled is not None else {}), ids=steady + ids)
 
 
-def window_tail(events: list[list[dict]], reader: Reader, start_seen: int, tag: str, budget_ms: float,
-                device: str, broker_log: Path | None = None) -> dict:
+def window_tail(events: list[list[dict]], reader: Reader, start_seen: int, tag: str, budget_ms: float, args) -> dict:
     """``bench.tail_causes``' table of a window's states over the budget (those the reader saw since ``start_seen``
-    with ids ``tag-i``), from every worker's logged ``events`` and the pauses in ``broker_log`` (Apache Kafka's log,
-    None: no broker pauses known)."""
+    with ids ``tag-i``), from every worker's ``events`` and the JVM's pauses in ``args.broker_log`` (Apache Kafka's)."""
     states = [tail_causes.LateState(ev, 1000 * t, *reader.source[sid], measured=sid.startswith(f"{tag}-"))
               for t, sid, ev in reader.visible[start_seen:] if ev is not None and sid in reader.source]
-    pauses = tail_causes.broker_pauses(Path(broker_log).read_text(errors="replace")) if broker_log else []
-    return tail_causes.window_causes(events, states, budget_ms, compute_in_launch=not device.startswith("cuda"),
-                                     broker_pauses_wall_ms=pauses)
+    return tail_causes.window_causes(events, states, budget_ms, not args.device.startswith("cuda"),
+                                     tail_causes.broker_pauses(getattr(args, "broker_log", None)))

@@ -46,6 +46,7 @@ import datetime
 import re
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
+from pathlib import Path
 
 CAUSES = ("rebalance", "capture", "gc", "broker_gc", "gpu_busy", "scoring", "host_intake", "broker_schema", "host_handoff",
           "host_gather", "host_launch", "host_records", "host_produce", "broker_queue", "broker_commit", "reader",
@@ -82,11 +83,14 @@ class CyclePieces:
     gc: list[tuple[float, float]] = field(default_factory=list)             # (from, to) of each collection
 
 
-def broker_pauses(log_text: str) -> list[tuple[float, float]]:
-    """The JVM's pauses in an Apache Kafka broker's log (``-Xlog:gc:stdout:utctime``, ``worker.devbroker.apache_kafka``)
-    as (start, end) wall times in ms since the epoch: a line is written as its pause ends."""
+def broker_pauses(log: "str | Path | None") -> list[tuple[float, float]]:
+    """The JVM's pauses in an Apache Kafka broker's log file (``-Xlog:gc:stdout:utctime``,
+    ``worker.devbroker.apache_kafka``) as (start, end) wall times in ms since the epoch: a line is written as its pause
+    ends. None or no file: none."""
+    if log is None or not Path(log).is_file():
+        return []
     pauses = []
-    for match in _GC_PAUSE.finditer(log_text):
+    for match in _GC_PAUSE.finditer(Path(log).read_text(errors="replace")):
         end = datetime.datetime.strptime(match.group(1), "%Y-%m-%dT%H:%M:%S.%f").replace(
             tzinfo=datetime.timezone.utc).timestamp() * 1000
         pauses.append((end - float(match.group(2)), end))

@@ -85,7 +85,7 @@ def test_a_collection_is_charged_to_gc_and_taken_out_of_what_it_stopped():
     assert _cause([before], _state(0.0, 41.0)) == {"broker_commit": 1}
 
 
-def test_a_pause_of_the_broker_is_charged_to_broker_gc_where_the_worker_waited_on_the_broker():
+def test_a_pause_of_the_broker_is_charged_to_broker_gc_where_the_worker_waited_on_the_broker(tmp_path):
     """A G1 pause of Apache Kafka's JVM (its GC log) inside a slow transaction step is the broker's collection, not
     its commit; inside the host's own work it is nothing of the broker's."""
     steps = {"produce": 0.5, "offsets": 30.0, "flush": 1.0, "commit": 3.5}
@@ -93,7 +93,9 @@ def test_a_pause_of_the_broker_is_charged_to_broker_gc_where_the_worker_waited_o
     # the log line is written as the pause ends: 25 ms from 8 to 33 ms after the arrival (the offsets step: 5.5-35.5)
     log = ("[1970-01-12T13:46:40.033+0000] GC(7) Pause Young (Normal) (G1 Evacuation Pause) 300M->40M(512M) 25.000ms\n"
            "[1970-01-12T13:46:40.050+0000] GC(8) Concurrent Mark Cycle 1.2ms\n")
-    pauses = broker_pauses(log)
+    (tmp_path / "server.log").write_text(log)
+    pauses = broker_pauses(tmp_path / "server.log")
+    assert broker_pauses(None) == [] and broker_pauses(tmp_path / "gone.log") == []
     assert pauses == [pytest.approx((1000 * T0 + 8.0, 1000 * T0 + 33.0))]       # the concurrent phase is no pause
     result = window_causes([[event]], [_state(0.0, 41.0)], BUDGET, broker_pauses_wall_ms=pauses)
     assert result["causes"] == {"broker_gc": 1}
