@@ -249,8 +249,8 @@ class ApacheKafka:
         # Each collection's pause on a line of the broker's log: a stall of the clients' broker calls is then told
         # apart from one of their own (on the GPU machine, transactions slowed for ~10 ms every ~1.5 s at 1,250 states/s)
         command = ["java", f"-Xms{self.heap_mb}m", f"-Xmx{self.heap_mb}m", "-XX:+UseG1GC", "-XX:MaxGCPauseMillis=20",
-                   "-Xlog:gc:stdout:utctime", *self._cpu_flags(), "-Djava.awt.headless=true", f"-Dlog4j2.configurationFile={log_config}",
-                   "-cp", self._classpath(), "kafka.Kafka", str(properties)]
+                   "-Xlog:gc:stdout:utctime", *self._cpu_flags(), "-Djava.awt.headless=true",
+                   f"-Dlog4j2.configurationFile={log_config}", "-cp", self._classpath(), "kafka.Kafka", str(properties)]
         self._log = open(self.log_path, "ab")
         # Its own session: a Ctrl-C in the terminal reaches us, and we decide when the broker stops.
         self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
