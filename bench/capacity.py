@@ -142,10 +142,9 @@ def _settle(args, stream, reader, texts, rate: float) -> list[str]:
     5 s on and ~4 ms from ~12 s on, at an unchanged offered rate, with the close-to-launch and GPU times of each cycle
     elevated alike; the 25 ms budget's first window failed in those seconds, the steady state that a long-running
     broker and worker serve in production was measured only after it. 0 measures from the first window, as before."""
-    seconds = getattr(args, "capacity_settle_seconds", 0) or 0
-    if seconds <= 0:
+    if not args.capacity_settle_seconds:
         return []
-    ids = [f"settle-{i}" for i in range(int(rate * seconds))]
+    ids = [f"settle-{i}" for i in range(int(rate * args.capacity_settle_seconds))]
     start_seen = len(reader.visible)
     produce(stream.bootstrap, stream.topics.states, ids, [texts[i % len(texts)] for i in range(len(ids))], rate=rate)
     if not reader.wait_for(start_seen + len(ids), 120):
@@ -225,7 +224,7 @@ def capacity_run(args, env: dict, engine_rate: float, model_dir, schema_file, te
     return dict(env=env, broker_delay_ms=args.broker_delay_ms, engine_only_states_per_s=engine_rate,
                 full_load=full, full_load_states_per_s=full_rate, loads=grid, samples_per_load=args.capacity_samples,
                 window_seconds=args.latency_seconds, warmup_seconds=args.latency_warmup_seconds,
-                settle_seconds=getattr(args, "capacity_settle_seconds", 0) or 0,
+                settle_seconds=args.capacity_settle_seconds,
                 capacity={str(c["budget_ms"]): c["capacity"] for c in curves}, budgets=curves, logs=str(logs))
 
 

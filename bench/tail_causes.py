@@ -48,9 +48,9 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-CAUSES = ("rebalance", "capture", "gc", "broker_gc", "gpu_busy", "scoring", "host_intake", "broker_schema", "host_handoff",
-          "host_gather", "host_launch", "host_records", "host_produce", "broker_queue", "broker_commit", "reader",
-          "other")
+CAUSES = ("rebalance", "capture", "gc", "broker_gc", "gpu_busy", "scoring", "host_intake", "broker_schema",
+          "host_handoff", "host_gather", "host_launch", "host_records", "host_produce", "broker_queue", "broker_commit",
+          "reader", "other")
 """Every cause, in the order that breaks a tie."""
 
 MEMBERSHIP = ("assigned", "revoked", "lost", "aborted", "model_loaded")
