@@ -159,6 +159,11 @@ _LAUNCH_SEGMENTS = (("close_to_taken_ms", "closed_ms", "taken_ms"),
 # schema catch-up and the batches built; the GPU thread's wait to take it
 _HANDOFF_SEGMENTS = (("close_to_submitted_ms", "closed_ms", "submitted_ms"),
                      ("submitted_to_taken_ms", "submitted_ms", "taken_ms"))
+# the tokenizers against the close and the GPU thread, where the events say when the cycle's last tokenizer job was
+# submitted and done (since 2026-12-06): signed (negative: before), so that taken -> gathered tells a wait for the
+# tokenizers (their last job done after the cycle was taken) from one after them (the GIL, the GPU thread's wake-up)
+_TOKENIZER_SEGMENTS = (("close_to_tokenize_submitted_ms", "closed_ms", "tokenize_submitted_ms"),
+                       ("taken_to_tokenized_ms", "taken_ms", "tokenized_ms"))
 
 
 def cycle_timelines(events: list[dict], budget_ms: float, since: float = 0.0) -> dict:
@@ -167,7 +172,8 @@ def cycle_timelines(events: list[dict], budget_ms: float, since: float = 0.0) ->
     the launch; launch to scores ready, which covers the wait behind the batch ahead; scores to visible, which covers
     the records and the transaction) over all cycles and over those visible later than ``budget_ms``, from the
     ``committed`` events' ``closed_ms``, ``launched_ms`` and ``scored_ms``; close to launch split further where every
-    cycle's event has ``taken_ms`` and ``gathered_ms``, and close to taken where they have ``submitted_ms``; and how
+    cycle's event has ``taken_ms`` and ``gathered_ms``, close to taken where they have ``submitted_ms``, and taken to
+    gathered where they say when the last tokenizer job was submitted and done (``_TOKENIZER_SEGMENTS``); and how
     many cycles had their transaction opened while the GPU scored them (``opened_ahead``, workers before the committer
     thread) or the median number of cycles their transaction committed (``cycles_in_transaction``), where every event
     says; and
@@ -181,8 +187,13 @@ def cycle_timelines(events: list[dict], budget_ms: float, since: float = 0.0) ->
         out: dict = {"cycles": len(group)}
         split = all(e.get("taken_ms") is not None and e.get("gathered_ms") is not None for e in group)
         handoff = split and all(e.get("submitted_ms") is not None for e in group)
-        for name, start, end in _SEGMENTS + (_LAUNCH_SEGMENTS if split else ()) + (_HANDOFF_SEGMENTS if handoff else ()):
+        tokenizers = split and all(e.get("tokenized_ms") is not None for e in group)
+        for name, start, end in (_SEGMENTS + (_LAUNCH_SEGMENTS if split else ()) + (_HANDOFF_SEGMENTS if handoff else ())
+                                 + (_TOKENIZER_SEGMENTS if tokenizers else ())):
             out[name] = round(_lower_median(e[end] - (e[start] if start else 0.0) for e in group), 2)
+        if tokenizers:  # taken -> gathered after the later of the two
+            out["tokenized_to_gathered_ms"] = round(_lower_median(
+                e["gathered_ms"] - max(e["taken_ms"], e["tokenized_ms"]) for e in group), 2)
         out["states"] = _lower_median(e.get("scored", 0) for e in group)        # a cycle's scored states
         if all("opened_ahead" in e for e in group):   # workers of 2026-12-01 and 02 (sessions 12 to 16)
             out["opened_ahead"] = sum(bool(e["opened_ahead"]) for e in group)

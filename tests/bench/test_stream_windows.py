@@ -142,6 +142,24 @@ def test_cycle_timelines_split_close_to_taken_and_count_transactions_opened_ahea
     assert timelines["close_to_taken_ms"] == 0.5 and timelines["opened_ahead"] == 2 and timelines["states"] == 9
 
 
+def test_cycle_timelines_tell_a_wait_for_the_tokenizers_from_one_after_them_where_the_events_say():
+    # (closed, taken, last tokenizer job submitted, done, gathered) ms after each first arrival: the first cycle's rows
+    # were ready before it was taken (its 0.4 ms taken -> gathered came after them), the others' last job finished
+    # 0.3 and 0.5 ms after it was taken, and the GPU thread had them 0.1 and 0.2 ms later
+    cycles = [(2.0, 2.2, 1.5, 1.9, 2.6), (4.0, 4.2, 3.9, 4.5, 4.6), (6.0, 6.1, 6.0, 6.6, 6.8)]
+    events = _log(*(_line(1.0 + k, "committed", scored=4, dead_letters={}, arrival_to_visible_ms=20.0,
+                          closed_ms=closed, submitted_ms=closed, taken_ms=taken, tokenize_submitted_ms=submitted,
+                          tokenized_ms=done, gathered_ms=gathered, launched_ms=gathered + 0.3, scored_ms=15.0)
+                    for k, (closed, taken, submitted, done, gathered) in enumerate(cycles)))
+    timelines = cycle_timelines(events, budget_ms=25, since=T0)["all"]
+    assert timelines["taken_to_gathered_ms"] == 0.4
+    assert timelines["taken_to_tokenized_ms"] == 0.3 and timelines["tokenized_to_gathered_ms"] == 0.2
+    assert timelines["close_to_tokenize_submitted_ms"] == -0.1
+    # a worker whose events do not say (before 2026-12-06): no such split
+    older = [{k: v for k, v in e.items() if not k.startswith("tokeni")} for e in events]
+    assert "taken_to_tokenized_ms" not in cycle_timelines(older, budget_ms=25, since=T0)["all"]
+
+
 def test_gpu_pipeline_places_cycles_on_the_workers_clock_and_measures_the_gpus_idle_gaps():
     # (arrived, closed, launched, scored) on the worker's monotonic clock, ms; the second cycle closed 2 ms before the
     # first one's scores and was queued 1 ms after them (1 ms idle); the third, queued behind the second's scores

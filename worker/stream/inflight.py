@@ -78,7 +78,8 @@ class InFlight:
         the device and its scores were ready (None where it did not happen: a cycle of dead letters only is never
         launched); and, only where they happened, what stopped it on the way that its times cannot tell: the garbage
         collections that overlapped it (``gc_pauses_ms``: [start since arrival, ms] each) and the CUDA graphs its
-        launch captured (``graph_captures``), for ``bench/tail_causes.py``."""
+        launch captured (``graph_captures``), for ``bench/tail_causes.py``; and, where its states came from tokenizer
+        jobs, when the last of them was submitted and was done (``tokenize_submitted_ms``, ``tokenized_ms``)."""
         arrived_at = self.cycle.arrived_at
         if arrived_at is None:
             return {}
@@ -90,6 +91,9 @@ class InFlight:
             stops["gc_pauses_ms"] = [[since_arrival(at), round(seconds * 1000, 2)] for at, seconds in pauses]
         if launch is not None and launch.captures:
             stops["graph_captures"] = launch.captures
+        if launch is not None and launch.tokenized_at is not None:
+            stops["tokenize_submitted_ms"] = since_arrival(launch.tokenize_submitted_at)
+            stops["tokenized_ms"] = since_arrival(launch.tokenized_at)
         # the arrival on the monotonic clock places cycles on one clock finer than the log's milliseconds (the GPU's
         # idle time between two cycles, for one)
         return {"arrived_monotonic_ms": round(arrived_at * 1000, 3),

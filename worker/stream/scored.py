@@ -25,9 +25,13 @@ class ScoredState:
 class LaunchTimes:
     """When the GPU thread took a cycle, had its tokenized states (the tokenizer pool may still have been on them)
     and had its batch queued on the device, in ``time.monotonic()`` seconds; and the CUDA graphs its launch captured on
-    the scoring path (``bench/tail_causes.py`` charges its time to them)."""
+    the scoring path (``bench/tail_causes.py`` charges its time to them); and when the last of the tokenizer jobs its
+    states came from was submitted and was done (None: no state came from one), which tell a wait for the tokenizers
+    from one for the GIL after them."""
 
     taken_at: float
     gathered_at: float
     launched_at: float
     captures: int = 0
+    tokenize_submitted_at: float | None = None
+    tokenized_at: float | None = None

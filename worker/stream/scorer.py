@@ -22,7 +22,7 @@ from worker.config import WorkerConfig
 from worker.exceptions import ConfigError
 from worker.formats.records import Reason, SchemaKey, engine_options, engine_questions, probabilities_problem
 from worker.stream.scored import LaunchTimes, ScoredState
-from worker.stream.tokenizing import RowSlot, bind, tokenized_rows
+from worker.stream.tokenizing import RowSlot, bind, last_job_times, tokenized_rows
 
 log = logging.getLogger(__name__)
 
@@ -231,7 +231,7 @@ class Scorer:
     # ---- requests --------------------------------------------------------------------------------------------
     def tokenize_many(self, handle_future: Future, texts: Sequence[str], slots: Sequence[RowSlot]) -> None:
         """Tokenize ``texts`` as one job of the tokenizer pool: ``slots[i]`` then holds the row of ``texts[i]``."""
-        bind(slots, self._tokenizers.submit(tokenized_rows, self._se, handle_future, list(texts)))
+        bind(slots, self._tokenizers.submit(tokenized_rows, self._se, handle_future, list(texts), time.monotonic()))
 
     def unpadded_count(self, handles: Sequence[Future]) -> int:
         """Of a cycle's states (their prepared schemas' futures, in consume order), how many leading ones the engine
@@ -279,7 +279,9 @@ class Scorer:
                 if inline > 0 or (after["eager"] > before["eager"] and after.get("pending", 0) > 0):
                     self._note_path(requests, time.perf_counter() - started, after["eager"] > before["eager"])
                 if on_launched is not None:
-                    on_launched(LaunchTimes(taken_at, gathered_at, time.monotonic(), inline))
+                    launched_at = time.monotonic()
+                    tokenizers = last_job_times(row for job in jobs for row in job.rows)
+                    on_launched(LaunchTimes(taken_at, gathered_at, launched_at, inline, *(tokenizers or ())))
             self._collector.submit(self._collect, launch, scored)
         except BaseException as error:  # noqa: BLE001 - the loop must hear of it, not a thread's log
             scored.set_exception(error)

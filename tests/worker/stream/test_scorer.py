@@ -4,6 +4,8 @@ failing state isolated from the rest of its batch."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from tests.worker.conftest import QUESTIONS, QUESTIONS_V2, expected_probabilities, state_texts
@@ -156,6 +158,35 @@ def test_a_schema_met_mid_stream_holds_up_no_batch_for_its_graphs(schema_engine)
     for state, expected in zip(got, want):
         for g, w in zip(state.probabilities, expected):
             assert g == pytest.approx(w, abs=1e-5)
+
+
+def test_a_launch_says_when_its_states_tokenizer_jobs_were_submitted_and_done(schema_engine):
+    """The GPU thread's times of a cycle tell a wait for the tokenizers (the last job done after the cycle was taken)
+    from one after them: the last job's submit and finish are reported, in order with the cycle's own times."""
+    from concurrent.futures import Future
+    from worker.stream.scored import LaunchTimes
+
+    scorer = Scorer(schema_engine, memory_budget=1 << 30)
+    try:
+        schema = _schema("a", QUESTIONS)
+        handle = scorer.acquire(schema)
+        early, late = [RowSlot(), RowSlot()], [RowSlot()]
+        before_first = time.monotonic()
+        scorer.tokenize_many(handle, state_texts(2, seed=3), early)
+        early[0].result()
+        between = time.monotonic()
+        scorer.tokenize_many(handle, state_texts(1, seed=4), late)
+        future_row = Future()  # a row that came from no tokenizer job counts for nothing
+        future_row.set_result(early[0].result())
+        times: list[LaunchTimes] = []
+        outcome = scorer.submit([BatchJob(handle, [*early, future_row, *late])], on_launched=times.append).result(60)
+    finally:
+        scorer.close()
+    assert [state.reason for state in outcome[0]] == [None] * 4
+    (launch,) = times
+    assert between <= launch.tokenize_submitted_at <= launch.tokenized_at <= launch.gathered_at <= launch.launched_at
+    assert before_first <= launch.taken_at
+    assert launch.tokenized_at >= late[0].job().result().done_at > early[0].job().result().done_at
 
 
 def _row(scorer, handle, text):
