@@ -173,7 +173,8 @@ def cycle_timelines(events: list[dict], budget_ms: float, since: float = 0.0) ->
     the records and the transaction) over all cycles and over those visible later than ``budget_ms``, from the
     ``committed`` events' ``closed_ms``, ``launched_ms`` and ``scored_ms``; close to launch split further where every
     cycle's event has ``taken_ms`` and ``gathered_ms``, close to taken where they have ``submitted_ms``, and taken to
-    gathered where they say when the last tokenizer job was submitted and done (``_TOKENIZER_SEGMENTS``); and how
+    gathered where they say when the last tokenizer job was submitted and done (``_TOKENIZER_SEGMENTS``), and taken to
+    launch into the GPU thread's CPU time (``launch_cpu_ms``) and its waits (``launch_waiting_ms``) where they say; and how
     many cycles had their transaction opened while the GPU scored them (``opened_ahead``, workers before the committer
     thread) or the median number of cycles their transaction committed (``cycles_in_transaction``), where every event
     says; and
@@ -194,6 +195,10 @@ def cycle_timelines(events: list[dict], budget_ms: float, since: float = 0.0) ->
         if tokenizers:  # taken -> gathered after the later of the two
             out["tokenized_to_gathered_ms"] = round(_lower_median(
                 e["gathered_ms"] - max(e["taken_ms"], e["tokenized_ms"]) for e in group), 2)
+        if split and all(e.get("launch_cpu_ms") is not None for e in group):  # the GPU thread's work, and its waits
+            out["launch_cpu_ms"] = round(_lower_median(e["launch_cpu_ms"] for e in group), 3)
+            out["launch_waiting_ms"] = round(_lower_median(
+                e["launched_ms"] - e["taken_ms"] - e["launch_cpu_ms"] for e in group), 2)
         out["states"] = _lower_median(e.get("scored", 0) for e in group)        # a cycle's scored states
         if all("opened_ahead" in e for e in group):   # workers of 2026-12-01 and 02 (sessions 12 to 16)
             out["opened_ahead"] = sum(bool(e["opened_ahead"]) for e in group)

@@ -149,15 +149,18 @@ def test_cycle_timelines_tell_a_wait_for_the_tokenizers_from_one_after_them_wher
     cycles = [(2.0, 2.2, 1.5, 1.9, 2.6), (4.0, 4.2, 3.9, 4.5, 4.6), (6.0, 6.1, 6.0, 6.6, 6.8)]
     events = _log(*(_line(1.0 + k, "committed", scored=4, dead_letters={}, arrival_to_visible_ms=20.0,
                           closed_ms=closed, submitted_ms=closed, taken_ms=taken, tokenize_submitted_ms=submitted,
-                          tokenized_ms=done, gathered_ms=gathered, launched_ms=gathered + 0.3, scored_ms=15.0)
+                          tokenized_ms=done, gathered_ms=gathered, launched_ms=gathered + 0.3, scored_ms=15.0,
+                          launch_cpu_ms=0.25)
                     for k, (closed, taken, submitted, done, gathered) in enumerate(cycles)))
     timelines = cycle_timelines(events, budget_ms=25, since=T0)["all"]
     assert timelines["taken_to_gathered_ms"] == 0.4
     assert timelines["taken_to_tokenized_ms"] == 0.3 and timelines["tokenized_to_gathered_ms"] == 0.2
     assert timelines["close_to_tokenize_submitted_ms"] == -0.1
+    # taken -> launched (0.7, 0.7 and 1.0 ms) less the GPU thread's own 0.25 ms of CPU: it waited 0.45 at the median
+    assert timelines["launch_cpu_ms"] == 0.25 and timelines["launch_waiting_ms"] == 0.45
     # a worker whose events do not say (before 2026-12-06): no such split
-    older = [{k: v for k, v in e.items() if not k.startswith("tokeni")} for e in events]
-    assert "taken_to_tokenized_ms" not in cycle_timelines(older, budget_ms=25, since=T0)["all"]
+    older = [{k: v for k, v in e.items() if not k.startswith(("tokeni", "launch_cpu"))} for e in events]
+    assert not {"taken_to_tokenized_ms", "launch_cpu_ms"} & set(cycle_timelines(older, budget_ms=25, since=T0)["all"])
 
 
 def test_gpu_pipeline_places_cycles_on_the_workers_clock_and_measures_the_gpus_idle_gaps():

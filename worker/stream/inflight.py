@@ -79,7 +79,8 @@ class InFlight:
         launched); and, only where they happened, what stopped it on the way that its times cannot tell: the garbage
         collections that overlapped it (``gc_pauses_ms``: [start since arrival, ms] each) and the CUDA graphs its
         launch captured (``graph_captures``), for ``bench/tail_causes.py``; and, where its states came from tokenizer
-        jobs, when the last of them was submitted and was done (``tokenize_submitted_ms``, ``tokenized_ms``)."""
+        jobs, when the last of them was submitted and was done (``tokenize_submitted_ms``, ``tokenized_ms``), and the
+        GPU thread's CPU time from taking it to its launch (``launch_cpu_ms``: the rest of taken -> launched it waited)."""
         arrived_at = self.cycle.arrived_at
         if arrived_at is None:
             return {}
@@ -94,6 +95,8 @@ class InFlight:
         if launch is not None and launch.tokenized_at is not None:
             stops["tokenize_submitted_ms"] = since_arrival(launch.tokenize_submitted_at)
             stops["tokenized_ms"] = since_arrival(launch.tokenized_at)
+        if launch is not None and launch.cpu_s is not None:
+            stops["launch_cpu_ms"] = round(launch.cpu_s * 1000, 3)
         # the arrival on the monotonic clock places cycles on one clock finer than the log's milliseconds (the GPU's
         # idle time between two cycles, for one)
         return {"arrived_monotonic_ms": round(arrived_at * 1000, 3),

@@ -27,7 +27,8 @@ class LaunchTimes:
     and had its batch queued on the device, in ``time.monotonic()`` seconds; and the CUDA graphs its launch captured on
     the scoring path (``bench/tail_causes.py`` charges its time to them); and when the last of the tokenizer jobs its
     states came from was submitted and was done (None: no state came from one), which tell a wait for the tokenizers
-    from one for the GIL after them."""
+    from one for the GIL after them; and the GPU thread's own CPU seconds from taking the cycle to its launch (the
+    rest of that time it waited: for the tokenizers, for the GIL between its calls into torch, or for a core)."""
 
     taken_at: float
     gathered_at: float
@@ -35,3 +36,4 @@ class LaunchTimes:
     captures: int = 0
     tokenize_submitted_at: float | None = None
     tokenized_at: float | None = None
+    cpu_s: float | None = None

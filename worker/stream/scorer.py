@@ -261,7 +261,7 @@ class Scorer:
     def _launch_jobs(self, jobs: list[BatchJob], scored: Future,
                      on_launched: Callable[[LaunchTimes], None] | None) -> None:
         """(GPU thread) Launch the jobs' ready states; hand the rest of the work to the collector."""
-        started, taken_at = time.perf_counter(), time.monotonic()
+        started, taken_at, cpu_at_take = time.perf_counter(), time.monotonic(), time.thread_time()
         try:
             gathered = self._gather(jobs)
             gathered_at = time.monotonic()
@@ -279,9 +279,9 @@ class Scorer:
                 if inline > 0 or (after["eager"] > before["eager"] and after.get("pending", 0) > 0):
                     self._note_path(requests, time.perf_counter() - started, after["eager"] > before["eager"])
                 if on_launched is not None:
-                    launched_at = time.monotonic()
-                    tokenizers = last_job_times(row for job in jobs for row in job.rows)
-                    on_launched(LaunchTimes(taken_at, gathered_at, launched_at, inline, *(tokenizers or ())))
+                    launched_at, cpu_s = time.monotonic(), time.thread_time() - cpu_at_take
+                    tokenizers = last_job_times(row for job in jobs for row in job.rows) or (None, None)
+                    on_launched(LaunchTimes(taken_at, gathered_at, launched_at, inline, *tokenizers, cpu_s))
             self._collector.submit(self._collect, launch, scored)
         except BaseException as error:  # noqa: BLE001 - the loop must hear of it, not a thread's log
             scored.set_exception(error)

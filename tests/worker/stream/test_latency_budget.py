@@ -283,9 +283,10 @@ def test_a_committed_cycles_event_says_where_its_first_states_time_went():
     # where its states came from tokenizer jobs, when the last was submitted and done: here after the cycle was taken
     tokenized = InFlight(cycle, [], Future(), closed_at=10.004, submitted_at=10.0042, scored_at=10.016)
     tokenized.on_launched(LaunchTimes(taken_at=10.0045, gathered_at=10.0058, launched_at=10.006,
-                                      tokenize_submitted_at=10.0039, tokenized_at=10.0055))
+                                      tokenize_submitted_at=10.0039, tokenized_at=10.0055, cpu_s=0.0004))
     fields = tokenized.latency_fields(committed_at=10.019)
     assert (fields["tokenize_submitted_ms"], fields["tokenized_ms"]) == (pytest.approx(3.9), pytest.approx(5.5))
+    assert fields["launch_cpu_ms"] == pytest.approx(0.4)
 
 
 # ---- whether the budget holds at the load arriving -------------------------------------------------------------

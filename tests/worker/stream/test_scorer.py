@@ -162,7 +162,8 @@ def test_a_schema_met_mid_stream_holds_up_no_batch_for_its_graphs(schema_engine)
 
 def test_a_launch_says_when_its_states_tokenizer_jobs_were_submitted_and_done(schema_engine):
     """The GPU thread's times of a cycle tell a wait for the tokenizers (the last job done after the cycle was taken)
-    from one after them: the last job's submit and finish are reported, in order with the cycle's own times."""
+    from one after them: the last job's submit and finish are reported, in order with the cycle's own times, with the
+    GPU thread's own CPU time."""
     from concurrent.futures import Future
     from worker.stream.scored import LaunchTimes
 
@@ -187,6 +188,9 @@ def test_a_launch_says_when_its_states_tokenizer_jobs_were_submitted_and_done(sc
     assert between <= launch.tokenize_submitted_at <= launch.tokenized_at <= launch.gathered_at <= launch.launched_at
     assert before_first <= launch.taken_at
     assert launch.tokenized_at >= late[0].job().result().done_at > early[0].job().result().done_at
+    # the GPU thread's own CPU on the way, within the wall time it took (the forward runs before the launch returns
+    # on the CPU, so there is some)
+    assert 0 < launch.cpu_s <= launch.launched_at - launch.taken_at + 1e-3
 
 
 def _row(scorer, handle, text):
