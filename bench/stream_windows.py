@@ -219,22 +219,27 @@ def gpu_pipeline(events: list[dict], since: float = 0.0) -> dict:
     budget plans with is close to launch, so a lead below that idles the GPU), and the share of the time the GPU sat
     idle while a cycle's states waited (``idle_while_waiting_fraction``: its launch after the scores ahead, its first
     state arrived before them; the median hides it where most cycles are queued: run DK's GPU idled ~10 ms of each
-    ~70 ms cycle of 125 states while its median said 0)."""
+    ~70 ms cycle of 125 states while its median said 0), in two parts: while the cycle was still open
+    (``idle_while_gathering_fraction``: the planner chose to gather, as a budget with room lets it) and from its close
+    to its launch (``idle_after_close_fraction``: the host's way from the close to the device)."""
     cycles = [e for e in _commits(events) if e["t"] >= since
               and all(e.get(k) is not None for k in ("arrived_monotonic_ms", "closed_ms", "launched_ms", "scored_ms"))]
     if len(cycles) < 2:
         return {"cycles": len(cycles)}
     at = lambda e, key: e["arrived_monotonic_ms"] + e[key]  # noqa: E731
     cycles.sort(key=lambda e: at(e, "scored_ms"))
-    busy, idle, lead, idle_waiting = 0.0, [], [], 0.0
+    busy, idle, lead, idle_waiting, idle_gathering = 0.0, [], [], 0.0, 0.0
     for ahead, cycle in zip(cycles, cycles[1:]):
-        free_at, launched = at(ahead, "scored_ms"), at(cycle, "launched_ms")
+        free_at, closed, launched = at(ahead, "scored_ms"), at(cycle, "closed_ms"), at(cycle, "launched_ms")
         busy += at(cycle, "scored_ms") - max(launched, free_at)
         idle.append(max(0.0, launched - free_at))
         if cycle["arrived_monotonic_ms"] < free_at:
             idle_waiting += idle[-1]
-        lead.append(free_at - at(cycle, "closed_ms"))
+            idle_gathering += max(0.0, min(closed, launched) - free_at)
+        lead.append(free_at - closed)
     span = at(cycles[-1], "scored_ms") - at(cycles[0], "scored_ms")
     share = lambda ms: round(ms / span, 3) if span > 0 else None  # noqa: E731
     return {"cycles": len(cycles), "gpu_busy_fraction": share(busy), "idle_before_launch_ms": round(_lower_median(idle), 2),
-            "close_lead_ms": round(_lower_median(lead), 2), "idle_while_waiting_fraction": share(idle_waiting)}
+            "close_lead_ms": round(_lower_median(lead), 2), "idle_while_waiting_fraction": share(idle_waiting),
+            "idle_while_gathering_fraction": share(idle_gathering),
+            "idle_after_close_fraction": share(idle_waiting - idle_gathering)}

@@ -178,7 +178,9 @@ def test_gpu_pipeline_places_cycles_on_the_workers_clock_and_measures_the_gpus_i
     # while states waited: the second cycle's 1 ms (its first state arrived at 105, before the GPU freed at 110)
     assert gpu_pipeline(events, since=T0) == dict(cycles=3, gpu_busy_fraction=round(14 / 15, 3),
                                                   idle_before_launch_ms=0.0, close_lead_ms=2.0,
-                                                  idle_while_waiting_fraction=round(1 / 15, 3))
+                                                  idle_while_waiting_fraction=round(1 / 15, 3),
+                                                  idle_while_gathering_fraction=0.0,
+                                                  idle_after_close_fraction=round(1 / 15, 3))
     assert gpu_pipeline(events[:2], since=T0)["idle_before_launch_ms"] == 1.0
     # a cycle whose first state came after the GPU freed: its gap is the load's, not the worker's
     late = _log(*(_line(1.0 + k, "committed", scored=3, dead_letters={}, arrived_monotonic_ms=arrived,
@@ -188,3 +190,18 @@ def test_gpu_pipeline_places_cycles_on_the_workers_clock_and_measures_the_gpus_i
                                                                            (112.0, 112.5, 113.0, 120.0)])))
     assert gpu_pipeline(late, since=T0)["idle_while_waiting_fraction"] == 0.0
     assert gpu_pipeline(events, since=T0 + 20) == {"cycles": 0}
+
+
+def test_gpu_pipeline_tells_the_gpus_idle_time_while_a_cycle_gathered_from_the_time_after_its_close():
+    # (arrived, closed, launched, scored), ms: the GPU frees at 110; the second cycle (first state at 104) stays open
+    # until 113 (gathering: 3 ms idle) and is queued at 114 (1 ms from its close); the third closes at 117, before the
+    # GPU frees at 121, and is queued at 123 (2 ms idle, all of it after its close)
+    cycles = [(100.0, 102.0, 103.0, 110.0), (104.0, 113.0, 114.0, 121.0), (115.0, 117.0, 123.0, 130.0)]
+    events = _log(*(_line(1.0 + k, "committed", scored=3, dead_letters={}, arrived_monotonic_ms=arrived,
+                          arrival_to_visible_ms=scored - arrived + 3, closed_ms=closed - arrived,
+                          launched_ms=launched - arrived, scored_ms=scored - arrived)
+                    for k, (arrived, closed, launched, scored) in enumerate(cycles)))
+    pipeline = gpu_pipeline(events, since=T0)   # 20 ms from the first scores to the last
+    assert pipeline["idle_while_waiting_fraction"] == round(6 / 20, 3)
+    assert pipeline["idle_while_gathering_fraction"] == round(3 / 20, 3)
+    assert pipeline["idle_after_close_fraction"] == round(3 / 20, 3)
