@@ -174,11 +174,11 @@ def cycle_timelines(events: list[dict], budget_ms: float, since: float = 0.0) ->
     ``committed`` events' ``closed_ms``, ``launched_ms`` and ``scored_ms``; close to launch split further where every
     cycle's event has ``taken_ms`` and ``gathered_ms``, close to taken where they have ``submitted_ms``, and taken to
     gathered where they say when the last tokenizer job was submitted and done (``_TOKENIZER_SEGMENTS``), and taken to
-    launch into the GPU thread's CPU time (``launch_cpu_ms``) and its waits (``launch_waiting_ms``) where they say; and how
-    many cycles had their transaction opened while the GPU scored them (``opened_ahead``, workers before the committer
-    thread) or the median number of cycles their transaction committed (``cycles_in_transaction``), where every event
-    says; and
-    the median number of states a cycle scored (``states``: late cycles are often the larger ones)."""
+    launch into the GPU thread's CPU time (``launch_cpu_ms``) and its waits (``launch_waiting_ms``) where they say; and
+    how many cycles had their transaction opened while the GPU scored them (``opened_ahead``, workers before the
+    committer thread) or the median number of cycles their transaction committed (``cycles_in_transaction``), where
+    every event says; and the median number of states a cycle scored (``states``: late cycles are often the larger
+    ones)."""
     cycles = [e for e in _commits(events) if e["t"] >= since
               and all(e.get(k) is not None for k in ("closed_ms", "launched_ms", "scored_ms", "arrival_to_visible_ms"))]
 
@@ -189,8 +189,9 @@ def cycle_timelines(events: list[dict], budget_ms: float, since: float = 0.0) ->
         split = all(e.get("taken_ms") is not None and e.get("gathered_ms") is not None for e in group)
         handoff = split and all(e.get("submitted_ms") is not None for e in group)
         tokenizers = split and all(e.get("tokenized_ms") is not None for e in group)
-        for name, start, end in (_SEGMENTS + (_LAUNCH_SEGMENTS if split else ()) + (_HANDOFF_SEGMENTS if handoff else ())
-                                 + (_TOKENIZER_SEGMENTS if tokenizers else ())):
+        segments = (_SEGMENTS + (_LAUNCH_SEGMENTS if split else ()) + (_HANDOFF_SEGMENTS if handoff else ())
+                    + (_TOKENIZER_SEGMENTS if tokenizers else ()))
+        for name, start, end in segments:
             out[name] = round(_lower_median(e[end] - (e[start] if start else 0.0) for e in group), 2)
         if tokenizers:  # taken -> gathered after the later of the two
             out["tokenized_to_gathered_ms"] = round(_lower_median(
@@ -221,7 +222,10 @@ def gpu_pipeline(events: list[dict], since: float = 0.0) -> dict:
     state arrived before them; the median hides it where most cycles are queued: run DK's GPU idled ~10 ms of each
     ~70 ms cycle of 125 states while its median said 0), in two parts: while the cycle was still open
     (``idle_while_gathering_fraction``: the planner chose to gather, as a budget with room lets it) and from its close
-    to its launch (``idle_after_close_fraction``: the host's way from the close to the device)."""
+    to its launch (``idle_after_close_fraction``: the host's way from the close to the device); and, where the events
+    carry the latency budget's plan at the close (since 2026-12-06), how much later than planned the cycles closed
+    (``close_after_plan_ms``, median; negative: sooner, as a full batch closes) and how much later than expected the
+    GPU freed (``free_after_expected_ms``, median: the cycle ahead's scores against the plan's time for them)."""
     cycles = [e for e in _commits(events) if e["t"] >= since
               and all(e.get(k) is not None for k in ("arrived_monotonic_ms", "closed_ms", "launched_ms", "scored_ms"))]
     if len(cycles) < 2:
@@ -229,6 +233,7 @@ def gpu_pipeline(events: list[dict], since: float = 0.0) -> dict:
     at = lambda e, key: e["arrived_monotonic_ms"] + e[key]  # noqa: E731
     cycles.sort(key=lambda e: at(e, "scored_ms"))
     busy, idle, lead, idle_waiting, idle_gathering = 0.0, [], [], 0.0, 0.0
+    after_plan, after_expected = [], []
     for ahead, cycle in zip(cycles, cycles[1:]):
         free_at, closed, launched = at(ahead, "scored_ms"), at(cycle, "closed_ms"), at(cycle, "launched_ms")
         busy += at(cycle, "scored_ms") - max(launched, free_at)
@@ -237,9 +242,15 @@ def gpu_pipeline(events: list[dict], since: float = 0.0) -> dict:
             idle_waiting += idle[-1]
             idle_gathering += max(0.0, min(closed, launched) - free_at)
         lead.append(free_at - closed)
+        if cycle.get("planned_close_ms") is not None:
+            after_plan.append(closed - at(cycle, "planned_close_ms"))
+        if cycle.get("ahead_free_expected_ms") is not None:
+            after_expected.append(free_at - at(cycle, "ahead_free_expected_ms"))
     span = at(cycles[-1], "scored_ms") - at(cycles[0], "scored_ms")
     share = lambda ms: round(ms / span, 3) if span > 0 else None  # noqa: E731
     return {"cycles": len(cycles), "gpu_busy_fraction": share(busy), "idle_before_launch_ms": round(_lower_median(idle), 2),
             "close_lead_ms": round(_lower_median(lead), 2), "idle_while_waiting_fraction": share(idle_waiting),
             "idle_while_gathering_fraction": share(idle_gathering),
-            "idle_after_close_fraction": share(idle_waiting - idle_gathering)}
+            "idle_after_close_fraction": share(idle_waiting - idle_gathering),
+            **({"close_after_plan_ms": round(_lower_median(after_plan), 2)} if after_plan else {}),
+            **({"free_after_expected_ms": round(_lower_median(after_expected), 2)} if after_expected else {})}

@@ -205,3 +205,20 @@ def test_gpu_pipeline_tells_the_gpus_idle_time_while_a_cycle_gathered_from_the_t
     assert pipeline["idle_while_waiting_fraction"] == round(6 / 20, 3)
     assert pipeline["idle_while_gathering_fraction"] == round(3 / 20, 3)
     assert pipeline["idle_after_close_fraction"] == round(3 / 20, 3)
+    assert "close_after_plan_ms" not in pipeline    # events without the budget's plan
+
+
+def test_gpu_pipeline_says_whether_closes_kept_the_budgets_plan_and_the_gpu_freed_when_expected():
+    # (arrived, closed, launched, scored, planned close, expected free of the cycle ahead), ms on the worker's clock:
+    # the second cycle closed 0.5 ms after its plan and the GPU freed (110) 1 ms before the plan expected (111); the
+    # third closed 0.3 ms after its plan, the GPU freeing (121) 2 ms sooner than expected (123)
+    cycles = [(100.0, 102.0, 103.0, 110.0, None, None), (104.0, 108.5, 110.5, 121.0, 108.0, 111.0),
+              (112.0, 119.3, 121.4, 130.0, 119.0, 123.0)]
+    events = _log(*(_line(1.0 + k, "committed", scored=3, dead_letters={}, arrived_monotonic_ms=arrived,
+                          arrival_to_visible_ms=scored - arrived + 3, closed_ms=closed - arrived,
+                          launched_ms=launched - arrived, scored_ms=scored - arrived,
+                          planned_close_ms=None if plan is None else plan - arrived,
+                          ahead_free_expected_ms=None if free is None else free - arrived)
+                    for k, (arrived, closed, launched, scored, plan, free) in enumerate(cycles)))
+    pipeline = gpu_pipeline(events, since=T0)
+    assert pipeline["close_after_plan_ms"] == 0.3 and pipeline["free_after_expected_ms"] == -2.0

@@ -40,6 +40,8 @@ class InFlight:
     future: Future
     closed_at: float  # when the loop decided to close the cycle
     planned_visible_at: float | None = None  # when the latency budget's plan expects it visible
+    planned_close_at: float | None = None  # when the budget would have closed it (its plan at the close)
+    ahead_free_at: float | None = None  # when the budget expected the cycle ahead scored (None: the GPU was free)
     submitted_at: float | None = None  # when the loop handed it to the GPU thread (schemas caught up, batches built)
     launched: Future = field(default_factory=Future)  # its ``LaunchTimes``, once its batch is queued on the device
     scored_at: float | None = None  # when its scores were ready (set on the scoring thread)
@@ -80,7 +82,7 @@ class InFlight:
         collections that overlapped it (``gc_pauses_ms``: [start since arrival, ms] each) and the CUDA graphs its
         launch captured (``graph_captures``), for ``bench/tail_causes.py``; and, where its states came from tokenizer
         jobs, when the last of them was submitted and was done (``tokenize_submitted_ms``, ``tokenized_ms``), and the
-        GPU thread's CPU time from taking it to its launch (``launch_cpu_ms``: the rest of taken -> launched it waited)."""
+        GPU thread's CPU time from taking it to its launch (``launch_cpu_ms``: the rest of that time it waited)."""
         arrived_at = self.cycle.arrived_at
         if arrived_at is None:
             return {}
@@ -102,6 +104,8 @@ class InFlight:
         return {"arrived_monotonic_ms": round(arrived_at * 1000, 3),
                 "arrival_to_visible_ms": since_arrival(committed_at),
                 "planned_visible_ms": since_arrival(self.planned_visible_at),
+                "planned_close_ms": since_arrival(self.planned_close_at),
+                "ahead_free_expected_ms": since_arrival(self.ahead_free_at),
                 "closed_ms": since_arrival(self.closed_at), "submitted_ms": since_arrival(self.submitted_at),
                 "taken_ms": since_arrival(taken),
                 "gathered_ms": since_arrival(gathered), "launched_ms": since_arrival(launched),
@@ -145,8 +149,12 @@ class CyclesInFlight:
         jobs = [BatchJob(cycle.batches[key].handle, list(cycle.batches[key].rows)) for key in keys]
         if jobs:  # one GPU batch, every schema's states together
             metrics.BATCH_SIZE.observe(sum(len(job.rows) for job in jobs))
+        # the plan at the close, before ``submitted`` plans past this cycle: whether the close kept it, and whether the
+        # GPU freed when expected, are read from the committed events (bench/stream_windows.py's ``gpu_pipeline``)
+        planned_close = budget.close_by(closed_at, cycle)
+        ahead_free = budget.state.gpu_free_at if budget.state is not None and self.gpu_busy() else None
         inflight = InFlight(cycle, keys, Future(), closed_at, budget.submitted(closed_at, cycle),  # before it is in flight
-                            table_view=table_view)
+                            planned_close, ahead_free, table_view=table_view)
         inflight.submitted_at = monotonic()
         inflight.future = scorer.submit(jobs, on_launched=lambda times: inflight.on_launched(times))
         # through a weak reference: a callback holding the cycle would make future -> callback -> cycle -> future a

@@ -201,12 +201,12 @@ class LatencyBudget:
         self.misses = 0
         self._last_scored_at = -math.inf
         self._last_committed_at = -math.inf
-        self._gpu_free_at: float | None = None
+        self.gpu_free_at: float | None = None  # when the submitted cycles are expected scored (the GPU free)
 
     def close_by(self, now: float, first_arrival: float, gpu_busy: bool, n_states: int = 1) -> float:
         """When the open cycle of ``n_states`` should close (see ``close_by``); ``gpu_busy``: a submitted cycle is not
         scored yet."""
-        return close_by(now, first_arrival, self.max_wait_s, self._gpu_free_at if gpu_busy else None,
+        return close_by(now, first_arrival, self.max_wait_s, self.gpu_free_at if gpu_busy else None,
                         self._lead(n_states), self.gather_s)
 
     def _lead(self, n_states: int, expected: bool = False) -> float:
@@ -220,11 +220,11 @@ class LatencyBudget:
         The GPU's busy time is the expected one, not the pessimistic one: it decides when the next cycle closes, and
         closing after the GPU frees would leave it idle. (The loop closes the next cycle at once when the cycle ahead
         is scored sooner.)"""
-        gpu_free_at = max(now, self._gpu_free_at or now) if gpu_busy else now
+        gpu_free_at = max(now, self.gpu_free_at or now) if gpu_busy else now
         scoring = self.engine.seconds(n_states) if n_states else 0.0
         committing = self.commit.seconds(n_states)
         planned = None if scoring is None or committing is None else visible_at(now, gpu_free_at, scoring, committing)
-        self._gpu_free_at = self._frees_at(now, gpu_free_at, n_states)
+        self.gpu_free_at = self._frees_at(now, gpu_free_at, n_states)
         return planned
 
     def _frees_at(self, now: float, gpu_free_at: float, n_states: int) -> float:
@@ -262,7 +262,7 @@ class LatencyBudget:
     def forget_order(self) -> None:
         """Uncommitted cycles were dropped (abort, rebalance): the next cycle follows none in flight, and the backlog
         read again says nothing of the load."""
-        self._gpu_free_at = None
+        self.gpu_free_at = None
         self.rate.forget()
         self.gather_s = 0.0
 

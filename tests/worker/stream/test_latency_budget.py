@@ -222,7 +222,7 @@ def test_a_larger_cycle_closes_its_own_larger_lead_before_the_gpu_frees():
         budget.committed(CycleTimes(n_states=128, first_arrival=t + 0.5, closed_at=t + 0.5, scored_at=t + 0.565,
                                     committed_at=t + 0.57, launched_at=t + 0.505))
     budget.submitted(10.0, 128, gpu_busy=False)          # launched at 10.005, scored at 10.065
-    assert budget._gpu_free_at == pytest.approx(10.065)
+    assert budget.gpu_free_at == pytest.approx(10.065)
     # each closes its own lead, and LEAD_DEVIATIONS of its spread, before then (the spread almost gone after 8 alike)
     assert budget.close_by(10.0, 10.0, gpu_busy=True, n_states=100) == pytest.approx(10.065 - 0.005, abs=1e-3)
     assert budget.close_by(10.0, 10.0, gpu_busy=True, n_states=8) == pytest.approx(10.065 - 0.001, abs=3e-4)
@@ -246,7 +246,7 @@ def test_the_gpu_frees_on_its_own_time_not_on_the_idle_gap_before_a_late_launch(
     assert budget.device.seconds(125, expected=True) == pytest.approx(0.061)
     budget.submitted(100.0, 125, gpu_busy=False)          # launched at 100.005 on an idle GPU, free at 100.066
     budget.submitted(100.05, 125, gpu_busy=True)          # queued behind it: starts when it frees
-    assert budget._gpu_free_at == pytest.approx(100.066 + 0.061)
+    assert budget.gpu_free_at == pytest.approx(100.066 + 0.061)
     assert budget.close_by(100.05, 100.05, gpu_busy=True, n_states=125) == pytest.approx(100.127 - 0.005)
 
 
@@ -275,7 +275,7 @@ def test_a_committed_cycles_event_says_where_its_first_states_time_went():
     assert inflight.latency_fields(committed_at=10.019) == dict(
         arrived_monotonic_ms=pytest.approx(10_000.0), arrival_to_visible_ms=pytest.approx(19.0), planned_visible_ms=pytest.approx(30.0),
         closed_ms=pytest.approx(4.0), submitted_ms=pytest.approx(4.2), taken_ms=pytest.approx(4.5),
-        gathered_ms=pytest.approx(5.0),
+        gathered_ms=pytest.approx(5.0), planned_close_ms=None, ahead_free_expected_ms=None,
         launched_ms=pytest.approx(6.0), scored_ms=pytest.approx(16.0))
     # a cycle of dead letters only is never launched
     never_launched = InFlight(cycle, [], Future(), closed_at=10.004)
@@ -287,6 +287,35 @@ def test_a_committed_cycles_event_says_where_its_first_states_time_went():
     fields = tokenized.latency_fields(committed_at=10.019)
     assert (fields["tokenize_submitted_ms"], fields["tokenized_ms"]) == (pytest.approx(3.9), pytest.approx(5.5))
     assert fields["launch_cpu_ms"] == pytest.approx(0.4)
+
+
+def test_a_submitted_cycle_keeps_the_budgets_plan_at_its_close_for_its_event():
+    """When the budget would have closed a cycle and when it expected the cycle ahead scored (the GPU free), taken at
+    the close before the plan moves past it: the committed event then says whether the close kept its plan and the GPU
+    freed when expected (bench/stream_windows.py's ``gpu_pipeline``)."""
+    from worker.stream.inflight import CyclesInFlight
+
+    class _Scorer:  # the scores never come: the cycles stay in flight, the GPU busy
+        def submit(self, jobs, on_launched):
+            return Future()
+
+    cycles = CyclesInFlight()
+    budget = CycleBudget(100, MAX_WAIT, cycles.gpu_busy)
+    budget.state.launch_lead.add(8, 0.002)
+    budget.state.device.add(8, 0.010)
+    first = _cycle_of(8, opened_at=1.000)
+    cycles.submit(first, 1.001, budget, _Scorer())     # the GPU was free: no cycle ahead to expect
+    ahead_free = budget.state.gpu_free_at               # this one launched 2 ms after its close, scored 10 ms later
+    second = _cycle_of(8, opened_at=1.003)
+    planned = budget.close_by(1.005, second)
+    cycles.submit(second, 1.005, budget, _Scorer())
+    one, two = list(cycles)
+    assert (one.planned_close_at, one.ahead_free_at) == (pytest.approx(1.001), None)
+    assert two.ahead_free_at == pytest.approx(ahead_free) == pytest.approx(1.013)
+    assert two.planned_close_at == pytest.approx(planned)
+    fields = two.latency_fields(committed_at=1.030)
+    assert fields["ahead_free_expected_ms"] == pytest.approx(10.0)
+    assert fields["planned_close_ms"] == pytest.approx((planned - 1.003) * 1000)
 
 
 # ---- whether the budget holds at the load arriving -------------------------------------------------------------
