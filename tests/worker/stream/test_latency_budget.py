@@ -293,11 +293,8 @@ def test_a_submitted_cycle_keeps_the_budgets_plan_at_its_close_for_its_event():
     """When the budget would have closed a cycle and when it expected the cycle ahead scored (the GPU free), taken at
     the close before the plan moves past it: the committed event then says whether the close kept its plan and the GPU
     freed when expected (bench/stream_windows.py's ``gpu_pipeline``)."""
+    from tests.worker.stream.test_revocation import _Scorer   # its scores never come: the cycles stay in flight
     from worker.stream.inflight import CyclesInFlight
-
-    class _Scorer:  # the scores never come: the cycles stay in flight, the GPU busy
-        def submit(self, jobs, on_launched):
-            return Future()
 
     cycles = CyclesInFlight()
     budget = CycleBudget(100, MAX_WAIT, cycles.gpu_busy)
