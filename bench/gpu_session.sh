@@ -7,7 +7,9 @@
 # bash bench/gpu_session.sh [steps...]
 #   steps: tests timelines (profile_engine.py --graphs --timeline in the fast and deterministic tables, TIMELINE_BATCHES) workspace-timelines (the deterministic table's, cuBLAS's workspace against none, WS_ROUNDS processes each) hostprobe (bench/probes/host_probe.py --profile: the launch's host time by function, HOST_BATCHES) workspace (cuBLAS without a workspace: bench/probes/cublas_workspace_probe.py, the engine in both) flaless (deterministic scoring on CUDA with fla hidden: refused) profile engine lengths (64/256-token states) schemas (many live schemas) variants (bench/probes/variant_ab.py:
 #   VARIANTS="name:module.ATTR=value|...", DETERMINISTIC=1 for the workers' kernel table) stream scaleout (2 workers,
-#   one killed) unpadded-ab (the capacity with --padded-batches, then --unpadded-batches, SETTINGS) capacity-ab (this
+#   one killed) env-ab (the capacity under each of ENV_SETTINGS, e.g. "- TOKENIZERS_PARALLELISM=true") unpadded-ab
+#   (the capacity with --padded-batches, then --unpadded-batches) contention (the worker's launch beside what
+#   runs with it in a worker: bench/probes/launch_contention.py) capacity-ab (this
 #   tree's capacity against AB_TREE's, alternated ROUNDS times) capacity (stream_bench.py --capacity once per DELAYS, default "0": broker delays in ms, through
 #   bench/latency_proxy.py; CAPACITY_ARGS e.g. "--latency-budget-ms 25,50"), ab (the engine step again in another checkout, AB_TREE, default ab/: e.g. a branch to time against
 #   this tree in the same call, extracted with `mkdir ab && git archive BRANCH | tar -x -C ab`, removed after; several
@@ -78,14 +80,19 @@ for step in $steps; do
                  --states "${STATES:-8000}" --out "$OUT" ${CAPACITY_ARGS:-} 2>&1 | tee "$OUT/capacity_delay$delay.txt" | tail -12
              done
              cgroup_cpu "after" >> "$OUT/cgroup_cpu.txt"; cat "$OUT/cgroup_cpu.txt"; archive_logs "$OUT" ;;
-    unpadded-ab) # --padded-batches against --unpadded-batches (DECIDER_UNPADDED_BATCHES), the same tree and offered rates
-             # (--full-load-rate), one capacity run each, alternated: CAPACITY_ARGS, default 50 and 100 ms at 75-90%
-             for setting in ${SETTINGS:-false true}; do
-               DECIDER_UNPADDED_BATCHES=$setting timeout "${T_UNPADDED:-280}" python3 bench/stream_bench.py --capacity \
-                 --states "${STATES:-8000}" --full-load-rate "${FULL_LOAD_RATE:-2080}" --out "$OUT/unpadded-$setting" \
-                 ${CAPACITY_ARGS:---latency-budget-ms 50,100 --capacity-loads 0.75,0.8,0.85,0.9} > "$OUT/unpadded-$setting.txt" 2>&1
-               echo "unpadded batches $setting:"; grep -E "^budget" "$OUT/unpadded-$setting.txt"; archive_logs "$OUT/unpadded-$setting"
-             done ;;
+    env-ab|unpadded-ab) # the capacity under each of ENV_SETTINGS (space-separated; each a comma-separated VAR=value list,
+             # "-" for the environment as it is), the same tree and offered rates (--full-load-rate), ROUNDS rounds
+             # alternated; CAPACITY_ARGS, default 50 and 100 ms at 75-90%. unpadded-ab: --padded-batches against
+             # --unpadded-batches (DECIDER_UNPADDED_BATCHES false, then true)
+             settings=${ENV_SETTINGS:-$([ "$step" = unpadded-ab ] && echo DECIDER_UNPADDED_BATCHES=false DECIDER_UNPADDED_BATCHES=true || echo -)}
+             for round in $(seq "${ROUNDS:-1}"); do for setting in $settings; do
+               label=envab-$(echo "$setting" | tr -c 'A-Za-z0-9\n' _)$round
+               ( [ "$setting" = - ] || export $(echo "$setting" | tr , ' ')
+                 timeout "${T_ENV_AB:-${T_UNPADDED:-280}}" python3 bench/stream_bench.py --capacity \
+                 --states "${STATES:-8000}" --full-load-rate "${FULL_LOAD_RATE:-2080}" --out "$OUT/$label" \
+                 ${CAPACITY_ARGS:---latency-budget-ms 50,100 --capacity-loads 0.75,0.8,0.85,0.9} ) > "$OUT/$label.txt" 2>&1
+               echo "$setting, round $round:"; grep -E "^budget" "$OUT/$label.txt"; archive_logs "$OUT/$label"
+             done; done ;;
     capacity-ab) # this tree's capacity against another checkout's (AB_TREE, default ab/: `mkdir ab && git archive REV |
              # tar -x -C ab`), ROUNDS rounds alternated, at the same offered rates (--full-load-rate); CAPACITY_ARGS
              for round in $(seq "${ROUNDS:-1}"); do for tree in "${AB_TREE:-ab}" .; do
@@ -95,6 +102,12 @@ for step in $steps; do
                  ${CAPACITY_ARGS:---latency-budget-ms 50,100 --capacity-loads 0.75,0.8,0.85,0.9}) > "$OUT/capab-$label.txt" 2>&1
                echo "tree $label:"; grep -E "^budget" "$OUT/capab-$label.txt"; archive_logs "$OUT/capab-$label"
              done; done ;;
+    contention) # the worker's launch of a cycle alone, pipelined, with blocking events, beside a Python thread
+             # (bench/probes/launch_contention.py), then the GPU thread's CPU by function in PROFILE_MODE
+             timeout "${T_CONTENTION:-240}" python3 bench/probes/launch_contention.py --batches "${HOST_BATCHES:-1,6,16}" \
+               --iters "${ITERS:-300}" --profile "${PROFILE_MODE:-pipelined+python}" --out "$OUT/launch_contention.json" \
+               > "$OUT/launch_contention.txt" 2>&1
+             grep -E '^\{|^===' "$OUT/launch_contention.txt" ;;
     hostprobe) # a synchronous step's host and device parts, then its launch's host time by function (cProfile)
              timeout "${T_HOSTPROBE:-180}" python3 bench/probes/host_probe.py --batches "${HOST_BATCHES:-1,4,8}" \
                --profile "${PROFILE_STEPS:-200}" --out "$OUT/host_probe.json" > "$OUT/host_probe.txt" 2>&1
