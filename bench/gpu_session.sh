@@ -103,9 +103,10 @@ for step in $steps; do
                echo "tree $label:"; grep -E "^budget" "$OUT/capab-$label.txt"; archive_logs "$OUT/capab-$label"
              done; done ;;
     contention) # the worker's launch of a cycle alone, pipelined, with blocking events, beside a Python thread
-             # (bench/probes/launch_contention.py), then the GPU thread's CPU by function in PROFILE_MODE
+             # (bench/probes/launch_contention.py), then its CPU by function (cProfile, PROFILE_MODE) and by torch op and
+             # CUDA runtime call (torch's profiler)
              timeout "${T_CONTENTION:-240}" python3 bench/probes/launch_contention.py --batches "${HOST_BATCHES:-1,6,16}" \
-               --iters "${ITERS:-300}" --profile "${PROFILE_MODE:-pipelined+python}" --out "$OUT/launch_contention.json" \
+               --iters "${ITERS:-300}" --profile "${PROFILE_MODE:-sync}" --api-profile --out "$OUT/launch_contention.json" \
                > "$OUT/launch_contention.txt" 2>&1
              grep -E '^\{|^===' "$OUT/launch_contention.txt" ;;
     hostprobe) # a synchronous step's host and device parts, then its launch's host time by function (cProfile)

@@ -18,7 +18,10 @@ the rows and launches, its collector thread waits for the scores and reads them)
 Per mode, p50 (p90) of: `cpu` the GPU thread's CPU from taking the cycle to its launch (the worker's `launch_cpu_ms`),
 `launch` the same span's wall time, `to_read` from the launch to the scores read (in `sync`, an idle GPU's step and
 the collector's wake-up: what blocking events add), and the cycles a second. `--profile MODE` then runs MODE once more
-with cProfile on the GPU thread alone: its CPU by function (the profiler's own cost inflates every figure alike).
+under cProfile: the CPU by function (the profiler's own cost inflates every figure alike; from Python 3.12 cProfile
+sees every thread, so profile `sync`, where the GPU thread runs alone). `--api-profile` then runs `sync` once more
+under torch's profiler: the host's time in each torch op and CUDA runtime call (the graph's launch, the copies, the
+pinned allocations, the events), which cProfile sees only as the Python call around them.
 """
 from __future__ import annotations
 
@@ -143,6 +146,18 @@ def profiled(scorer: Scorer, handle, rows, iters: int, mode: str, slice_s: float
     return text.getvalue()
 
 
+def api_profiled(scorer: Scorer, handle, rows, iters: int, top: int = 25) -> str:
+    """torch.profiler's table, by self CPU time, of `iters` `sync` cycles: torch ops and CUDA runtime calls."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    prof = profile(activities=activities)
+    scorer._gpu.submit(prof.__enter__).result()         # torch's profiler records the ops of the thread that starts it
+    cycles(scorer, handle, rows, iters, 1)
+    scorer._gpu.submit(prof.__exit__, None, None, None).result()
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top)
+
+
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batches", default=[1, 6, 16], type=batch_sizes, help="comma-separated batch sizes")
@@ -152,6 +167,8 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--python-slice-us", type=float, default=200.0)
     ap.add_argument("--profile", default=None, choices=MODES, metavar="MODE",
                     help="then MODE again with the GPU thread under cProfile: its CPU by function")
+    ap.add_argument("--api-profile", action="store_true",
+                    help="then `sync` again under torch's profiler: host time by torch op and CUDA runtime call")
     ap.add_argument("--quick", action="store_true", help="the tiny model on the CPU (no CUDA events)")
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
     args = ap.parse_args(argv)
@@ -177,6 +194,9 @@ def main(argv=None) -> list[dict]:
             if args.profile:
                 print(f"=== batch {batch}, {args.profile}: the GPU thread under cProfile, {args.iters} cycles")
                 print(profiled(scorer, h, rows, args.iters, args.profile, args.python_slice_us / 1e6), flush=True)
+            if args.api_profile:
+                print(f"=== batch {batch}, sync: torch ops and CUDA runtime calls, {args.iters} cycles")
+                print(api_profiled(scorer, h, rows, args.iters), flush=True)
     finally:
         scorer.close()
     if args.out:
