@@ -224,8 +224,9 @@ def gpu_pipeline(events: list[dict], since: float = 0.0) -> dict:
     (``idle_while_gathering_fraction``: the planner chose to gather, as a budget with room lets it) and from its close
     to its launch (``idle_after_close_fraction``: the host's way from the close to the device); and, where the events
     carry the latency budget's plan at the close (since 2026-12-06), how much later than planned the cycles closed
-    (``close_after_plan_ms``, median; negative: sooner, as a full batch closes) and how much later than expected the
-    GPU freed (``free_after_expected_ms``, median: the cycle ahead's scores against the plan's time for them)."""
+    (``close_after_plan_ms``, median; negative: sooner, as a full batch closes; runs DP to DT's workers asked the plan
+    as of the close, so it never showed one later) and how much later than expected the GPU freed
+    (``free_after_expected_ms``, median: the cycle ahead's scores against the plan's time for them)."""
     cycles = [e for e in _commits(events) if e["t"] >= since
               and all(e.get(k) is not None for k in ("arrived_monotonic_ms", "closed_ms", "launched_ms", "scored_ms"))]
     if len(cycles) < 2:

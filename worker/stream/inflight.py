@@ -150,8 +150,10 @@ class CyclesInFlight:
         if jobs:  # one GPU batch, every schema's states together
             metrics.BATCH_SIZE.observe(sum(len(job.rows) for job in jobs))
         # the plan at the close, before ``submitted`` plans past this cycle: whether the close kept it, and whether the
-        # GPU freed when expected, are read from the committed events (bench/stream_windows.py's ``gpu_pipeline``)
-        planned_close = budget.close_by(closed_at, cycle)
+        # GPU freed when expected, are read from the committed events (bench/stream_windows.py's ``gpu_pipeline``). It
+        # is asked as of the cycle's first arrival: asked as of the close, it is never before the close, so a close
+        # the loop came to late looked on plan
+        planned_close = budget.close_by(cycle.arrived_at if cycle.arrived_at is not None else closed_at, cycle)
         ahead_free = budget.state.gpu_free_at if budget.state is not None and self.gpu_busy() else None
         inflight = InFlight(cycle, keys, Future(), closed_at, budget.submitted(closed_at, cycle),  # before it is in flight
                             planned_close, ahead_free, table_view=table_view)

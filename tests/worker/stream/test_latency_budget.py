@@ -307,12 +307,20 @@ def test_a_submitted_cycle_keeps_the_budgets_plan_at_its_close_for_its_event():
     planned = budget.close_by(1.005, second)
     cycles.submit(second, 1.005, budget, _Scorer())
     one, two = list(cycles)
-    assert (one.planned_close_at, one.ahead_free_at) == (pytest.approx(1.001), None)
+    # the GPU free: the plan closes the cycle at its first arrival (this close came 1 ms after it)
+    assert (one.planned_close_at, one.ahead_free_at) == (pytest.approx(1.000), None)
     assert two.ahead_free_at == pytest.approx(ahead_free) == pytest.approx(1.013)
     assert two.planned_close_at == pytest.approx(planned)
     fields = two.latency_fields(committed_at=1.030)
     assert fields["ahead_free_expected_ms"] == pytest.approx(10.0)
     assert fields["planned_close_ms"] == pytest.approx((planned - 1.003) * 1000)
+    # a close the loop came to late (busy elsewhere past the plan's time) says so: the plan is not moved to the close
+    third = _cycle_of(8, opened_at=1.020)
+    due = budget.close_by(1.020, third)
+    cycles.submit(third, due + 0.004, budget, _Scorer())
+    late = list(cycles)[-1].latency_fields(committed_at=1.060)
+    assert late["planned_close_ms"] == pytest.approx((due - 1.020) * 1000)
+    assert late["closed_ms"] - late["planned_close_ms"] == pytest.approx(4.0)
 
 
 # ---- whether the budget holds at the load arriving -------------------------------------------------------------
