@@ -94,8 +94,9 @@ for step in $steps; do
                echo "$setting, round $round:"; grep -E "^budget" "$OUT/$label.txt"; archive_logs "$OUT/$label"
              done; done ;;
     capacity-ab) # this tree's capacity against another checkout's (AB_TREE, default ab/: `mkdir ab && git archive REV |
-             # tar -x -C ab`), ROUNDS rounds alternated, at the same offered rates (--full-load-rate); CAPACITY_ARGS
-             for round in $(seq "${ROUNDS:-1}"); do for tree in "${AB_TREE:-ab}" .; do
+             # tar -x -C ab`), ROUNDS rounds alternated (AB_ORDER=". ab": this tree first), at the same offered rates
+             # (--full-load-rate); CAPACITY_ARGS
+             for round in $(seq "${ROUNDS:-1}"); do for tree in ${AB_ORDER:-"${AB_TREE:-ab}" .}; do
                label=$([ "$tree" = . ] && echo this || echo "${tree//\//_}")$round
                (cd "$tree" && timeout "${T_CAPACITY_AB:-270}" python3 bench/stream_bench.py --capacity --states "${STATES:-8000}" \
                  --full-load-rate "${FULL_LOAD_RATE:-2080}" --out "$OUT/capab-$label" \
@@ -104,9 +105,10 @@ for step in $steps; do
              done; done ;;
     contention) # the worker's launch of a cycle alone, pipelined, with blocking events, beside a Python thread
              # (bench/probes/launch_contention.py), then its CPU by function (cProfile, PROFILE_MODE) and by torch op and
-             # CUDA runtime call (torch's profiler)
+             # CUDA runtime call (torch's profiler; PROFILES="" skips both), then by step of its path (--pieces)
              timeout "${T_CONTENTION:-240}" python3 bench/probes/launch_contention.py --batches "${HOST_BATCHES:-1,6,16}" \
-               --iters "${ITERS:-300}" --profile "${PROFILE_MODE:-sync}" --api-profile --out "$OUT/launch_contention.json" \
+               --iters "${ITERS:-300}" ${PROFILES---profile "${PROFILE_MODE:-sync}" --api-profile} --pieces \
+               ${ROUNDS:+--rounds "$ROUNDS"} --out "$OUT/launch_contention.json" \
                > "$OUT/launch_contention.txt" 2>&1
              grep -E '^\{|^===' "$OUT/launch_contention.txt" ;;
     hostprobe) # a synchronous step's host and device parts, then its launch's host time by function (cProfile)

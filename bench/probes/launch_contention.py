@@ -21,12 +21,16 @@ the collector's wake-up: what blocking events add), and the cycles a second. `--
 under cProfile: the CPU by function (the profiler's own cost inflates every figure alike; from Python 3.12 cProfile
 sees every thread, so profile `sync`, where the GPU thread runs alone). `--api-profile` then runs `sync` once more
 under torch's profiler: the host's time in each torch op and CUDA runtime call (the graph's launch, the copies, the
-pinned allocations, the events), which cProfile sees only as the Python call around them.
+pinned allocations, the events), which cProfile sees only as the Python call around them. `--pieces` then runs
+`sync` once more with no profiler, a clock around each step of the launch's path (`PIECES`, inclusive of what each
+calls): the GPU thread's wall and CPU per cycle in each, where a profiler's cost per call would blur them.
 """
 from __future__ import annotations
 
 import argparse
 import cProfile
+import importlib
+import inspect
 import io
 import json
 import pstats
@@ -44,6 +48,13 @@ from bench.probes.host_probe import batch_sizes  # noqa: E402
 from bench.workload import build_engine, questions, states  # noqa: E402
 from engine import SchemaEngine  # noqa: E402
 from worker.stream.scorer import BatchJob, Scorer  # noqa: E402
+
+PIECES = ("worker.stream.scorer:Scorer._gather", "worker.stream.scorer:last_job_times",
+          "engine.schema_engine:SchemaEngine.graph_stats", "engine.schema_engine:SchemaEngine.launch_mixed",
+          "engine.schema_engine:SchemaEngine._launch_requests", "engine.schema_engine:SchemaEngine._score_step",
+          "engine.step_layout:StepLayout.stage", "engine.graphs:GraphManager.run", "engine.capture:CapturedStep.replay",
+          "torch.cuda.graphs:CUDAGraph.replay", "engine.schema_engine:SchemaEngine._record_done")
+"""The launch path's steps `--pieces` times, as module:qualified name (nested ones include what they call)."""
 
 MODES = ("sync", "sync+blocking", "pipelined", "pipelined+blocking", "pipelined+python", "pipelined+python+blocking")
 """Each a `+`-joined set of: `sync` or `pipelined` (one or two cycles in flight), `blocking`, `python`."""
@@ -158,6 +169,51 @@ def api_profiled(scorer: Scorer, handle, rows, iters: int, top: int = 25) -> str
     return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top)
 
 
+@contextmanager
+def piece_clocks(names=PIECES, thread: int | None = None):
+    """Wrap each `module:Class.attr` (or `module:function`) with a clock -> {name: [(wall s, thread CPU s) a call]},
+    calls made on `thread` (None: any) only; the originals put back on exit."""
+    spans: dict[str, list[tuple[float, float]]] = {name: [] for name in names}
+    restore = []
+    for name in names:
+        module_name, path = name.split(":")
+        *owners, attr = path.split(".")
+        owner = importlib.import_module(module_name)
+        for part in owners:
+            owner = getattr(owner, part)
+        original = inspect.getattr_static(owner, attr)
+        function = original.__func__ if isinstance(original, staticmethod) else original
+
+        def clocked(*a, _function=function, _spans=spans[name], **k):
+            if thread is not None and threading.get_ident() != thread:
+                return _function(*a, **k)
+            wall, cpu = time.perf_counter(), time.thread_time()
+            try:
+                return _function(*a, **k)
+            finally:
+                _spans.append((time.perf_counter() - wall, time.thread_time() - cpu))
+        setattr(owner, attr, staticmethod(clocked) if isinstance(original, staticmethod) else clocked)
+        restore.append((owner, attr, original))
+    try:
+        yield spans
+    finally:
+        for owner, attr, original in reversed(restore):
+            setattr(owner, attr, original)
+
+
+def pieces(scorer: Scorer, handle, rows, iters: int) -> list[dict]:
+    """`iters` `sync` cycles with `piece_clocks` on the GPU thread: per piece, calls a cycle and its wall and CPU
+    microseconds a cycle (p50 of the cycle sums is not kept: the mean of `iters` cycles), and the launch's own CPU."""
+    gpu_thread = scorer._gpu.submit(threading.get_ident).result()
+    with piece_clocks(thread=gpu_thread) as spans:
+        samples = cycles(scorer, handle, rows, iters, 1)
+    out = [{"piece": name, "calls_a_cycle": round(len(calls) / iters, 2),
+            "wall_us_a_cycle": round(sum(w for w, _ in calls) / iters * 1e6, 1),
+            "cpu_us_a_cycle": round(sum(c for _, c in calls) / iters * 1e6, 1)} for name, calls in spans.items()]
+    out.append({"piece": "launch (taken -> launched)", **summary(samples, iters)})
+    return out
+
+
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batches", default=[1, 6, 16], type=batch_sizes, help="comma-separated batch sizes")
@@ -169,6 +225,8 @@ def main(argv=None) -> list[dict]:
                     help="then MODE again with the GPU thread under cProfile: its CPU by function")
     ap.add_argument("--api-profile", action="store_true",
                     help="then `sync` again under torch's profiler: host time by torch op and CUDA runtime call")
+    ap.add_argument("--pieces", action="store_true",
+                    help="then `sync` again with a clock around each step of the launch's path (PIECES)")
     ap.add_argument("--quick", action="store_true", help="the tiny model on the CPU (no CUDA events)")
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
     args = ap.parse_args(argv)
@@ -197,6 +255,11 @@ def main(argv=None) -> list[dict]:
             if args.api_profile:
                 print(f"=== batch {batch}, sync: torch ops and CUDA runtime calls, {args.iters} cycles")
                 print(api_profiled(scorer, h, rows, args.iters), flush=True)
+            if args.pieces:
+                print(f"=== batch {batch}, sync: the launch's path by piece, {args.iters} cycles")
+                for row in pieces(scorer, h, rows, args.iters):
+                    print(json.dumps({"batch": batch, **row}), flush=True)
+                    rows_out.append({"batch": batch, **row})
     finally:
         scorer.close()
     if args.out:

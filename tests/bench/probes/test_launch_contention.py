@@ -28,3 +28,24 @@ def test_blocking_events_hold_only_inside_their_block():
     with blocking_events():
         assert SchemaEngine._record_done is not before
     assert SchemaEngine._record_done is before
+
+
+def test_pieces_clock_the_launch_path_on_the_gpu_thread_and_put_every_function_back():
+    from bench.probes.launch_contention import PIECES, main
+    from engine.step_layout import StepLayout
+    from engine.schema_engine import SchemaEngine
+    from worker.stream.scorer import Scorer
+
+    originals = (Scorer.__dict__["_gather"], SchemaEngine.__dict__["launch_mixed"], StepLayout.__dict__["stage"])
+    rows = main(["--quick", "--batches", "2", "--iters", "4", "--rounds", "1", "--pieces"])
+    assert (Scorer.__dict__["_gather"], SchemaEngine.__dict__["launch_mixed"], StepLayout.__dict__["stage"]) == originals
+    assert isinstance(Scorer.__dict__["_gather"], staticmethod)
+    timed = {r["piece"]: r for r in rows if "piece" in r}
+    assert set(PIECES) < set(timed)
+    for name in ("worker.stream.scorer:Scorer._gather", "engine.schema_engine:SchemaEngine.launch_mixed",
+                 "engine.step_layout:StepLayout.stage"):
+        assert timed[name]["calls_a_cycle"] == 1.0 and timed[name]["cpu_us_a_cycle"] > 0
+    # nested: the launch holds the step it stages
+    assert timed["engine.schema_engine:SchemaEngine.launch_mixed"]["wall_us_a_cycle"] >= \
+        timed["engine.step_layout:StepLayout.stage"]["wall_us_a_cycle"]
+    assert timed["launch (taken -> launched)"]["cpu_us_p50"] > 0
