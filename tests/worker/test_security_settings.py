@@ -107,3 +107,24 @@ def test_a_fetch_wait_from_the_kafka_table_reaches_every_consumer(tmp_path):
                                 "reader": reader_consumer_config(config.cluster)}.items():
         assert client_config["fetch.wait.max.ms"] == 250, role
     assert worker_consumer_config(WorkerConfig(bootstrap="b:9092", model_dir="m", worker_id="w"))["fetch.wait.max.ms"] == 20
+
+
+def test_every_client_sends_without_nagle_unless_the_kafka_table_says_otherwise(tmp_path):
+    """TCP_NODELAY on every connection (librdkafka's default leaves Nagle on: a transaction's small requests to one
+    broker then wait on each other's acknowledgements); a [kafka] setting wins."""
+    from typer.main import get_command
+
+    from worker.cli.app import app
+
+    def clients(config: WorkerConfig) -> dict:
+        return {"consumer": worker_consumer_config(config), "replay_consumer": replay_consumer_config(config),
+                "transactional_producer": transactional_producer_config(config), "admin": base_config(config.cluster),
+                "reader": reader_consumer_config(config.cluster)}
+
+    for role, client_config in clients(WorkerConfig(bootstrap="b:9092", model_dir="m", worker_id="w")).items():
+        assert client_config["socket.nagle.disable"] is True, role
+    path = tmp_path / "nagle.toml"
+    path.write_text('bootstrap = "b:9092"\n[kafka]\n"socket.nagle.disable" = false\n')
+    settings = load_config_file(path, get_command(app)).kafka
+    for role, client_config in clients(WorkerConfig(bootstrap="b:9092", model_dir="m", worker_id="w", kafka=settings)).items():
+        assert client_config["socket.nagle.disable"] is False, role
