@@ -177,7 +177,9 @@ def cycle_timelines(events: list[dict], budget_ms: float, since: float = 0.0) ->
     launch into the GPU thread's CPU time (``launch_cpu_ms``) and its waits (``launch_waiting_ms``) where they say; and
     how many cycles had their transaction opened while the GPU scored them (``opened_ahead``, workers before the
     committer thread) or the median number of cycles their transaction committed (``cycles_in_transaction``), where
-    every event says; and the median number of states a cycle scored (``states``: late cycles are often the larger
+    every event says; the median transaction of the group's cycles (``commit_ms``) and of each of its steps
+    (``commit_steps_ms``: queuing the records, the offsets, the flush, EndTxn), counted once a transaction (by its
+    first cycle); and the median number of states a cycle scored (``states``: late cycles are often the larger
     ones)."""
     cycles = [e for e in _commits(events) if e["t"] >= since
               and all(e.get(k) is not None for k in ("closed_ms", "launched_ms", "scored_ms", "arrival_to_visible_ms"))]
@@ -205,9 +207,21 @@ def cycle_timelines(events: list[dict], budget_ms: float, since: float = 0.0) ->
             out["opened_ahead"] = sum(bool(e["opened_ahead"]) for e in group)
         if all("cycles_in_transaction" in e for e in group):   # workers with the committer thread
             out["cycles_in_transaction"] = _lower_median(e["cycles_in_transaction"] for e in group)
+        out.update(_transaction_medians(group))
         return out
 
     return {"all": medians(cycles), "late": medians([e for e in cycles if e["arrival_to_visible_ms"] > budget_ms])}
+
+
+def _transaction_medians(cycles: list[dict]) -> dict:
+    """The median ``commit_ms`` and ``commit_steps_ms`` of the transactions that committed ``cycles``, each counted
+    by its first cycle (a transaction's later cycles repeat its figures); {} where the events do not carry them."""
+    firsts = [e for e in cycles if e.get("transaction_cycle", 0) == 0 and e.get("commit_steps_ms")]
+    if not firsts:
+        return {}
+    steps = {step: round(_lower_median(e["commit_steps_ms"][step] for e in firsts if step in e["commit_steps_ms"]), 2)
+             for step in firsts[0]["commit_steps_ms"]}
+    return {"commit_ms": round(_lower_median(e["commit_ms"] for e in firsts), 2), "commit_steps_ms": steps}
 
 
 def gpu_pipeline(events: list[dict], since: float = 0.0) -> dict:

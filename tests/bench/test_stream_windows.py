@@ -163,6 +163,24 @@ def test_cycle_timelines_tell_a_wait_for_the_tokenizers_from_one_after_them_wher
     assert not {"taken_to_tokenized_ms", "launch_cpu_ms"} & set(cycle_timelines(older, budget_ms=25, since=T0)["all"])
 
 
+def test_cycle_timelines_take_each_transactions_steps_once_by_its_first_cycle():
+    # three transactions: one of one cycle, one of three (its later cycles repeat its figures), one of one
+    steps = [({"produce": 0.1, "offsets": 1.0, "flush": 2.0, "commit": 0.4}, 3.5, [0]),
+             ({"produce": 0.2, "offsets": 0.5, "flush": 9.0, "commit": 0.2}, 9.9, [0, 1, 2]),
+             ({"produce": 0.1, "offsets": 0.6, "flush": 1.0, "commit": 0.3}, 2.0, [0])]
+    lines = [_line(1.0 + k, "committed", scored=4, dead_letters={}, arrival_to_visible_ms=20.0, closed_ms=1.0,
+                   launched_ms=2.0, scored_ms=10.0, commit_ms=total, commit_steps_ms=parts, transaction_cycle=position)
+             for k, (parts, total, positions) in enumerate(steps) for position in positions]
+    timelines = cycle_timelines(_log(*lines), budget_ms=25, since=T0)["all"]
+    assert timelines["cycles"] == 5
+    # counted by cycle, the three-cycle transaction's 9.9 ms would be the median
+    assert timelines["commit_ms"] == 3.5
+    assert timelines["commit_steps_ms"] == {"produce": 0.1, "offsets": 0.6, "flush": 2.0, "commit": 0.3}
+    # a worker whose events do not carry them (before 2026-12-03): no such figures
+    older = [{k: v for k, v in e.items() if not k.startswith("commit_")} for e in _log(*lines)]
+    assert "commit_steps_ms" not in cycle_timelines(older, budget_ms=25, since=T0)["all"]
+
+
 def test_gpu_pipeline_places_cycles_on_the_workers_clock_and_measures_the_gpus_idle_gaps():
     # (arrived, closed, launched, scored) on the worker's monotonic clock, ms; the second cycle closed 2 ms before the
     # first one's scores and was queued 1 ms after them (1 ms idle); the third, queued behind the second's scores
