@@ -7,7 +7,8 @@
 # bash bench/gpu_session.sh [steps...]
 #   steps: tests timelines (profile_engine.py --graphs --timeline in the fast and deterministic tables, TIMELINE_BATCHES) workspace-timelines (the deterministic table's, cuBLAS's workspace against none, WS_ROUNDS processes each) hostprobe (bench/probes/host_probe.py --profile: the launch's host time by function, HOST_BATCHES) workspace (cuBLAS without a workspace: bench/probes/cublas_workspace_probe.py, the engine in both) flaless (deterministic scoring on CUDA with fla hidden: refused) profile engine lengths (64/256-token states) schemas (many live schemas) variants (bench/probes/variant_ab.py:
 #   VARIANTS="name:module.ATTR=value|...", DETERMINISTIC=1 for the workers' kernel table) stream scaleout (2 workers,
-#   one killed) env-ab (the capacity under each of ENV_SETTINGS, e.g. "- TOKENIZERS_PARALLELISM=true") unpadded-ab
+#   one killed) env-ab (the capacity under each of ENV_SETTINGS, e.g. "- TOKENIZERS_PARALLELISM=true") nagle-ab (the
+#   workers' Kafka clients with Nagle's algorithm on, then off) unpadded-ab
 #   (the capacity with --padded-batches, then --unpadded-batches) contention (the worker's launch beside what
 #   runs with it in a worker: bench/probes/launch_contention.py) capacity-ab (this
 #   tree's capacity against AB_TREE's, alternated ROUNDS times) capacity (stream_bench.py --capacity once per DELAYS, default "0": broker delays in ms, through
@@ -80,11 +81,15 @@ for step in $steps; do
                  --states "${STATES:-8000}" --out "$OUT" ${CAPACITY_ARGS:-} 2>&1 | tee "$OUT/capacity_delay$delay.txt" | tail -12
              done
              cgroup_cpu "after" >> "$OUT/cgroup_cpu.txt"; cat "$OUT/cgroup_cpu.txt"; archive_logs "$OUT" ;;
-    env-ab|unpadded-ab) # the capacity under each of ENV_SETTINGS (space-separated; each a comma-separated VAR=value list,
-             # "-" for the environment as it is), the same tree and offered rates (--full-load-rate), ROUNDS rounds
-             # alternated; CAPACITY_ARGS, default 50 and 100 ms at 75-90%. unpadded-ab: --padded-batches against
-             # --unpadded-batches (DECIDER_UNPADDED_BATCHES false, then true)
-             settings=${ENV_SETTINGS:-$([ "$step" = unpadded-ab ] && echo DECIDER_UNPADDED_BATCHES=false DECIDER_UNPADDED_BATCHES=true || echo -)}
+    env-ab|unpadded-ab|nagle-ab) # the capacity under each of ENV_SETTINGS (space-separated; each a comma-separated
+             # VAR=value list, "-" for the environment as it is), the same tree and offered rates (--full-load-rate),
+             # ROUNDS rounds alternated; CAPACITY_ARGS, default 50 and 100 ms at 75-90%. unpadded-ab: --padded-batches
+             # against --unpadded-batches (DECIDER_UNPADDED_BATCHES false, then true). nagle-ab: the workers' Kafka
+             # clients with Nagle's algorithm on (a config file's [kafka] table, librdkafka's default), then off
+             printf '[kafka]\n"socket.nagle.disable" = false\n' > /tmp/decider-nagle-on.toml
+             case "$step" in unpadded-ab) default="DECIDER_UNPADDED_BATCHES=false DECIDER_UNPADDED_BATCHES=true" ;;
+               nagle-ab) default="DECIDER_CONFIG=/tmp/decider-nagle-on.toml -" ;; *) default=- ;; esac
+             settings=${ENV_SETTINGS:-$default}
              for round in $(seq "${ROUNDS:-1}"); do for setting in $settings; do
                label=envab-$(echo "$setting" | tr -c 'A-Za-z0-9\n' _)$round
                ( [ "$setting" = - ] || export $(echo "$setting" | tr , ' ')
