@@ -45,6 +45,12 @@ GATHER_SHARE = 0.5
 RATE_WINDOW_S = 2.0
 """The arrival rate is measured over the cycles committed in the last this many seconds."""
 
+GATHER_REFRESH_S = 0.02
+"""The gathering window is worked out again at a commit this long after the last time, not at every commit: it serves
+the load of the last RATE_WINDOW_S, and its three least-squares lines, fitted at every commit of a tight budget's few
+hundred a second, were the loop's largest stage on the CPU (`bench/host_cost.py --modes stages`); refitted at most
+this often, the budget's learning took 29-54 us a commit against 65-78 (`bench/probes/budget_cost.py`)."""
+
 
 @dataclass(frozen=True)
 class CostLine:

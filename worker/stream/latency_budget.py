@@ -53,7 +53,7 @@ from typing import Callable
 
 from worker.ops import metrics
 from worker.stream.batcher import Cycle
-from worker.stream.gathering import CommitWindow, CostLine, RecentRate, gather_window
+from worker.stream.gathering import GATHER_REFRESH_S, CommitWindow, CostLine, RecentRate, gather_window
 
 log = logging.getLogger(__name__)
 
@@ -199,8 +199,7 @@ class LatencyBudget:
         # it, and a free time predicted from it closed every next cycle after the GPU was idle already (run DK)
         self.device = BucketedEstimates()
         self.misses = 0
-        self._last_scored_at = -math.inf
-        self._last_committed_at = -math.inf
+        self._last_scored_at = self._last_committed_at = self._gathered_at = -math.inf
         self.gpu_free_at: float | None = None  # when the submitted cycles are expected scored (the GPU free)
 
     def close_by(self, now: float, first_arrival: float, gpu_busy: bool, n_states: int = 1) -> float:
@@ -253,8 +252,10 @@ class LatencyBudget:
         self.commit.add(times.n_states, max(0.0, times.committed_at - started_commit))
         self._last_scored_at, self._last_committed_at = times.scored_at, times.committed_at
         self.rate.add(times.committed_at, times.n_states)
-        self.gather_s = gather_window(self.rate.per_second(), self.engine.line(), self.commit.line(), self.budget_s,
-                                      self._lead(times.n_states), self.max_batch, self.device.line())
+        if times.committed_at - self._gathered_at >= GATHER_REFRESH_S:    # not at every commit: see its docstring
+            self._gathered_at = times.committed_at
+            self.gather_s = gather_window(self.rate.per_second(), self.engine.line(), self.commit.line(),
+                                          self.budget_s, self._lead(times.n_states), self.max_batch, self.device.line())
         missed = times.committed_at - times.first_arrival > self.budget_s
         self.misses += missed
         return missed
@@ -264,7 +265,7 @@ class LatencyBudget:
         read again says nothing of the load."""
         self.gpu_free_at = None
         self.rate.forget()
-        self.gather_s = 0.0
+        self.gather_s, self._gathered_at = 0.0, -math.inf
 
 
 @dataclass

@@ -121,9 +121,10 @@ def test_the_commit_window_keeps_the_sums_of_the_cycles_still_in_it():
     assert (len(window), window.states, window.missed) == (0, 0, 0)
 
 
-def _learned(budget_s: float, rate: float, seconds: float = 3.0, seed: int = 0) -> LatencyBudget:
+def _learned(budget_s: float, rate: float, seconds: float = 3.0, seed: int = 0, seen: list | None = None) -> LatencyBudget:
     """A planner fed the cycles a GPU of ENGINE's costs commits at ``rate`` states/s, closing each cycle as the
-    planner says (a small model of the loop: one cycle on the GPU at a time, commits 2.2 ms after the scores)."""
+    planner says (a small model of the loop: one cycle on the GPU at a time, commits 2.2 ms after the scores);
+    ``seen``: gets each commit's (time, gathering window after it)."""
     rng = random.Random(seed)
     budget = LatencyBudget(budget_s, max_wait_s=budget_s)
     t, gpu_free, arrivals = 0.0, 0.0, []
@@ -139,6 +140,8 @@ def _learned(budget_s: float, rate: float, seconds: float = 3.0, seed: int = 0) 
         scored = max(launched, gpu_free) + ENGINE.seconds(n) * rng.uniform(0.9, 1.1)
         budget.submitted(close, n, gpu_busy=gpu_free > close)
         budget.committed(CycleTimes(n, first, close, scored, scored + 0.0022, launched_at=launched))
+        if seen is not None:
+            seen.append((scored + 0.0022, budget.gather_s))
         gpu_free, i = scored, i + n
     return budget
 
@@ -154,6 +157,19 @@ def test_a_planner_that_learned_a_high_load_gathers_longer_under_a_larger_budget
     assert planner.close_by(100.0, 99.0, gpu_busy=False) <= 100.0     # already past it (and max-wait): at once
     planner.forget_order()
     assert planner.gather_s == 0.0 and planner.close_by(100.0, 100.0, gpu_busy=False) == 100.0
+
+
+def test_the_gathering_window_is_worked_out_again_at_most_every_refresh_interval():
+    """Its lines were refitted at every commit, a tight budget's few hundred a second: the loop's largest stage."""
+    from worker.stream.gathering import GATHER_REFRESH_S
+
+    seen: list = []
+    planner = _learned(0.1, 0.6 * FULL_LOAD, seen=seen)
+    changes = [t for (t, window), (_, before) in zip(seen[1:], seen) if window != before]
+    gaps = [b - a for a, b in zip(changes, changes[1:])]
+    # commits ~13 ms apart here: refitted at each, the window changed at nearly every one
+    assert len(seen) > len(changes) > 10 and min(gaps) >= GATHER_REFRESH_S - 1e-9, (len(seen), len(changes))
+    assert planner.gather_s > 0.005                     # and it still gathers what the load needs
 
 
 def test_a_cycle_never_gathers_past_the_size_beyond_which_batches_stopped_getting_cheaper_per_state():
