@@ -202,8 +202,8 @@ def piece_clocks(names=PIECES, thread: int | None = None):
 
 
 def pieces(scorer: Scorer, handle, rows, iters: int) -> list[dict]:
-    """`iters` `sync` cycles with `piece_clocks` on the GPU thread: per piece, calls a cycle and its wall and CPU
-    microseconds a cycle (p50 of the cycle sums is not kept: the mean of `iters` cycles), and the launch's own CPU."""
+    """`iters` `sync` cycles with `piece_clocks` on the GPU thread: per piece, its calls, wall and CPU microseconds a
+    cycle (means over the cycles), then the launch's own CPU and wall (`summary`)."""
     gpu_thread = scorer._gpu.submit(threading.get_ident).result()
     with piece_clocks(thread=gpu_thread) as spans:
         samples = cycles(scorer, handle, rows, iters, 1)
