@@ -40,6 +40,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
     sys.path.pop(0)     # run as a script: bench/ itself is no package root; the tree under test is on PYTHONPATH
@@ -140,23 +141,26 @@ def _charge(group: str, stage: str, ns: int, calls: int) -> None:
 
 def install(module_name: str, path: str, stage: str) -> bool:
     """Wrap ``module_name``'s ``path`` (``Class.method`` or a function) with ``timed``; False where it is not there."""
+    return wrap_attribute(module_name, path, lambda fn: timed(stage, fn)) is not None
+
+
+def wrap_attribute(module_name: str, path: str, wrap: Callable[[Callable], Callable]) -> Callable[[], None] | None:
+    """Replace ``module_name``'s ``path`` (``Class.method``, a static method included, or a function) with
+    ``wrap(it)`` -> a callable that puts the original back; None where it is not there."""
     try:
         owner = importlib.import_module(module_name)
     except ImportError:
-        return False
+        return None
     *outer, name = path.split(".")
     for part in outer:
         owner = getattr(owner, part, None)
         if owner is None:
-            return False
+            return None
     raw = inspect.getattr_static(owner, name, None)
     if raw is None:
-        return False
-    if isinstance(raw, staticmethod):
-        setattr(owner, name, staticmethod(timed(stage, raw.__func__)))
-    else:
-        setattr(owner, name, timed(stage, raw))
-    return True
+        return None
+    setattr(owner, name, staticmethod(wrap(raw.__func__)) if isinstance(raw, staticmethod) else wrap(raw))
+    return lambda: setattr(owner, name, raw)
 
 
 def install_poll_timer() -> bool:

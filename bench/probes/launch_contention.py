@@ -29,8 +29,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import importlib
-import inspect
 import io
 import json
 import pstats
@@ -44,6 +42,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from bench.host_stages import wrap_attribute  # noqa: E402
 from bench.probes.host_probe import batch_sizes  # noqa: E402
 from bench.workload import build_engine, questions, states  # noqa: E402
 from engine import SchemaEngine  # noqa: E402
@@ -174,31 +173,32 @@ def piece_clocks(names=PIECES, thread: int | None = None):
     """Wrap each `module:Class.attr` (or `module:function`) with a clock -> {name: [(wall s, thread CPU s) a call]},
     calls made on `thread` (None: any) only; the originals put back on exit."""
     spans: dict[str, list[tuple[float, float]]] = {name: [] for name in names}
-    restore = []
-    for name in names:
-        module_name, path = name.split(":")
-        *owners, attr = path.split(".")
-        owner = importlib.import_module(module_name)
-        for part in owners:
-            owner = getattr(owner, part)
-        original = inspect.getattr_static(owner, attr)
-        function = original.__func__ if isinstance(original, staticmethod) else original
 
-        def clocked(*a, _function=function, _spans=spans[name], **k):
-            if thread is not None and threading.get_ident() != thread:
-                return _function(*a, **k)
-            wall, cpu = time.perf_counter(), time.thread_time()
-            try:
-                return _function(*a, **k)
-            finally:
-                _spans.append((time.perf_counter() - wall, time.thread_time() - cpu))
-        setattr(owner, attr, staticmethod(clocked) if isinstance(original, staticmethod) else clocked)
-        restore.append((owner, attr, original))
+    def clock(calls: list):
+        def wrap(function):
+            def clocked(*a, **k):
+                if thread is not None and threading.get_ident() != thread:
+                    return function(*a, **k)
+                wall, cpu = time.perf_counter(), time.thread_time()
+                try:
+                    return function(*a, **k)
+                finally:
+                    calls.append((time.perf_counter() - wall, time.thread_time() - cpu))
+            return clocked
+        return wrap
+
+    undo = []
     try:
+        for name in names:
+            module_name, path = name.split(":")
+            restore = wrap_attribute(module_name, path, clock(spans[name]))
+            if restore is None:
+                raise LookupError(f"{name}: no such function to clock")
+            undo.append(restore)
         yield spans
     finally:
-        for owner, attr, original in reversed(restore):
-            setattr(owner, attr, original)
+        for restore in reversed(undo):
+            restore()
 
 
 def pieces(scorer: Scorer, handle, rows, iters: int) -> list[dict]:
