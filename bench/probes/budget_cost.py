@@ -3,13 +3,13 @@ GPU thread's launch waits behind).
 
     python bench/probes/budget_cost.py [--commits 3000] [--spacing-ms 4]
 
-Feeds `LatencyBudget.committed` (and the metrics and overload bookkeeping `CycleBudget.committed` adds) the cycles of a
-tight budget's stream, one commit every --spacing-ms with 1-8 states, and reports the microseconds a commit. Run in
-two checkouts (`cd TREE && PYTHONPATH=TREE python bench/probes/budget_cost.py`) to compare them.
+Feeds the loop's `CycleBudget.committed` (the estimates, the gathering window, the metrics and the overload watch) the
+cycles of a tight budget's stream, one commit every --spacing-ms with 1-8 states, and reports the microseconds a
+commit. Run in two checkouts (`cd TREE && PYTHONPATH=TREE python bench/probes/budget_cost.py`) to compare them.
 
 What it showed (2026-12-06, this 2-core machine, five alternations of the two checkouts, the median of three rounds
-each): 65-78 us a commit when the gathering window's three least-squares lines were refitted at every commit, 29-54
-with `gathering.GATHER_REFRESH_S` (20 ms) between refits, 24-36 us less in every pair.
+each): 67-94 us a commit when the gathering window's three least-squares lines were refitted at every commit, 31-54
+with `gathering.GATHER_REFRESH_S` (20 ms) between refits, 20-61 us less in every pair.
 """
 from __future__ import annotations
 
@@ -18,29 +18,43 @@ import json
 import random
 import sys
 import time
+from concurrent.futures import Future
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from worker.ops import metrics  # noqa: E402
-from worker.stream.latency_budget import CycleTimes, LatencyBudget, Overload  # noqa: E402
+from worker.formats.records import SourceRecord  # noqa: E402
+from worker.stream.batcher import Cycle, Pending  # noqa: E402
+from worker.stream.latency_budget import CycleBudget  # noqa: E402
+
+SIZES = (1, 2, 3, 4, 5, 8)
+"""The states of the cycles committed, drawn in turn at random."""
+
+
+def cycle_of(n_states: int) -> Cycle:
+    """A cycle of ``n_states`` states in one schema's batch, as the loop builds it."""
+    cycle, done = Cycle(), Future()
+    done.set_result(None)
+    for offset in range(n_states):
+        pending = Pending(SourceRecord("states", 0, offset, b"k", b"v"))
+        cycle.track(pending, 0.0)
+        cycle.add_to_batch(pending, {"schema_id": "s", "version": 1, "questions": []}, done, done, 0.0)
+    return cycle
 
 
 def commit_costs(commits: int, spacing_s: float, budget_ms: int = 25, seed: int = 0) -> float:
     """Microseconds a commit of the budget's learning, over ``commits`` after as many to warm up."""
     rng = random.Random(seed)
-    budget, overload = LatencyBudget(budget_ms / 1000, budget_ms / 1000), Overload(budget_ms)
+    budget = CycleBudget(budget_ms, budget_ms / 1000, lambda: True)
+    cycles = {n: cycle_of(n) for n in SIZES}
     now = 1000.0
 
     def commit() -> None:
         nonlocal now
         now += spacing_s
-        n = rng.choice((1, 2, 3, 4, 5, 8))
-        missed = budget.committed(CycleTimes(n, now - 0.010, now - 0.006, now - 0.003, now, launched_at=now - 0.005,
-                                             queued_s=0.0001))
-        metrics.observe_budget(budget.engine.values(), budget.commit.values(), missed)
-        overload.add(now, n, missed)
-        metrics.ARRIVAL_STATES_PER_SECOND.set(overload.rate())
+        cycle = cycles[rng.choice(SIZES)]
+        cycle.arrived_at = now - 0.010      # its first state arrived 10 ms before its commit: within the budget
+        budget.committed(cycle, now - 0.006, now - 0.003, now, launched_at=now - 0.005, queued_s=0.0001)
 
     for _ in range(commits):
         commit()

@@ -49,7 +49,7 @@ GATHER_REFRESH_S = 0.02
 """The gathering window is worked out again at a commit this long after the last time, not at every commit: it serves
 the load of the last RATE_WINDOW_S, and its three least-squares lines, fitted at every commit of a tight budget's few
 hundred a second, were the loop's largest stage on the CPU (`bench/host_cost.py --modes stages`); refitted at most
-this often, the budget's learning took 29-54 us a commit against 65-78 (`bench/probes/budget_cost.py`)."""
+this often, the budget's learning took 31-54 us a commit against 67-94 (`bench/probes/budget_cost.py`)."""
 
 
 @dataclass(frozen=True)
