@@ -86,9 +86,10 @@ for step in $steps; do
              # ROUNDS rounds alternated; CAPACITY_ARGS, default 50 and 100 ms at 75-90%. unpadded-ab: --padded-batches
              # against --unpadded-batches (DECIDER_UNPADDED_BATCHES false, then true). nagle-ab: the workers' Kafka
              # clients with Nagle's algorithm on (a config file's [kafka] table, librdkafka's default), then off
-             printf '[kafka]\n"socket.nagle.disable" = false\n' > /tmp/decider-nagle-on.toml
              case "$step" in unpadded-ab) default="DECIDER_UNPADDED_BATCHES=false DECIDER_UNPADDED_BATCHES=true" ;;
-               nagle-ab) default="DECIDER_CONFIG=/tmp/decider-nagle-on.toml -" ;; *) default=- ;; esac
+               nagle-ab) default="DECIDER_CONFIG=/tmp/decider-nagle-on.toml -"
+                 printf '[kafka]\n"socket.nagle.disable" = false\n' > /tmp/decider-nagle-on.toml ;;
+               *) default=- ;; esac
              settings=${ENV_SETTINGS:-$default}
              for round in $(seq "${ROUNDS:-1}"); do for setting in $settings; do
                label=envab-$(echo "$setting" | tr -c 'A-Za-z0-9\n' _)$round
