@@ -91,8 +91,11 @@ for step in $steps; do
                  printf '[kafka]\n"socket.nagle.disable" = false\n' > /tmp/decider-nagle-on.toml ;;
                *) default=- ;; esac
              settings=${ENV_SETTINGS:-$default}
-             for round in $(seq "${ROUNDS:-1}"); do for setting in $settings; do
-               label=envab-$(echo "$setting" | tr -c 'A-Za-z0-9\n' _)$round
+             # a setting may come twice in a round (ENV_SETTINGS="A - - A": both orders in one call), so its position
+             # is in the label too
+             for round in $(seq "${ROUNDS:-1}"); do position=0; for setting in $settings; do
+               position=$((position + 1))
+               label=envab-$(echo "$setting" | tr -c 'A-Za-z0-9\n' _)$round$([ "$(echo "$settings" | tr ' ' '\n' | grep -cxF -- "$setting")" -gt 1 ] && echo "-$position")
                ( [ "$setting" = - ] || export $(echo "$setting" | tr , ' ')
                  timeout "${T_ENV_AB:-${T_UNPADDED:-280}}" python3 bench/stream_bench.py --capacity \
                  --states "${STATES:-8000}" --full-load-rate "${FULL_LOAD_RATE:-2080}" --out "$OUT/$label" \
