@@ -72,12 +72,23 @@ class FullVocabulary:
         return row_logsumexp(partial, len(self.chunks))
 
 
-def label_mass(logits: torch.Tensor, lse: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+ORDERED_MASS_KERNEL = True
+"""Whether `label_mass` sums a row's shares with the kernel table's `ordered_mass` where it has one (one launch, the
+same bits) rather than with its loop of MAX_OPTIONS - 1 adds (a launch each: on the H100's batch-1 timeline they were 25
+of its 35 `elementwise_kernel`s, ~1.4 us each and ~0.45 us of gap behind each, run DD). Read at each call, so a CUDA
+graph keeps the path it was captured with and `bench/probes/variant_ab.py` can time both in one process."""
+
+
+def label_mass(logits: torch.Tensor, lse: torch.Tensor, mask: torch.Tensor,
+               ordered_mass: Callable | None = None) -> torch.Tensor:
     """logits [S, MAX_OPTIONS] float32 (the labels' logits at temperature 1), lse [S] (the full vocabulary's
     log-sum-exp), mask [S, MAX_OPTIONS] (the options each answer's question has) -> [S] float32: the softmax mass on
     the question's labels, at most 1 (the labels' logits come from their own GEMM, which may round them a little
-    above their share of the vocabulary's)."""
+    above their share of the vocabulary's). ``ordered_mass`` (a kernel table's): the sum and the clamp in one launch,
+    in the loop's order."""
     share = torch.exp(logits - lse[:, None]).masked_fill(~mask, 0.0)                  # [S, MAX_OPTIONS]
+    if ordered_mass is not None and ORDERED_MASS_KERNEL:
+        return ordered_mass(share)
     total = share[:, 0]
     for k in range(1, MAX_OPTIONS):          # one add at a time: the same order whatever the batch (no reduction)
         total = total + share[:, k]

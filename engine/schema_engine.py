@@ -359,7 +359,7 @@ class SchemaEngine(GraphPlans):
         if with_mass:
             def mass(normed, logits, mask):
                 lse = self.e.vocab.logsumexp(normed, kernels.linear, kernels.row_logsumexp, kernels.vocab_logsumexp)
-                return label_mass(logits, lse, mask)
+                return label_mass(logits, lse, mask, kernels.ordered_mass)
 
         def step(staged):
             ids, slots, flat, n_options, answers, inv_temp, bias = layout.unstage(staged)

@@ -9,6 +9,8 @@
 - `row_logsumexp`: the log-sum-exp of each row (the full vocabulary's logits at the answer slots, for their label
   mass: `engine.label_mass`), one program a row reading it in blocks of one size from the first, so a row's sum is
   the same whatever the rows beside it (batch-invariant by construction).
+- `ordered_mass`: the label mass's sum of a row's label shares, column after column as `engine.label_mass`'s loop of
+  adds sums them, and its clamp, in one launch instead of 26.
 
 Counts (rows, heads, tokens) are never specialised on; the strides of the bf16 tensors are: Triton then knows
 they are multiples of 16 (they are, for every layer shape here) and loads 16 bytes at a time. Unspecialised, it
@@ -319,4 +321,34 @@ def row_logsumexp(x: torch.Tensor, n_cols: int, out: torch.Tensor | None = None)
     if S:
         _row_logsumexp_kernel[(S,)](x, out, n_cols, x.stride(0), out.stride(0), BLOCK=LOGSUMEXP_BLOCK, num_warps=4,
                                     **pdl_launch())
+    return out
+
+
+ORDERED_MASS_ROWS = 128
+"""Rows of `ordered_mass`'s program (one a thread). A row's sum is its own thread's, column by column, whatever this is."""
+
+
+@triton.jit(do_not_specialize=["n_rows"])
+def _ordered_mass_kernel(X, Y, n_rows, sx, N: tl.constexpr, BR: tl.constexpr, PDL: tl.constexpr = False):
+    # one thread a row: x[:, 0] + x[:, 1] + ... + x[:, N-1] left to right, each add rounded to float32 (the loop of
+    # torch adds it replaces, bit for bit), then min(total, 1) keeping a NaN as torch's clamp does
+    await_previous_kernel(PDL)
+    rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
+    ok = rows < n_rows
+    total = tl.load(X + rows * sx, mask=ok, other=0.0)
+    for k in tl.static_range(1, N):
+        total += tl.load(X + rows * sx + k, mask=ok, other=0.0)
+    tl.store(Y + rows, tl.where(total > 1.0, 1.0, total), mask=ok)
+
+
+def ordered_mass(share: torch.Tensor) -> torch.Tensor:
+    """share [S, N] float32 -> [S] float32: each row's columns summed left to right, clamped at 1 (the label mass of
+    `engine.label_mass.label_mass`, whose loop of N - 1 adds it runs in one launch: the same bits)."""
+    S, N = share.shape
+    if share.stride(-1) != 1:
+        share = share.contiguous()
+    out = torch.empty(S, dtype=torch.float32, device=share.device)
+    if S:
+        _ordered_mass_kernel[(triton.cdiv(S, ORDERED_MASS_ROWS),)](share, out, S, share.stride(0), N=N,
+                                                                    BR=ORDERED_MASS_ROWS, num_warps=4, **pdl_launch())
     return out

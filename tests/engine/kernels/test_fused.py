@@ -171,3 +171,29 @@ def test_row_logsumexp_is_each_rows_own_whatever_the_rows_beside_it(dtype, n_col
     table = torch.full((37, 3), -1.0, device=DEV)
     row_logsumexp(x, n_cols, out=table[:, 1])
     assert torch.equal(table[:, 1], got) and (table[:, [0, 2]] == -1).all()
+
+
+@pytest.mark.parametrize("rows", [1, 10, 129, 1280])
+def test_ordered_mass_is_the_label_mass_loop_bit_for_bit(rows):
+    """The label mass's sum of shares in one launch (`engine.kernels.fused.ordered_mass`) gives the bits of
+    `engine.label_mass.label_mass`'s loop of torch adds: the same left-to-right order of float32 adds, masked options
+    adding exact zeros, a sum rounded above 1 clamped, a NaN kept. Rows past a program's 128 and a strided table too."""
+    from engine.kernels.fused import ordered_mass
+    from engine.label_mass import label_mass
+    from engine.prompt import MAX_OPTIONS
+
+    g = torch.Generator().manual_seed(rows)
+    lse = (torch.randn(rows, generator=g) * 3 + 8).to(DEV)
+    # logits near the log-sum-exp, so that shares are large and many sums round differently in another order
+    logits = (lse.cpu()[:, None] + torch.randn(rows, 2 * MAX_OPTIONS, generator=g) - 1.5).to(DEV)[:, ::2]
+    n_options = torch.randint(2, MAX_OPTIONS + 1, (rows,), generator=g).to(DEV)
+    mask = torch.arange(MAX_OPTIONS, device=DEV)[None, :] < n_options[:, None]
+    logits[0, 0] = lse[0] + 0.5                                      # a share above 1: clamped
+    if rows > 2:
+        logits[2, 1] = float("nan")                                   # kept, as torch's clamp keeps it
+    want = label_mass(logits, lse, mask)
+    got = label_mass(logits, lse, mask, ordered_mass)
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got.nan_to_num(-1.0), want.nan_to_num(-1.0))
+    assert got[0] == 1.0
+    assert not logits.is_contiguous()
