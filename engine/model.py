@@ -1,7 +1,7 @@
 """The Qwen3.5 hybrid forward, written for scoring against a cached prefix.
 
 transformers' modules hold the weights (names match the checkpoint: `model.layers.N.linear_attn.in_proj_qkv`, ...) and
-compute embeddings and the RoPE angles; norms (with the residual adds and RoPE fused in), the causal conv, the delta
+compute embeddings and the RoPE angles (once per position: `engine.rope_table`); norms (with the residual adds and RoPE fused in), the causal conv, the delta
 rule, SwiGLU and the attention's merge and output gate come from the kernel table `engine.kernels.table.select_kernels`
 picks (the fused Triton kernels of fla and `engine.kernels.fused` on CUDA, transformers' exact PyTorch formulas
 elsewhere); the attention calls and layouts from `engine.kernels.attention`; this file owns the order of
@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from engine.kernels.attention import AttentionOut
 from engine.kernels.table import select_kernels
+from engine.rope_table import RopeTable
 
 ANSWER_ROWS_ONLY = True
 """With `layers(..., rows=)`, run the last layer's MLP and norms on those rows alone (False: on every token, then
@@ -228,6 +229,8 @@ class HybridForward:
                  getattr(self.cfg, "head_dim", None) or self.cfg.hidden_size // self.cfg.num_attention_heads)
         self.kernels = select_kernels(dev.type, deterministic, self._gemm_weights(readout_weights), heads)
         self.final_norm_w = 1.0 + self.core.norm.weight.float()
+        self.rope = RopeTable(self.core.rotary_emb, self.cfg.max_position_embeddings,
+                              self.core.embed_tokens.weight.dtype, dev)
 
     @staticmethod
     def _layer_weights(layer) -> dict:
@@ -276,7 +279,7 @@ class HybridForward:
         norms around it, then run on those S rows alone: no later layer reads the other tokens (its token mixing,
         attention or the recurrence, still runs on all of them)."""
         h = self.core.embed_tokens(ids)
-        cos, sin = self.core.rotary_emb(h, positions[None].expand(3, -1, -1))
+        cos, sin = self.rope(h, positions, ids.shape[1] + getattr(ctx, "key_span", 0))   # positions below that
         x = self.kernels.rms_norm(h, self.w[0]["in_norm"], self.eps)
         last = len(self.core.layers) - 1
         fused = FUSED_RESIDUAL and self.kernels.add_linear is not None
