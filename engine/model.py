@@ -1,11 +1,11 @@
 """The Qwen3.5 hybrid forward, written for scoring against a cached prefix.
 
 transformers' modules hold the weights (names match the checkpoint: `model.layers.N.linear_attn.in_proj_qkv`, ...) and
-compute embeddings and the RoPE angles (once per position: `engine.rope_table`); norms (with the residual adds and RoPE fused in), the causal conv, the delta
-rule, SwiGLU and the attention's merge and output gate come from the kernel table `engine.kernels.table.select_kernels`
-picks (the fused Triton kernels of fla and `engine.kernels.fused` on CUDA, transformers' exact PyTorch formulas
-elsewhere); the attention calls and layouts from `engine.kernels.attention`; this file owns the order of
-operations, the fused projections and the layer states, so that:
+compute embeddings and the RoPE angles (once per position: `engine.rope_table`); norms (with the residual adds and RoPE
+fused in), the causal conv, the delta rule, SwiGLU and the attention's merge and output gate come from the kernel table
+`engine.kernels.table.select_kernels` picks (the fused Triton kernels of fla and `engine.kernels.fused` on CUDA,
+transformers' exact PyTorch formulas elsewhere); the attention calls and layouts from `engine.kernels.attention`; this
+file owns the order of operations, the fused projections and the layer states, so that:
 
 - a *prefix pass* (one prefix, batch 1) returns each layer's state: K/V (after RoPE) for full-attention layers, the
   last K-1 conv inputs and the recurrent state for Gated DeltaNet layers (`PrefixState`);
@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from engine.kernels.attention import AttentionOut
 from engine.kernels.table import select_kernels
-from engine.rope_table import RopeTable
+from engine.rope_table import ROPE_TABLE_POSITIONS, RopeTable
 
 ANSWER_ROWS_ONLY = True
 """With `layers(..., rows=)`, run the last layer's MLP and norms on those rows alone (False: on every token, then
@@ -229,7 +229,7 @@ class HybridForward:
                  getattr(self.cfg, "head_dim", None) or self.cfg.hidden_size // self.cfg.num_attention_heads)
         self.kernels = select_kernels(dev.type, deterministic, self._gemm_weights(readout_weights), heads)
         self.final_norm_w = 1.0 + self.core.norm.weight.float()
-        self.rope = RopeTable(self.core.rotary_emb, self.cfg.max_position_embeddings,
+        self.rope = RopeTable(self.core.rotary_emb, min(self.cfg.max_position_embeddings, ROPE_TABLE_POSITIONS),
                               self.core.embed_tokens.weight.dtype, dev)
 
     @staticmethod

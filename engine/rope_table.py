@@ -17,6 +17,11 @@ ROPE_TABLE = True
 as before). Read when a step is traced, so a CUDA graph keeps the setting it was captured under and
 `bench/probes/variant_ab.py` can time both in one process."""
 
+ROPE_TABLE_POSITIONS = 32768
+"""Positions the table holds at most (fewer where the model's `max_position_embeddings` is lower): at the 0.8B shape's
+64 rotary dimensions in bf16, 8 MB of device memory for cos and sin. Prefix and suffix together are far shorter here;
+a step reaching past it computes its angles with the module."""
+
 
 class RopeTable:
     """A model's RoPE angles for positions 0 .. `positions` - 1, in the dtype of its hidden states."""

@@ -325,7 +325,8 @@ def row_logsumexp(x: torch.Tensor, n_cols: int, out: torch.Tensor | None = None)
 
 
 ORDERED_MASS_ROWS = 128
-"""Rows of `ordered_mass`'s program (one a thread). A row's sum is its own thread's, column by column, whatever this is."""
+"""Rows of `ordered_mass`'s program (one a thread). A row's sum is its own thread's, column by column, whatever this
+is."""
 
 
 @triton.jit(do_not_specialize=["n_rows"])

@@ -13,6 +13,7 @@ def test_the_table_gives_the_modules_angles_bit_for_bit(eng):
     rotary = eng.model.model.rotary_emb
     for dtype in (torch.float32, torch.bfloat16):
         table = RopeTable(rotary, 4096, dtype, torch.device("cpu"))
+        assert table.cos is not None and table.cos.shape[0] == 4096
         positions = torch.tensor([[0, 1, 2, 3], [517, 518, 519, 520], [4092, 4093, 4094, 4095]])
         h = torch.empty(3, 4, 8, dtype=dtype)
         got = table(h, positions, 4096)
@@ -37,6 +38,7 @@ def test_positions_past_the_table_come_from_the_module(eng, monkeypatch):
 def test_scores_are_the_same_with_the_table_and_without(eng, monkeypatch):
     qs = make_questions([4, 2, 3])
     states = make_states(5, seed=3)
+    assert eng.forward.rope.cos is not None                        # the table is there to be taken
     with_table = SchemaEngine(eng, use_graphs=False)
     got = with_table.score(with_table.prepare(qs), states)
     monkeypatch.setattr(rope_table, "ROPE_TABLE", False)
