@@ -114,10 +114,11 @@ for step in $steps; do
              done; done ;;
     contention) # the worker's launch of a cycle alone, pipelined, with blocking events, beside a Python thread
              # (bench/probes/launch_contention.py), then its CPU by function (cProfile, PROFILE_MODE) and by torch op and
-             # CUDA runtime call (torch's profiler; PROFILES="" skips both), then by step of its path (--pieces)
+             # CUDA runtime call (torch's profiler; PROFILES="" skips both), then by step of its path (--pieces);
+             # CONTENTION_ARGS e.g. '--modes sync --variant "pool:engine.pinned_pool.STAGING_POOL=True"'
              timeout "${T_CONTENTION:-240}" python3 bench/probes/launch_contention.py --batches "${HOST_BATCHES:-1,6,16}" \
                --iters "${ITERS:-300}" ${PROFILES---profile "${PROFILE_MODE:-sync}" --api-profile} --pieces \
-               ${ROUNDS:+--rounds "$ROUNDS"} --out "$OUT/launch_contention.json" \
+               ${ROUNDS:+--rounds "$ROUNDS"} ${CONTENTION_ARGS:-} --out "$OUT/launch_contention.json" \
                > "$OUT/launch_contention.txt" 2>&1
              grep -E '^\{|^===' "$OUT/launch_contention.txt" ;;
     hostprobe) # a synchronous step's host and device parts, then its launch's host time by function (cProfile)

@@ -24,6 +24,9 @@ under torch's profiler: the host's time in each torch op and CUDA runtime call (
 pinned allocations, the events), which cProfile sees only as the Python call around them. `--pieces` then runs
 `sync` once more with no profiler, a clock around each step of the launch's path (`PIECES`, inclusive of what each
 calls): the GPU thread's wall and CPU per cycle in each, where a profiler's cost per call would blur them.
+`--variant NAME:module.ATTR=value` (as `bench/probes/variant_ab.py` takes it) times `sync` as the code is and under each
+variant's settings in turn, `--rounds` times (`--modes sync` leaves out the other modes), e.g. the staging buffers' pool:
+`--modes sync --variant "pool:engine.pinned_pool.STAGING_POOL=True"`.
 """
 from __future__ import annotations
 
@@ -44,6 +47,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from bench.host_stages import wrap_attribute  # noqa: E402
 from bench.probes.host_probe import batch_sizes  # noqa: E402
+from bench.probes.variant_ab import parse_variant, patched  # noqa: E402
 from bench.workload import build_engine, questions, states  # noqa: E402
 from engine import SchemaEngine  # noqa: E402
 from worker.stream.scorer import BatchJob, Scorer  # noqa: E402
@@ -214,6 +218,27 @@ def pieces(scorer: Scorer, handle, rows, iters: int) -> list[dict]:
     return out
 
 
+def variant_rows(scorer: Scorer, handle, rows, iters: int, rounds: int, variants: list) -> list[dict]:
+    """`sync` cycles as the code is (`base`) and under each variant's settings, in turn, `rounds` times (none without
+    variants): a row each, with the launch's `summary`."""
+    out = []
+    for round_ in range(rounds if variants else 0):
+        for name, patches in [("base", [])] + variants:
+            with patched(patches):
+                samples = cycles(scorer, handle, rows, iters, 1)
+            out.append({"round": round_, "mode": "sync", "variant": name, **summary(samples, iters)})
+    return out
+
+
+def modes_of(text: str) -> list[str]:
+    """--modes: comma-separated names of MODES."""
+    modes = [m.strip() for m in text.split(",") if m.strip()]
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown mode(s) {', '.join(unknown)}; choose from {', '.join(MODES)}")
+    return modes
+
+
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batches", default=[1, 6, 16], type=batch_sizes, help="comma-separated batch sizes")
@@ -227,6 +252,10 @@ def main(argv=None) -> list[dict]:
                     help="then `sync` again under torch's profiler: host time by torch op and CUDA runtime call")
     ap.add_argument("--pieces", action="store_true",
                     help="then `sync` again with a clock around each step of the launch's path (PIECES)")
+    ap.add_argument("--modes", default=list(MODES), type=modes_of, help="comma-separated modes (default: all)")
+    ap.add_argument("--variant", action="append", default=[], type=parse_variant,
+                    help="then `sync` under each, base first, alternated over --rounds: NAME:module.ATTR=literal[;...] "
+                         "(bench/probes/variant_ab.py's format; a setting read at each launch takes effect at once)")
     ap.add_argument("--quick", action="store_true", help="the tiny model on the CPU (no CUDA events)")
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
     args = ap.parse_args(argv)
@@ -243,12 +272,15 @@ def main(argv=None) -> list[dict]:
             rows = [se.tokenize(h, s) for s in states(eng.tok, batch, args.state_tokens, 0)]
             cycles(scorer, h, rows, 10, 2)                          # the batch's graph captured before any timing
             for round_ in range(args.rounds):
-                for mode in MODES:
+                for mode in args.modes:
                     with mode_context(mode, args.python_slice_us / 1e6):
                         samples = cycles(scorer, h, rows, args.iters, 1 if mode.startswith("sync") else 2)
                     row = {"batch": batch, "round": round_, "mode": mode, **summary(samples, args.iters)}
                     print(json.dumps(row), flush=True)
                     rows_out.append(row)
+            for row in variant_rows(scorer, h, rows, args.iters, args.rounds, args.variant):
+                print(json.dumps({"batch": batch, **row}), flush=True)
+                rows_out.append({"batch": batch, **row})
             if args.profile:
                 print(f"=== batch {batch}, {args.profile}: the GPU thread under cProfile, {args.iters} cycles")
                 print(profiled(scorer, h, rows, args.iters, args.profile, args.python_slice_us / 1e6), flush=True)
