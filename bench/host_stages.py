@@ -103,11 +103,32 @@ def thread_group(name: str) -> str:
     return re.sub(r"_\d+$", "", name)
 
 
+_states: dict[int, tuple] = {}   # native thread id -> its (stack, last charge, group), for `_pending` to read
+
+
 def _thread_state():
     state = getattr(_local, "state", None)
     if state is None:
         state = _local.state = ([], [0], thread_group(threading.current_thread().name))
+        _states[threading.get_native_id()] = state
     return state
+
+
+def _pending() -> dict[tuple[str, str], int]:
+    """(thread group, stage) -> the CPU its threads have spent in the stage they are in since its last charge, now.
+
+    A stage is charged when it is left (or calls another), so a snapshot taken mid-call would leave that call's time so
+    far to the next window: the window it straddles the start of then charged it more than its threads spent in the
+    window (an ``other`` below 0 where one long call straddled). A snapshot adds it, read from each thread's CPU clock."""
+    pending: dict[tuple[str, str], int] = {}
+    for tid, (stack, last, group) in list(_states.items()):
+        try:
+            stage, since = stack[-1], last[0]           # the thread may move on meanwhile: off by that instant at most
+            now = time.clock_gettime_ns((~tid << 3) | 6)   # that thread's CPU clock (CPUCLOCK_SCHED | PERTHREAD)
+        except (IndexError, OSError):               # in no stage, or ended
+            continue
+        pending[(group, stage)] = pending.get((group, stage), 0) + max(0, now - since)
+    return pending
 
 
 def timed(stage: str, fn):
@@ -321,7 +342,15 @@ def snapshot(name: str) -> dict:
             continue
         threads[tid] = [thread_group(python_names.get(tid, comm)), tid in python_names, ns]
     return {"name": name, "monotonic": time.monotonic(), "wall": time.time(), "threads": threads,
-            "stages": [[group, stage, ns, calls] for (group, stage), (ns, calls) in list(_totals.items())]}
+            "stages": _stage_totals()}
+
+
+def _stage_totals() -> list[list]:
+    """[group, stage, ns, calls] of every stage: its charges, and what its threads have spent in it since (`_pending`)."""
+    pending = _pending()
+    totals = {key: [ns + pending.pop(key, 0), calls] for key, (ns, calls) in list(_totals.items())}
+    totals.update({key: [ns, 0] for key, ns in pending.items()})
+    return [[group, stage, ns, calls] for (group, stage), (ns, calls) in totals.items()]
 
 
 def serve_snapshots(out_path: str, extra: dict) -> None:
