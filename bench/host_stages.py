@@ -114,18 +114,18 @@ def _thread_state():
     return state
 
 
-def _pending() -> dict[tuple[str, str], int]:
-    """(thread group, stage) -> the CPU its threads have spent in the stage they are in since its last charge, now.
+def _pending(thread_ns: dict[int, int]) -> dict[tuple[str, str], int]:
+    """(thread group, stage) -> the CPU its threads have spent in the stage they are in since its last charge, as of
+    `thread_ns` (each thread's CPU clock, read by `snapshot`).
 
     A stage is charged when it is left (or calls another), so a snapshot taken mid-call would leave that call's time so
     far to the next window: the window it straddles the start of then charged it more than its threads spent in the
-    window (an ``other`` below 0 where one long call straddled). A snapshot adds it, read from each thread's CPU clock."""
+    window (an ``other`` below 0 where one long call straddled). A snapshot adds it."""
     pending: dict[tuple[str, str], int] = {}
     for tid, (stack, last, group) in list(_states.items()):
         try:
-            stage, since = stack[-1], last[0]           # the thread may move on meanwhile: off by that instant at most
-            now = time.clock_gettime_ns((~tid << 3) | 6)   # that thread's CPU clock (CPUCLOCK_SCHED | PERTHREAD)
-        except (IndexError, OSError):               # in no stage, or ended
+            stage, since, now = stack[-1], last[0], thread_ns[tid]   # the thread may move on: off by that instant
+        except (IndexError, KeyError):              # in no stage, or ended
             continue
         pending[(group, stage)] = pending.get((group, stage), 0) + max(0, now - since)
     return pending
@@ -342,12 +342,12 @@ def snapshot(name: str) -> dict:
             continue
         threads[tid] = [thread_group(python_names.get(tid, comm)), tid in python_names, ns]
     return {"name": name, "monotonic": time.monotonic(), "wall": time.time(), "threads": threads,
-            "stages": _stage_totals()}
+            "stages": _stage_totals({tid: ns for tid, (_, _, ns) in threads.items()})}
 
 
-def _stage_totals() -> list[list]:
+def _stage_totals(thread_ns: dict[int, int]) -> list[list]:
     """[group, stage, ns, calls] of every stage: its charges, and what its threads have spent in it since (`_pending`)."""
-    pending = _pending()
+    pending = _pending(thread_ns)
     totals = {key: [ns + pending.pop(key, 0), calls] for key, (ns, calls) in list(_totals.items())}
     totals.update({key: [ns, 0] for key, ns in pending.items()})
     return [[group, stage, ns, calls] for (group, stage), (ns, calls) in totals.items()]
