@@ -25,8 +25,8 @@ pinned allocations, the events), which cProfile sees only as the Python call aro
 `sync` once more with no profiler, a clock around each step of the launch's path (`PIECES`, inclusive of what each
 calls): the GPU thread's wall and CPU per cycle in each, where a profiler's cost per call would blur them.
 `--variant NAME:module.ATTR=value` (as `bench/probes/variant_ab.py` takes it) times `sync` as the code is and under each
-variant's settings in turn, `--rounds` times (`--modes sync` leaves out the other modes), e.g. the staging buffers' pool:
-`--modes sync --variant "pool:engine.pinned_pool.STAGING_POOL=True"`.
+variant's settings in turn, `--rounds` times, each round starting one arm later (`--modes sync` leaves out the other
+modes), e.g. the staging buffers' pool: `--modes sync --variant "pool:engine.pinned_pool.STAGING_POOL=True"`.
 """
 from __future__ import annotations
 
@@ -221,9 +221,10 @@ def pieces(scorer: Scorer, handle, rows, iters: int) -> list[dict]:
 def variant_rows(scorer: Scorer, handle, rows, iters: int, rounds: int, variants: list) -> list[dict]:
     """`sync` cycles as the code is (`base`) and under each variant's settings, in turn, `rounds` times (none without
     variants): a row each, with the launch's `summary`."""
-    out = []
+    out, arms = [], [("base", [])] + variants
     for round_ in range(rounds if variants else 0):
-        for name, patches in [("base", [])] + variants:
+        # each round starts one arm later, so no arm always runs first (warmest caches or coldest clocks)
+        for name, patches in arms[round_ % len(arms):] + arms[:round_ % len(arms)]:
             with patched(patches):
                 samples = cycles(scorer, handle, rows, iters, 1)
             out.append({"round": round_, "mode": "sync", "variant": name, **summary(samples, iters)})
@@ -254,7 +255,7 @@ def main(argv=None) -> list[dict]:
                     help="then `sync` again with a clock around each step of the launch's path (PIECES)")
     ap.add_argument("--modes", default=list(MODES), type=modes_of, help="comma-separated modes (default: all)")
     ap.add_argument("--variant", action="append", default=[], type=parse_variant,
-                    help="then `sync` under each, base first, alternated over --rounds: NAME:module.ATTR=literal[;...] "
+                    help="then `sync` under each and as the code is, the order rotated each of --rounds: NAME:module.ATTR=literal[;...] "
                          "(bench/probes/variant_ab.py's format; a setting read at each launch takes effect at once)")
     ap.add_argument("--quick", action="store_true", help="the tiny model on the CPU (no CUDA events)")
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
