@@ -11,7 +11,8 @@ For the 0.8B shape at one batch (default 32 rows of a 144-token suffix), times i
   and with its output computed by fla's kernel or in the state kernel's pass (`FUSED_OUTPUT`);
 - the prefix half of the attention (`indexed_attention`) at each query-block size, with the block count;
 - the suffix pass's whole attention: the split path's three launches against the one-kernel `suffix_attention`;
-- fla's autotuned WY kernels (K K^T + solve, w/u) at each candidate configuration, beside the one fla tuned.
+- fla's autotuned WY kernels (K K^T + solve, w/u) at each candidate configuration, beside the one fla tuned, then
+  this tree's (the merged solve, w/u, and the two in one launch) at the engine's launches.
 
     python bench/probes/kernel_probe.py [--batch 32] [--tokens 144] [--only delta,prefix] > probe.txt
 """
@@ -293,7 +294,25 @@ def probe_wy(B: int, T: int, prefix: int = 400) -> dict:
         row = dict(warps=warps, stages=stages, ms=round(gpu_ms(run, graph=True), 4))
         print(json.dumps({"recompute_w_u": row}), file=sys.stderr, flush=True)
         out["recompute_w_u"].append(row)
+    out["this_tree"] = _wy_this_tree(k, v, beta, g, A, w, u)
     return out
+
+
+def _wy_this_tree(k, v, beta, g, A, w, u) -> list[dict]:
+    """The engine's own WY kernels (`engine.kernels.delta_rule_inputs`) at its launches: the merged solve alone, w/u
+    alone (both at the small grids' launches), and the two in one launch (the small-grid path), so that the one
+    launch's time splits into its parts."""
+    from engine.kernels import cuda_fast, delta_rule_inputs as dri
+
+    chunk, (solve, w_u), small = cuda_fast.CHUNK, cuda_fast.WY_SMALL_LAUNCH, cuda_fast.FUSED_WY_SMALL_LAUNCH
+    runs = {"merged_solve": lambda: dri.solve_into(A, k, g, beta, chunk, solve),
+            "w_u": lambda: dri.w_u_into(w, u, k, v, beta, A, g, chunk, w_u),
+            "solve_w_u": lambda: dri.solve_w_u_into(w, u, A, k, v, g, beta, chunk, small)}
+    rows = []
+    for name, run in runs.items():
+        rows.append({"kernel": name, "ms": round(gpu_ms(run, graph=True), 4)})
+        print(json.dumps({"this_tree": rows[-1]}), file=sys.stderr, flush=True)
+    return rows
 
 
 def probe_fla_launches(B: int, T: int) -> dict:
