@@ -312,15 +312,6 @@ def _wy_this_tree(k, v, beta, g, A, w, u) -> list[dict]:
     for name, run in runs.items():
         rows.append({"kernel": name, "ms": round(gpu_ms(run, graph=True), 4)})
         print(json.dumps({"this_tree": rows[-1]}), file=sys.stderr, flush=True)
-    # the diagonal blocks inverted by doubling (`SOLVE_BY_DOUBLING`): its time, and how far its w and u are from the
-    # substitution's
-    runs["solve_w_u"]()
-    w0, u0 = w.clone(), u.clone()
-    with patched([("engine.kernels.delta_rule_inputs", "SOLVE_BY_DOUBLING", True)]):
-        rows.append({"kernel": "solve_w_u, doubling", "ms": round(gpu_ms(runs["solve_w_u"], graph=True), 4),
-                     "max_diff_w": (w.float() - w0.float()).abs().max().item(),
-                     "max_diff_u": (u.float() - u0.float()).abs().max().item()})
-    print(json.dumps({"this_tree": rows[-1]}), file=sys.stderr, flush=True)
     return rows
 
 

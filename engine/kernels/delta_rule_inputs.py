@@ -165,19 +165,6 @@ def _substitute_row(i, b_A, b_Ai):
 
 
 @triton.jit
-def _inverse_by_doubling(b_A, m_I):
-    # (I + A)^-1 of a strictly lower 16 x 16 block A (so A^16 = 0) as (I - A)(I + A^2)(I + A^4)(I + A^8): six
-    # float32 products four deep, where the forward substitution is 14 dependent steps of two reductions each
-    b_X = tl.where(m_I, 1., 0.) - b_A
-    b_P = tl.dot(b_A, b_A, input_precision="ieee")
-    b_X += tl.dot(b_X, b_P, input_precision="ieee")
-    b_P = tl.dot(b_P, b_P, input_precision="ieee")
-    b_X += tl.dot(b_X, b_P, input_precision="ieee")
-    b_P = tl.dot(b_P, b_P, input_precision="ieee")
-    return b_X + tl.dot(b_X, b_P, input_precision="ieee")
-
-
-@triton.jit
 def _store_block(A, b, row0, col0, m_r, HV: tl.constexpr, BT: tl.constexpr):
     o_i = tl.arange(0, b.shape[0])
     tl.store(A + (row0 + o_i)[:, None] * (HV * BT) + (col0 + o_i)[None, :], b.to(A.dtype.element_ty),
@@ -186,30 +173,29 @@ def _store_block(A, b, row0, col0, m_r, HV: tl.constexpr, BT: tl.constexpr):
 
 @triton.jit(do_not_specialize=["T"])
 def _solve_kernel(k, g, beta, A, T, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
-                  BC: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr, DOUBLING: tl.constexpr = False,
-                  PDL: tl.constexpr = False):
+                  BC: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr = False):
     await_previous_kernel(PDL)
     _solve_chunk(k, g, beta, A, T, tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64), H, HV, K, BT, BC, BK,
-                 PRECISION, DOUBLING)
+                 PRECISION)
 
 
 @triton.jit(do_not_specialize=["T"])
 def _solve_w_u_kernel(k, v, g, beta, A, w, u, T, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                       BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr,
-                      W_U_BK: tl.constexpr, DOUBLING: tl.constexpr = False, PDL: tl.constexpr = False):
+                      W_U_BK: tl.constexpr, PDL: tl.constexpr = False):
     # the two kernels' programs for one chunk of one value head, one after the other in one program: the chunk's
     # solved blocks go to A and are read back by the same program (the barrier makes every thread's stores visible to
     # all of its threads), so the arithmetic, the roundings and the bits are the two kernels'
     await_previous_kernel(PDL)
     i_t, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
-    _solve_chunk(k, g, beta, A, T, i_t, i_bh, H, HV, K, BT, BC, BK, PRECISION, DOUBLING)
+    _solve_chunk(k, g, beta, A, T, i_t, i_bh, H, HV, K, BT, BC, BK, PRECISION)
     tl.debug_barrier()
     _w_u_chunk(k, v, beta, w, u, A, g, T, i_t, i_bh, H, HV, K, V, BT, W_U_BK, W_U_BK)
 
 
 @triton.jit
 def _solve_chunk(k, g, beta, A, T, i_t, i_bh, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
-                 BC: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr, DOUBLING: tl.constexpr = False):
+                 BC: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr):
     # chunk i_t of row i_bh // HV's value head i_bh % HV: fla's `chunk_gated_delta_rule_fwd_kkt_solve_kernel`
     # (equal-length rows, a decay) with its four forward substitutions, one per diagonal block, run as one loop: the
     # four chains are independent, so each step's reductions overlap instead of running 4 x 14 steps one after another
@@ -282,26 +268,20 @@ def _solve_chunk(k, g, beta, A, T, i_t, i_bh, H: tl.constexpr, HV: tl.constexpr,
 
     # forward substitution on the four diagonal blocks at once. Rows past the row's last token are zero in A, so
     # running their steps too (fla stops each block at its last token) leaves every real row as fla computes it
+    b_Ai00 = -b_A00
+    b_Ai11 = -b_A11
+    b_Ai22 = -b_A22
+    b_Ai33 = -b_A33
+    for i in range(2, min(BC, T - i_tc0)):
+        b_Ai00 = _substitute_row(i, b_A00, b_Ai00)
+        b_Ai11 = _substitute_row(i, b_A11, b_Ai11)
+        b_Ai22 = _substitute_row(i, b_A22, b_Ai22)
+        b_Ai33 = _substitute_row(i, b_A33, b_Ai33)
     m_I = o_i[:, None] == o_i[None, :]
-    if DOUBLING:
-        b_Ai00 = _inverse_by_doubling(b_A00, m_I)
-        b_Ai11 = _inverse_by_doubling(b_A11, m_I)
-        b_Ai22 = _inverse_by_doubling(b_A22, m_I)
-        b_Ai33 = _inverse_by_doubling(b_A33, m_I)
-    else:
-        b_Ai00 = -b_A00
-        b_Ai11 = -b_A11
-        b_Ai22 = -b_A22
-        b_Ai33 = -b_A33
-        for i in range(2, min(BC, T - i_tc0)):
-            b_Ai00 = _substitute_row(i, b_A00, b_Ai00)
-            b_Ai11 = _substitute_row(i, b_A11, b_Ai11)
-            b_Ai22 = _substitute_row(i, b_A22, b_Ai22)
-            b_Ai33 = _substitute_row(i, b_A33, b_Ai33)
-        b_Ai00 += m_I
-        b_Ai11 += m_I
-        b_Ai22 += m_I
-        b_Ai33 += m_I
+    b_Ai00 += m_I
+    b_Ai11 += m_I
+    b_Ai22 += m_I
+    b_Ai33 += m_I
 
     # the blocks below the diagonal of (I + A)^-1, merged as fla merges them
     b_Ai10 = -tl.dot(tl.dot(b_Ai11, b_A10, input_precision=PRECISION), b_Ai00, input_precision=PRECISION)
@@ -327,12 +307,6 @@ def _solve_chunk(k, g, beta, A, T, i_t, i_bh, H: tl.constexpr, HV: tl.constexpr,
     _store_block(A, b_Ai33, i_tc3, 3 * BC, m_tc3, HV, BT)
 
 
-SOLVE_BY_DOUBLING = False
-"""Whether the solve inverts each 16 x 16 diagonal block by repeated squaring (`_inverse_by_doubling`: float32 products,
-not the bits of fla's forward substitution) rather than by fla's substitution. Off until timed on the GPU
-(`bench/probes/kernel_probe.py --only wy`; `bench/probes/variant_ab.py --variant
-"doubling:engine.kernels.delta_rule_inputs.SOLVE_BY_DOUBLING=True"`). Read at each launch."""
-
 SOLVE_PRECISION = "tf32" if torch.cuda.is_available() and torch.cuda.get_device_capability(0)[0] >= 8 else "ieee"
 """The merges' dot precision, as fla picks it (`fla.utils.IS_TF32_SUPPORTED`)."""
 
@@ -346,8 +320,8 @@ def solve_into(A: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: torch.Te
     HV = beta.shape[2]
     if B * T:
         _solve_kernel[(triton.cdiv(T, chunk), B * HV)](k, g, beta, A, T, H=H, HV=HV, K=K, BT=chunk, BC=16,
-                                                       BK=launch[0], PRECISION=SOLVE_PRECISION,
-                                                       DOUBLING=SOLVE_BY_DOUBLING, num_warps=launch[1], **pdl_launch())
+                                                       BK=launch[0], PRECISION=SOLVE_PRECISION, num_warps=launch[1],
+                                                       **pdl_launch())
 
 
 def solve_w_u_into(w: torch.Tensor, u: torch.Tensor, A: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -360,5 +334,5 @@ def solve_w_u_into(w: torch.Tensor, u: torch.Tensor, A: torch.Tensor, k: torch.T
     if B * T:
         _solve_w_u_kernel[(triton.cdiv(T, chunk), B * HV)](k, v, g, beta, A, w, u, T, H=H, HV=HV, K=K, V=V, BT=chunk,
                                                            BC=16, BK=launch[0], PRECISION=SOLVE_PRECISION,
-                                                           W_U_BK=W_U_BLOCK, DOUBLING=SOLVE_BY_DOUBLING,
-                                                           num_warps=launch[1], num_stages=launch[2], **pdl_launch())
+                                                           W_U_BK=W_U_BLOCK, num_warps=launch[1], num_stages=launch[2],
+                                                           **pdl_launch())

@@ -152,17 +152,13 @@ def test_decay_and_beta_are_flas_gate_cumsum_and_sigmoid_in_one_kernel():
         assert torch.equal(beta, fused_beta_sigmoid(on(b)))
 
 
-@pytest.mark.parametrize("doubling", [False, True], ids=["substitution", "doubling"])
 @pytest.mark.parametrize("T", [100, 40], ids=["chunk-cut-short", "one-short-chunk"])
-def test_merged_solve_inverts_each_chunks_decayed_kkt(T, doubling, monkeypatch):
-    """`delta_rule_inputs.solve_into` (fla's fused K K^T + solve, its four substitutions in one loop, or with
-    `SOLVE_BY_DOUBLING` the diagonal blocks inverted by repeated squaring) against the inverse computed in PyTorch,
-    chunk by chunk, grouped value heads, the last chunk cut short (40 tokens: the fourth diagonal block has no token at
-    all); on a GPU with fla, the substitution bit for bit against fla's kernel at the same launches."""
-    from engine.kernels import delta_rule_inputs
+def test_merged_solve_inverts_each_chunks_decayed_kkt(T):
+    """`delta_rule_inputs.solve_into` (fla's fused K K^T + solve, its four substitutions in one loop) against the
+    inverse computed in PyTorch, chunk by chunk, grouped value heads, the last chunk cut short (40 tokens: the fourth
+    diagonal block has no token at all); on a GPU with fla, bit for bit against fla's kernel at the same launches."""
     from engine.kernels.delta_rule_inputs import solve_into
 
-    monkeypatch.setattr(delta_rule_inputs, "SOLVE_BY_DOUBLING", doubling)
     g = torch.Generator().manual_seed(23)
     B, H, HV, K, chunk = 2, 2, 4, 128, 64
     dtype = torch.float32 if not torch.cuda.is_available() else torch.bfloat16
@@ -182,7 +178,7 @@ def test_merged_solve_inverts_each_chunks_decayed_kkt(T, doubling, monkeypatch):
         got = A[:, c, :, :n].permute(0, 2, 1, 3).cpu().float().tril()
         tol = 1e-4 if dtype == torch.float32 else 3e-2
         torch.testing.assert_close(got, want, atol=tol, rtol=tol)
-    if torch.cuda.is_available() and _has_fla() and not doubling:
+    if torch.cuda.is_available() and _has_fla():
         from engine.kernels import cuda_fast
         for launch in (cuda_fast.WY_LAUNCH[0], cuda_fast.WY_SMALL_LAUNCH[0]):
             ours, theirs = torch.zeros_like(A), torch.zeros_like(A)
@@ -241,17 +237,13 @@ def test_w_u_reads_only_the_lower_triangle_of_the_solved_matrix():
         assert torch.equal(w, fla_w) and torch.equal(u, fla_u)
 
 
-@pytest.mark.parametrize("doubling", [False, True], ids=["substitution", "doubling"])
 @pytest.mark.parametrize("T", [184, 100, 40], ids=["three-chunks", "chunk-cut-short", "one-short-chunk"])
-def test_solve_and_w_u_in_one_launch_give_the_two_kernels_bits(T, doubling, monkeypatch):
+def test_solve_and_w_u_in_one_launch_give_the_two_kernels_bits(T):
     """`delta_rule_inputs.solve_w_u_into` (the solve and w/u as one program a chunk) against `solve_into` then
     `w_u_into` at the suffix pass's launches: the same w, u and lower triangle of A, bit for bit, at each of the one
-    launch's configurations (grouped value heads; 40 tokens: the last diagonal blocks have no token), with the
-    diagonal blocks' inverse by substitution and by doubling (`SOLVE_BY_DOUBLING`)."""
-    from engine.kernels import delta_rule_inputs
+    launch's configurations (grouped value heads; 40 tokens: the last diagonal blocks have no token)."""
     from engine.kernels.delta_rule_inputs import solve_into, solve_w_u_into, w_u_into
 
-    monkeypatch.setattr(delta_rule_inputs, "SOLVE_BY_DOUBLING", doubling)
     g = torch.Generator().manual_seed(24)
     B, H, HV, K, V, chunk = 2, 2, 4, 128, 128, 64
     dtype = torch.float32 if not torch.cuda.is_available() else torch.bfloat16
