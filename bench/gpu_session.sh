@@ -115,7 +115,8 @@ for step in $steps; do
     contention) # the worker's launch of a cycle alone, pipelined, with blocking events, beside a Python thread
              # (bench/probes/launch_contention.py), then its CPU by function (cProfile, PROFILE_MODE) and by torch op and
              # CUDA runtime call (torch's profiler; PROFILES="" skips both), then by step of its path (--pieces);
-             # CONTENTION_ARGS e.g. '--modes sync --variant "pool:engine.pinned_pool.STAGING_POOL=True"'
+             # CONTENTION_ARGS e.g. '--modes sync --variant loop:engine.label_mass.ORDERED_MASS_KERNEL=False' (split on spaces,
+             # no quotes inside: they would reach the probe as part of the name)
              timeout "${T_CONTENTION:-240}" python3 bench/probes/launch_contention.py --batches "${HOST_BATCHES:-1,6,16}" \
                --iters "${ITERS:-300}" ${PROFILES---profile "${PROFILE_MODE:-sync}" --api-profile} --pieces \
                ${ROUNDS:+--rounds "$ROUNDS"} ${CONTENTION_ARGS:-} --out "$OUT/launch_contention.json" \

@@ -42,7 +42,6 @@ from engine.prompt import (DEFAULT_MAX_CTX_TOKENS, MAX_OPTIONS, ChatTemplate, Qu
                            resolve_temperatures, schema_prefix_ids, schema_suffix_arrays)
 from engine.readout import MASS, PROBABILITIES, RAW, SCORE_COLUMNS, read_rows
 from engine.scores import PendingScores, Scores
-from engine.pinned_pool import PinnedPool
 from engine.step_layout import Row, StepLayout
 
 LABEL_MASS_BY_DEFAULT = True
@@ -128,7 +127,6 @@ class SchemaEngine(GraphPlans):
         self._overheads: dict[int, int] = {}             # answer slots a row -> suffix tokens of an empty state
         self._seen_lengths: Counter[int] = Counter()     # state tokens of each step's longest row, in steps of 8
         self._pad_id = engine.tok.pad_token_id      # read once: transformers answers it through __getattr__ (~15 us)
-        self._staging = PinnedPool()                 # the steps' staging buffers (`engine.pinned_pool.STAGING_POOL`)
 
     # ---- schemas ---------------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -289,11 +287,7 @@ class SchemaEngine(GraphPlans):
         return [1.0 / t for t in resolve_temperatures(h.questions, temperature)]
 
     def _launch(self, requests: Sequence[tuple[PreparedSchema, TokenizedState, list[float]]]) -> PendingScores:
-        staged: list[torch.Tensor] = []
-        chunks = self._launch_requests(requests, staged)
-        done = self._record_done()
-        self._staging.give_back(staged, done)            # their copies to the device are queued before `done`
-        return PendingScores([h for h, _, _ in requests], chunks, done)
+        return PendingScores([h for h, _, _ in requests], self._launch_requests(requests), self._record_done())
 
     def _record_done(self) -> torch.cuda.Event | None:
         """An event behind everything queued so far (None off CUDA, where nothing is queued)."""
@@ -308,15 +302,15 @@ class SchemaEngine(GraphPlans):
             torch.cuda.current_stream().synchronize()
 
     @torch.no_grad()
-    def _launch_requests(self, requests: Sequence[tuple[PreparedSchema, TokenizedState, list[float]]],
-                         staged: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    def _launch_requests(self, requests: Sequence[tuple[PreparedSchema, TokenizedState, list[float]]]
+                         ) -> list[torch.Tensor]:
         """Queue the batch -> per step, [its answers, SCORE_COLUMNS] float32 host tensors (being filled on CUDA until
         the stream reaches the steps), request by request, in question order."""
         if not requests:
             raise InputError("states: empty batch")
         rows = [row for h, state, inv_temps in requests for row in self._rows_of(h, state, inv_temps)]
         chunk = self.graphs.max_batch
-        return [self._score_step(rows[start:start + chunk], staged) for start in range(0, len(rows), chunk)]
+        return [self._score_step(rows[start:start + chunk]) for start in range(0, len(rows), chunk)]
 
     @staticmethod
     def _rows_of(h: PreparedSchema, state: TokenizedState, inv_temps: list[float]) -> list[Row]:
@@ -328,7 +322,7 @@ class SchemaEngine(GraphPlans):
                     h.label_mass)
                 for q, (slot, t, n) in enumerate(zip(h.prefix_slots, inv_temps, h.n_options))]
 
-    def _score_step(self, rows: Sequence[Row], staged_out: list[torch.Tensor] | None = None) -> torch.Tensor:
+    def _score_step(self, rows: Sequence[Row]) -> torch.Tensor:
         """Queue one step over up to `graphs.max_batch` rows -> [their answers, SCORE_COLUMNS] float32 on the host, in
         pinned memory the step's copy fills when the stream reaches it (on CUDA: read it after an event behind it).
         The step computes the label mass when any of its rows wants it (a graph per choice)."""
@@ -342,10 +336,7 @@ class SchemaEngine(GraphPlans):
         per_row, with_mass = key                            # is missing
         layout = StepLayout(shape.R, shape.T, shape.R * per_row)
         pin = self.e.dev.type == "cuda"
-        staged = layout.stage(rows, self._pad_id, pin=pin,
-                              buffer=self._staging.take(layout.size, torch.int64) if pin else None)
-        if staged_out is not None:
-            staged_out.append(staged)
+        staged = layout.stage(rows, self._pad_id, pin=pin)
         slots = [r.prefix_slot for r in rows]
         by_row = self.fwd.kernels.attend_by_request
         lengths = [len(r.ids) for r in rows] if by_row else None

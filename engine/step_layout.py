@@ -53,13 +53,12 @@ class StepLayout:
         """Elements of the buffer."""
         return self._temps + (self._floats + 1) // 2
 
-    def stage(self, rows: Sequence[Row], pad: int, pin: bool, buffer: torch.Tensor | None = None) -> torch.Tensor:
+    def stage(self, rows: Sequence[Row], pad: int, pin: bool) -> torch.Tensor:
         """The buffer of these rows (at most R; rows past them are padding that continues row 0's prefix, since a free
-        slot's prefix has no keys at all), in pinned memory when `pin`; written into `buffer` ([size] int64, whatever
-        it held: every element a step reads is written) where given."""
+        slot's prefix has no keys at all), in pinned memory when `pin`."""
         # the GPU thread runs this between a cycle's close and its launch: the small sections go in as one list each
         # (a numpy call costs ~1-2 us whatever it writes, and np.cumsum ~9 us on a list of a handful)
-        staged = buffer if buffer is not None else torch.empty(self.size, dtype=torch.int64, pin_memory=pin)
+        staged = torch.empty(self.size, dtype=torch.int64, pin_memory=pin)
         buf = staged.numpy()
         R, A, T, n = self.R, self.A, self.T, len(rows)
         ids = buf[:self._ints].reshape(R, T)

@@ -26,7 +26,7 @@ pinned allocations, the events), which cProfile sees only as the Python call aro
 calls): the GPU thread's wall and CPU per cycle in each, where a profiler's cost per call would blur them.
 `--variant NAME:module.ATTR=value` (as `bench/probes/variant_ab.py` takes it) times `sync` as the code is and under each
 variant's settings in turn, `--rounds` times, each round starting one arm later (`--modes sync` leaves out the other
-modes), e.g. the staging buffers' pool: `--modes sync --variant "pool:engine.pinned_pool.STAGING_POOL=True"`.
+modes), e.g. `--modes sync --variant "loop:engine.label_mass.ORDERED_MASS_KERNEL=False"`.
 """
 from __future__ import annotations
 

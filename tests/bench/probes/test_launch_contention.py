@@ -52,15 +52,15 @@ def test_pieces_clock_the_launch_path_on_the_gpu_thread_and_put_every_function_b
 
 
 def test_variants_time_sync_as_it_is_and_under_each_setting_in_turn_rotated_and_put_it_back():
-    import engine.pinned_pool as pinned_pool
+    import engine.label_mass as label_mass
     from bench.probes.launch_contention import main
 
     rows = main(["--quick", "--batches", "2", "--iters", "4", "--rounds", "2", "--modes", "sync",
-                 "--variant", "pool:engine.pinned_pool.STAGING_POOL=True"])
+                 "--variant", "loop:engine.label_mass.ORDERED_MASS_KERNEL=False"])
     assert [(r["mode"], r.get("variant")) for r in rows] == [("sync", None), ("sync", None), ("sync", "base"),
-                                                             ("sync", "pool"), ("sync", "pool"), ("sync", "base")]
+                                                             ("sync", "loop"), ("sync", "loop"), ("sync", "base")]
     assert all(r["cpu_us_p50"] > 0 and r["cycles_per_s"] > 0 for r in rows)
-    assert pinned_pool.STAGING_POOL is False
+    assert label_mass.ORDERED_MASS_KERNEL is True
 
 
 def test_an_unknown_mode_is_refused_by_name(capsys):
