@@ -85,10 +85,10 @@ for step in $steps; do
              # VAR=value list, "-" for the environment as it is), the same tree and offered rates (--full-load-rate),
              # ROUNDS rounds alternated; CAPACITY_ARGS, default 50 and 100 ms at 75-90%. unpadded-ab: --padded-batches
              # against --unpadded-batches (DECIDER_UNPADDED_BATCHES false, then true). nagle-ab: the workers' Kafka
-             # clients with Nagle's algorithm on (a config file's [kafka] table, librdkafka's default), then off
+             # clients with Nagle's algorithm on (librdkafka's default and decider's), then off (a config file's [kafka] table)
              case "$step" in unpadded-ab) default="DECIDER_UNPADDED_BATCHES=false DECIDER_UNPADDED_BATCHES=true" ;;
-               nagle-ab) default="DECIDER_CONFIG=/tmp/decider-nagle-on.toml -"
-                 printf '[kafka]\n"socket.nagle.disable" = false\n' > /tmp/decider-nagle-on.toml ;;
+               nagle-ab) default="- DECIDER_CONFIG=/tmp/decider-nagle-off.toml"
+                 printf '[kafka]\n"socket.nagle.disable" = true\n' > /tmp/decider-nagle-off.toml ;;
                *) default=- ;; esac
              settings=${ENV_SETTINGS:-$default}
              # a setting may come twice in a round (ENV_SETTINGS="A - - A": both orders in one call), so its position
