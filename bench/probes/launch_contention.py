@@ -47,7 +47,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from bench.host_stages import wrap_attribute  # noqa: E402
 from bench.probes.host_probe import batch_sizes  # noqa: E402
-from bench.probes.variant_ab import parse_variant, patched  # noqa: E402
+from bench.probes.variant_ab import parse_variant, patched, rotated  # noqa: E402
 from bench.workload import build_engine, questions, states  # noqa: E402
 from engine import SchemaEngine  # noqa: E402
 from worker.stream.scorer import BatchJob, Scorer  # noqa: E402
@@ -223,8 +223,7 @@ def variant_rows(scorer: Scorer, handle, rows, iters: int, rounds: int, variants
     variants): a row each, with the launch's `summary`."""
     out, arms = [], [("base", [])] + variants
     for round_ in range(rounds if variants else 0):
-        # each round starts one arm later, so no arm always runs first (warmest caches or coldest clocks)
-        for name, patches in arms[round_ % len(arms):] + arms[:round_ % len(arms)]:
+        for name, patches in rotated(arms, round_):
             with patched(patches):
                 samples = cycles(scorer, handle, rows, iters, 1)
             out.append({"round": round_, "mode": "sync", "variant": name, **summary(samples, iters)})
@@ -280,8 +279,9 @@ def main(argv=None) -> list[dict]:
                     print(json.dumps(row), flush=True)
                     rows_out.append(row)
             for row in variant_rows(scorer, h, rows, args.iters, args.rounds, args.variant):
-                print(json.dumps({"batch": batch, **row}), flush=True)
-                rows_out.append({"batch": batch, **row})
+                row = {"batch": batch, **row}
+                print(json.dumps(row), flush=True)
+                rows_out.append(row)
             if args.profile:
                 print(f"=== batch {batch}, {args.profile}: the GPU thread under cProfile, {args.iters} cycles")
                 print(profiled(scorer, h, rows, args.iters, args.profile, args.python_slice_us / 1e6), flush=True)

@@ -47,6 +47,12 @@ def parse_variant(spec: str) -> tuple[str, list[tuple[str, str, object]]]:
     return name, patches
 
 
+def rotated(arms: list, round_: int) -> list:
+    """`arms` starting at the `round_`-th (modulo their count): each round of an A/B starts at another arm, so that no
+    arm is always timed first."""
+    return arms[round_ % len(arms):] + arms[:round_ % len(arms)]
+
+
 @contextmanager
 def patched(patches):
     saved = []
@@ -98,7 +104,7 @@ def main(argv=None) -> dict:
         for B in batches:
             # each round starts at another variant: the first timing after a change of batch size ran slower (run AS:
             # the same code as base, timed after it, was up to 0.1 ms faster at batch 1)
-            for name, _ in variants[r % len(variants):] + variants[:r % len(variants)]:
+            for name, _ in rotated(variants, r):
                 se, h, per_batch = engines[name]
                 rows = per_batch[B][0]
                 p50s[name][B].append(statistics.median(timed(lambda: se.score_rows(h, rows), args.iters, sync)))
