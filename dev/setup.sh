@@ -7,10 +7,21 @@
 # CI never does. Safe to run again.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# torch's CUDA libraries are a few GB from PyPI, and a connection cut mid-file once failed CI after pip's own resumes
+# stalled at the same byte: a whole fresh attempt (what pip cached is kept) gets past what resuming could not.
+pip_install() {
+    local attempt
+    for attempt in 1 2 3 4; do
+        .venv/bin/python -m pip install -q "$@" && return 0
+        echo "dev/setup.sh: pip install $* failed (attempt $attempt of 4)" >&2
+        sleep $((attempt * 15))
+    done
+    return 1
+}
 python3 -m venv .venv
-.venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q "torch==2.13.0"
-.venv/bin/python -m pip install -q -e ".[test]"
+pip_install --upgrade pip
+pip_install "torch==2.13.0"
+pip_install -e ".[test]"
 if ! .venv/bin/python -m worker.devbroker.apache_kafka fetch; then
     if [ -n "${CI:-}" ]; then
         echo "dev/setup.sh: CI runs the tests on Apache Kafka, which cannot be fetched here (above)" >&2
