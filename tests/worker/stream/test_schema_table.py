@@ -4,12 +4,14 @@ delete, it keeps consuming, catch_up() reaches the end, unusable records are mar
 from __future__ import annotations
 
 import json
+import time
 
-from confluent_kafka import OFFSET_BEGINNING, TopicPartition
+from confluent_kafka import OFFSET_BEGINNING, Producer, TopicPartition
 
 import schemas
 from tests.worker.conftest import QUESTIONS, QUESTIONS_V2
 from worker.cli import commands
+from worker.formats.records import question_schema_record
 from worker.stream.schema_table import BrokenSchema, SchemaTable
 
 
@@ -110,5 +112,33 @@ def test_a_view_says_whether_the_table_had_applied_every_record_published_before
         assert table.changed_since(stale, {"a"}) and table.changed_since(current, {"a", "b"})
         assert not table.changed_since(stale, {"b"})
         assert table.missed(table.view()) is False
+    finally:
+        table.close()
+
+
+def test_the_end_a_view_is_confirmed_by_is_the_last_stable_offset(stream):
+    """A schema written inside a transaction still open is not the table's to read yet (it reads committed records
+    only): neither a view nor a catch-up waits for it, and once committed it is missed, then applied."""
+    stream.put_schema("a", QUESTIONS)
+    table = SchemaTable(stream.bootstrap, stream.topics.schemas)
+    writer = Producer({"bootstrap.servers": stream.bootstrap, "transactional.id": f"{stream.topics.schemas}-writer"})
+    try:
+        table.catch_up()
+        writer.init_transactions(10)
+        writer.begin_transaction()
+        writer.produce(stream.topics.schemas, key=b"b",
+                       value=schemas.encode_question_schema(question_schema_record(QUESTIONS, "b", 1)))
+        writer.flush(10)
+
+        started = time.monotonic()
+        assert table.catch_up(timeout_s=5) == [] and time.monotonic() - started < 2
+        assert table.missed(table.view()) is False
+
+        writer.commit_transaction(10)   # returns before the partition has the commit's marker: its LSO moves soon after
+        deadline = time.monotonic() + 5
+        while not table.missed(table.view()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert table.missed(table.view()) is True
+        assert [c.schema_id for c in table.catch_up()] == ["b"]
     finally:
         table.close()
