@@ -34,6 +34,13 @@ Two modes per window, each in its own worker process:
 Per cycle from the `committed` events: the median close -> launch (the cycle closed until its batch was queued on the
 device) of the cycles of <= 8 states, with its parts (`bench.stream_windows.cycle_timelines`).
 
+Beside the worker, per window: the broker's CPU per state (its process's clocks) and the cores the whole machine kept
+busy and lost to steal (`/proc/stat`): on this project's 2-core machine, at 1,000 states/s, Apache Kafka takes ~1 ms of
+CPU a state (the load generator's unbatched records among it) and the machine runs at ~1.8-2 busy cores, so the
+worker's own clocks run long. Each repetition starts at another tree: one tree's four windows in a run cost the worker
+500, 526, 526 and 546 us a state, librdkafka's share rising (89 to 128) as the broker's fell (1,195 to 956 us a state:
+its JIT warming up), and the tree always run second was charged for it.
+
 The JSON (`--out`, default bench/results/DATE-cpu-host-cost.json) holds every window and, per tree, the medians over
 its repetitions; with two trees, each figure's ratio (second / first). A PNG beside it (where matplotlib is installed;
 `python bench/host_cost.py --plot X.json` renders it again) shows per tree the host CPU a state by thread, the GIL by
@@ -57,10 +64,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import gil_profile, host_cost_plot  # noqa: E402
+from bench.ab_order import rotated  # noqa: E402
 from bench.bench_broker import add_broker_option, bench_broker  # noqa: E402
 from bench.host_stages import stand_in_command  # noqa: E402
 from bench.stream_phases import Reader, Stream, exactly_once, produce  # noqa: E402
 from bench.stream_windows import committed_records, cycle_timelines, read_log_events  # noqa: E402
+from bench.thread_cpu import machine_cpu_s, process_cpu_s  # noqa: E402
 from bench.workload import states  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -116,9 +125,11 @@ class ProbedStream(Stream):
         return [json.loads(line) for line in self.snapshots_path.read_text().splitlines() if line.endswith("}")]
 
 
-def window(args, bootstrap: str, model_dir: Path, schema_file: Path, texts: list[str], logs: Path, tree: Path,
+def window(args, broker, model_dir: Path, schema_file: Path, texts: list[str], logs: Path, tree: Path,
            mode: str, tag: str) -> dict:
-    """One measured window of ``tree``'s worker in ``mode`` (light or stages); see the module docstring."""
+    """One measured window of ``tree``'s worker in ``mode`` (light or stages) on ``broker``; see the module
+    docstring."""
+    bootstrap = broker.bootstrap
     stream = ProbedStream(args, bootstrap, model_dir, schema_file, tag, logs, tree, stages=mode == "stages")
     reader = Reader(bootstrap, stream.topics, args.partitions)
     reader.start()
@@ -132,6 +143,7 @@ def window(args, bootstrap: str, model_dir: Path, schema_file: Path, texts: list
             raise SystemExit(f"the worker did not score the warm-up within {args.start_timeout} s; see {logs}")
         ids = [f"m-{i}" for i in range(int(args.rate * args.seconds))]
         started = stream.snapshot("start")
+        around = [(machine_cpu_s(), process_cpu_s(broker.process.pid))]
         sampler = raw = None
         if mode == "light":
             raw = logs / f"{tag}-w0.gil.txt"
@@ -139,6 +151,7 @@ def window(args, bootstrap: str, model_dir: Path, schema_file: Path, texts: list
         produce(bootstrap, stream.topics.states, ids, [texts[i % len(texts)] for i in range(len(ids))], rate=args.rate,
                 value_of=json_state)
         ended = stream.snapshot("end")
+        around.append((machine_cpu_s(), process_cpu_s(broker.process.pid)))
         gil = gil_profile.finish(sampler, raw, args.seconds, ENGINE_FRAMES) if mode == "light" else None
         produced_s = ended["monotonic"] - started["monotonic"]
         all_visible = reader.wait_for(len(warm) + len(ids), 120)
@@ -154,10 +167,22 @@ def window(args, bootstrap: str, model_dir: Path, schema_file: Path, texts: list
                   all_visible=all_visible, drained_after_window_s=round(lag_s, 2), engine=probe["engine"],
                   device_ms=probe["device_ms"], **costs(started, ended, events, probe), **exactly_once(reader, warm + ids))
     result["committed_states_per_s"] = round(result["states"] / produced_s, 1) if produced_s else None
+    result.update(beside(around, result["states"], produced_s))
     result["sustained"] = bool(all_visible and result["committed_states_per_s"] >= 0.95 * args.rate)
     if gil is not None:
         result["gil"] = gil
     return result
+
+
+def beside(around: list, states_n: int, seconds: float) -> dict:
+    """What ran beside the worker over the window, from ``around``'s ((machine busy, steal), broker CPU) seconds at its
+    start and end: the broker's CPU per state, and the cores this whole machine kept busy (and lost to steal). On
+    this project's 2-core machine the broker takes a core's share of the worker's, and a worker's CPU clocks run
+    longer for the same work where the machine is busier."""
+    ((busy0, steal0), broker0), ((busy1, steal1), broker1) = around
+    return dict(broker_cpu_us_per_state=round((broker1 - broker0) / states_n * 1e6, 1) if states_n else None,
+                machine_busy_cores=round((busy1 - busy0) / seconds, 2) if seconds else None,
+                machine_steal_cores=round((steal1 - steal0) / seconds, 3) if seconds else None)
 
 
 def costs(started: dict, ended: dict, events: list[dict], probe: dict) -> dict:
@@ -246,7 +271,7 @@ def cycle_costs(events: list[dict]) -> dict:
 
 
 SUMMARY_KEYS = ("host_us_per_state", "host_us_per_cycle", "python_host_us_per_state", "native_client_us_per_state",
-                "states_per_cycle", "committed_states_per_s")
+                "states_per_cycle", "committed_states_per_s", "broker_cpu_us_per_state", "machine_busy_cores")
 
 
 def summary(runs: list[dict], trees: list[str]) -> dict:
@@ -353,9 +378,11 @@ def main(argv=None) -> dict:
     runs = []
     with bench_broker(args.broker, logs) as broker:
         for rep in range(args.reps):
-            for t, tree in enumerate(trees):
+            # each repetition starts at another tree: a later window of a run costs more than an earlier one on this
+            # machine, and the tree always run second was charged for it
+            for t, tree in rotated(list(enumerate(trees)), rep):
                 for mode in modes:
-                    run = window(args, broker.bootstrap, model_dir, schema_file, texts, logs, Path(tree), mode,
+                    run = window(args, broker, model_dir, schema_file, texts, logs, Path(tree), mode,
                                  f"hc{rep}t{t}{mode[0]}")
                     runs.append(run)
                     print(json.dumps({k: v for k, v in run.items() if k not in ("stages", "gil")}), flush=True)

@@ -74,3 +74,23 @@ def thread_cpu_ns(pid: int | None = None) -> dict[int, tuple[str, int]]:
         except (FileNotFoundError, ProcessLookupError, OSError):
             continue
     return out
+
+
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) that process ``pid`` has burnt so far, all its threads (0 once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return 0.0
+    fields = stat[stat.rindex(")") + 2:].split()
+    return (int(fields[11]) + int(fields[12])) / TICK
+
+
+def machine_cpu_s() -> tuple[float, float]:
+    """(busy, steal): CPU seconds of every core of this machine since boot, from ``/proc/stat``; busy is all but idle,
+    I/O wait and steal (what the hypervisor gave other machines while this one's threads were ready to run)."""
+    with open("/proc/stat") as f:
+        cpu = [int(v) for v in f.readline().split()[1:]]
+    user, nice, system, idle, iowait, irq, softirq, steal = (cpu + [0] * 8)[:8]
+    return (user + nice + system + irq + softirq) / TICK, steal / TICK

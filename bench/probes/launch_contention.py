@@ -47,7 +47,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from bench.host_stages import wrap_attribute  # noqa: E402
 from bench.probes.host_probe import batch_sizes  # noqa: E402
-from bench.probes.variant_ab import parse_variant, patched, rotated  # noqa: E402
+from bench.ab_order import rotated  # noqa: E402
+from bench.probes.variant_ab import parse_variant, patched  # noqa: E402
 from bench.workload import build_engine, questions, states  # noqa: E402
 from engine import SchemaEngine  # noqa: E402
 from worker.stream.scorer import BatchJob, Scorer  # noqa: E402

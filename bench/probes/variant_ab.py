@@ -29,6 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from bench.ab_order import rotated  # noqa: E402
 from bench.engine_bench import parse_setting, timed  # noqa: E402
 from bench.workload import build_engine, questions, states  # noqa: E402
 from engine import SchemaEngine  # noqa: E402
@@ -45,12 +46,6 @@ def parse_variant(spec: str) -> tuple[str, list[tuple[str, str, object]]]:
     if not name.strip() or name == "base" or not patches:
         raise argparse.ArgumentTypeError(usage + " (a name other than base, and at least one setting)")
     return name, patches
-
-
-def rotated(arms: list, round_: int) -> list:
-    """`arms` starting at the `round_`-th (modulo their count): each round of an A/B starts at another arm, so that no
-    arm is always timed first."""
-    return arms[round_ % len(arms):] + arms[:round_ % len(arms)]
 
 
 @contextmanager

@@ -1,9 +1,11 @@
 """bench/host_cost.py: the worker's host CPU by thread and by stage, per state and per cycle, and the GIL's share."""
 import json
+import os
 
 import pytest
 
 from bench import host_cost
+from bench.ab_order import rotated
 from tests.brokers import bench_broker_args
 
 
@@ -20,6 +22,8 @@ def test_a_short_run_reports_host_cost_by_thread_and_by_stage(tmp_path):
         assert run["host_us_per_state"] == round(run["python_host_us_per_state"] + run["native_client_us_per_state"], 2) \
             or abs(run["host_us_per_state"] - run["python_host_us_per_state"] - run["native_client_us_per_state"]) < 0.05
         assert run["cycle"]["small_cycles"] > 0 and run["cycle"]["close_to_launch_p50_ms"] > 0, run["cycle"]
+        # what ran beside it: the broker's CPU (a process of its own) and the machine's busy cores
+        assert run["broker_cpu_us_per_state"] > 0 and 0 < run["machine_busy_cores"] <= os.cpu_count(), run
     # py-spy's GIL samples, outside the engine's compute and in it
     assert 0 < light["gil"]["non_engine_share"] <= light["gil"]["gil_held_share"] <= 1, light["gil"]
     # every stage of the path was found and charged on its thread; a thread's stages and its "other" add up to its CPU
@@ -58,3 +62,10 @@ def test_the_stand_ins_gpu_is_a_line_or_a_gpus_measured_batch_times():
     for bad in ("2.3", "8:5.3", "8:5.3,8:6.0", "a,b"):
         with pytest.raises(ValueError):
             parse_device_ms(bad)
+
+
+def test_each_repetition_starts_at_another_tree():
+    """A later window costs more than an earlier one (the broker warms up): no tree may always run first."""
+    trees = [(0, "/tmp/before"), (1, ".")]
+    assert [rotated(trees, rep)[0][1] for rep in range(4)] == ["/tmp/before", ".", "/tmp/before", "."]
+    assert rotated([1, 2, 3], 4) == [2, 3, 1]
