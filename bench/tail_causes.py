@@ -137,11 +137,11 @@ def cycle_pieces(event: dict, ahead: dict | None, previous_transaction_end: floa
     _piece(pieces, max(scored, queue_end or scored), began, "host_records")
     at = began
     step_ms = get("commit_steps_ms") or {}
-    for name in ("produce", "offsets", "flush", "commit"):
+    for name in ("begin", "produce", "offsets", "flush", "commit"):
         end = min(visible, at + float(step_ms.get(name, 0.0)))
-        _piece(pieces, at, end, "host_produce" if name == "produce" else "broker_commit")
+        _piece(pieces, at, end, "host_produce" if name in ("begin", "produce") else "broker_commit")
         at = end
-    _piece(pieces, at, visible, "broker_commit")   # what the steps do not name (begin, the committer's wake-up)
+    _piece(pieces, at, visible, "broker_commit")   # what the steps do not name (the committer's wake-up)
     gc = [(start, start + ms) for start, ms in get("gc_pauses_ms") or []]
     return CyclePieces(None, visible, pieces, gc)
 

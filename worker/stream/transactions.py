@@ -134,6 +134,9 @@ class Transactions:
         # 1. Begin: nothing produced from here on is visible until step 5 succeeds.
         self._call("begin_transaction", lambda _timeout: self._producer.begin_transaction())
         self._open = True
+        # Timed apart: confluent-kafka holds the GIL through this call, a round trip to librdkafka's main thread, so
+        # every other thread of the worker waits as long as it takes
+        steps.lap("begin")
         # 2. Queue every output record and dead letter: librdkafka registers their partitions with the transaction
         #    and sends them on its own threads ...
         self._delivery_errors.clear()

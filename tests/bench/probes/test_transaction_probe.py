@@ -15,7 +15,7 @@ def test_every_variant_times_every_step_of_its_transactions():
     assert set(result["variants"]) == {"decider", "librdkafka-backoff"}
     assert result["variants"]["librdkafka-backoff"]["settings"] == {"retry.backoff.ms": "100", "retry.backoff.max.ms": "1000"}
     for row in result["variants"].values():
-        assert set(row) == {"settings", "produce", "offsets", "flush", "commit", "total"}
+        assert set(row) == {"settings", "begin", "produce", "offsets", "flush", "commit", "total"}
         assert 0 < row["total"]["p50"] <= row["total"]["p99"]
         assert row["total"]["p50"] >= row["offsets"]["p50"]
 

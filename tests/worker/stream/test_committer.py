@@ -97,7 +97,7 @@ def test_cycles_handed_meanwhile_commit_as_one_transaction(stream):
         [outcome] = _outcomes(committer, woken, 1)
         assert outcome.error is None and [part.cycle for part in outcome.handed] == ["cycle-0", "cycle-1", "cycle-2"]
         assert outcome.committed_at is not None and outcome.commit_ms > 0
-        assert list(outcome.steps_ms) == ["produce", "offsets", "flush", "commit"] and outcome.outputs
+        assert list(outcome.steps_ms) == ["begin", "produce", "offsets", "flush", "commit"] and outcome.outputs
         assert _read_keys(stream) == sorted(f"c{c}-{i}" for c in range(3) for i in range(2))
         assert stream.committed_offsets() == {0: 8, 1: 4}
         assert committer.pending == 0

@@ -77,7 +77,7 @@ def test_commit_publishes_records_and_offsets_together(stream):
         assert _read_keys(stream) == sorted(f"ok-{i}" for i in range(5))
         assert stream.committed_offsets()[0] == 17
         # where the transaction's time went, for the committed event
-        assert list(txns.last_steps_ms) == ["produce", "offsets", "flush", "commit"]
+        assert list(txns.last_steps_ms) == ["begin", "produce", "offsets", "flush", "commit"]
         assert all(ms >= 0 for ms in txns.last_steps_ms.values())
 
 
