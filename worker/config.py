@@ -18,6 +18,7 @@ DEFAULT_PROBABILITIES_TOPIC = "decider.probabilities"
 DEFAULT_DEAD_LETTER_TOPIC = "decider.dead-letter"
 DEFAULT_GROUP = "decider"
 MAX_LATENCY_BUDGET_MS = 600_000  # ten minutes: far beyond any batch's scoring and commit
+MAX_COMMIT_LINGER_MS = 10_000  # a transaction held open longer than this is a misconfiguration, not a batching choice
 MAX_TRANSACTIONAL_IDS = 4  # turns past the second wait for nothing: one transaction's markers take about one commit
 REPLAY_MAX_BATCH = 64  # a replay is throughput-bound: fuller batches than a live worker's default
 GROUP_PROTOCOLS = ("classic", "consumer")  # librdkafka's group.protocol: JoinGroup/SyncGroup, or KIP-848's
@@ -78,6 +79,10 @@ class WorkerConfig:
     # transaction until the last one's markers are written, so back-to-back commits on one id wait for them; on two
     # they do not (bench/README.md, run CT: a transaction's commit 19.8 -> 12.4 ms on an H100's host).
     transactional_ids: int = 2
+    # How long a scored cycle may wait for the next ones to join its transaction when none is running (0: it begins
+    # at once). A transaction costs the worker's host and the broker about the same whatever it carries (~1.6 ms of
+    # the worker's CPU on this project's 2-core machine); the wait is spent from the latency budget.
+    commit_linger_ms: int = 0
     # The consumer group protocol: None picks the best one the broker supports when the loop starts
     # (``worker.stream.assignment``); the config file's [kafka] "group.protocol" is the same setting.
     group_protocol: str | None = None
@@ -104,6 +109,9 @@ class WorkerConfig:
         if self.latency_budget_ms is not None and not 1 <= self.latency_budget_ms <= MAX_LATENCY_BUDGET_MS:
             raise ConfigError(f"--latency-budget-ms {self.latency_budget_ms} is out of range: give 1 to "
                               f"{MAX_LATENCY_BUDGET_MS} ms, or leave it out to close batches by --max-wait-ms alone")
+        if not 0 <= self.commit_linger_ms <= MAX_COMMIT_LINGER_MS:
+            raise ConfigError(f"--commit-linger-ms {self.commit_linger_ms} is out of range: give 0 to "
+                              f"{MAX_COMMIT_LINGER_MS} ms (0: each transaction begins as soon as a cycle is scored)")
         if self.max_state_chars < 1:
             raise ConfigError("--max-state-chars must be at least 1")
         if any(n < 1 for n in self.warmup_state_tokens):

@@ -49,3 +49,10 @@ def test_the_command_line_says_what_is_wrong_in_one_line(model_dir):
         result = _decider("worker", "-b", "localhost:1", "--model", str(model_dir), "--worker-id", "w", *args)
         lines = result.stderr.strip().splitlines()
         assert result.returncode == 2 and len(lines) == 1 and message in lines[0], result.stderr
+
+
+@pytest.mark.parametrize("linger_ms", [-1, 10_001])
+def test_a_commit_linger_outside_0_to_10_s_is_refused(linger_ms):
+    with pytest.raises(ConfigError, match=f"--commit-linger-ms {linger_ms} is out of range: give 0 to 10000 ms"):
+        _config(commit_linger_ms=linger_ms)
+    assert _config(commit_linger_ms=10_000).commit_linger_ms == 10_000 and _config().commit_linger_ms == 0

@@ -65,6 +65,11 @@ LOOP_OPTIONS = [
              "commits do not wait for them. The ids are the worker's transactional id and that id with .t1, .t2, "
              "...; those up to .t3 that it does not use are fenced at start, so lowering the setting never leaves "
              "a transaction open (docs/brokers.md).")),
+    _option("commit_linger_ms", int, typer.Option(
+        DEFAULTS["commit_linger_ms"], "--commit-linger-ms", envvar="DECIDER_COMMIT_LINGER_MS", min=0, max=10_000,
+        help="How long a scored batch may wait for the next ones to join its transaction when none is running "
+             "(default 0: a transaction begins as soon as a batch is scored). Larger transactions cost the worker's "
+             "host and the broker less per state; the wait adds to every record's latency, up to this long.")),
     _option("broker_outage_s", float, typer.Option(DEFAULTS["broker_outage_s"], "--broker-outage-s", envvar="DECIDER_BROKER_OUTAGE_S", help="How long to ride out an unreachable broker (nothing commits meanwhile; the worker resumes by itself when it returns) before exiting with code 5.")),
     _option("stall_after_s", float, typer.Option(
         DEFAULTS["stall_after_s"], "--stall-after-s", envvar="DECIDER_STALL_AFTER_S",
@@ -117,7 +122,7 @@ LOOP_OPTIONS = [
 PANELS = {
     "Kafka": ("--bootstrap", "--worker-id", "--group", "--group-protocol", "--name", "--states-topic", "--schemas-topic",
               "--probabilities-topic", "--dead-letter-topic", "--output-topic", "--session-timeout-ms",
-              "--transaction-timeout-ms", "--transactional-ids", "--broker-outage-s"),
+              "--transaction-timeout-ms", "--transactional-ids", "--commit-linger-ms", "--broker-outage-s"),
     "Model": ("--model", "--device", "--dtype", "--deterministic", "--tokenizer-threads", "--warmup-state-tokens",
               "--schema-memory-mb"),
     "Batching": ("--max-batch", "--max-wait-ms", "--latency-budget-ms", "--unpadded-batches", "--schema-wait-ms",
@@ -208,6 +213,7 @@ def loop_config(ctx: typer.Context, flags: dict[str, Any], probabilities_topic: 
         schema_memory_mb=flags["schema_memory_mb"], tokenizer_threads=flags["tokenizer_threads"],
         warmup_state_tokens=_token_counts(flags["warmup_state_tokens"]),
         transaction_timeout_ms=flags["transaction_timeout_ms"], transactional_ids=flags["transactional_ids"],
+        commit_linger_ms=flags["commit_linger_ms"],
         broker_outage_s=flags["broker_outage_s"],
         stall_after_s=flags["stall_after_s"],
         metrics_port=flags["metrics_port"], metrics_host=flags["metrics_host"], kafka=kafka_settings(ctx), **own,

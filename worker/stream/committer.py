@@ -38,6 +38,7 @@ class Handed:
     records: Sequence[OutgoingRecord]
     offsets: Sequence[TopicPartition]
     group_metadata: Any = None              # the consumer's, when handed (None: asked on the committer's thread)
+    handed_at: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -64,9 +65,12 @@ def merged_offsets(handed: Sequence[Handed]) -> list[TopicPartition]:
 class Committer:
     """Runs ``txns``' transactions on its own thread; ``wake`` is called after each one ends."""
 
-    def __init__(self, txns: TakingTurns, wake: Callable[[], None]) -> None:
+    def __init__(self, txns: TakingTurns, wake: Callable[[], None], linger_s: float = 0.0) -> None:
+        """``linger_s``: how long a handed cycle may wait for later ones to join its transaction when none is running
+        (0: it begins at once)."""
         self._txns = txns
         self._wake = wake
+        self._linger_s = linger_s
         self._lock = threading.Condition()
         self._queue: list[Handed] = []          # handed, not begun
         self._running: list[Handed] = []        # in the transaction running now
@@ -135,9 +139,17 @@ class Committer:
     def _run(self) -> None:
         while True:
             with self._lock:
-                self._lock.wait_for(lambda: self._closing or (self._queue and not self._held and not self._failed))
+                self._lock.wait_for(lambda: self._closing or self._takeable())
+                if self._linger_s and not self._closing:
+                    # A transaction costs the host and the broker about the same however many cycles it carries: let
+                    # the cycles handed meanwhile join this one, until its oldest has waited ``linger_s``
+                    until = self._queue[0].handed_at + self._linger_s
+                    self._lock.wait_for(lambda: self._closing or not self._takeable() or time.monotonic() >= until,
+                                        max(0.0, until - time.monotonic()))
                 if self._closing:
                     return
+                if not self._takeable():
+                    continue                    # held or failed while it lingered
                 self._running, self._queue = self._queue, []
             outcome = self._commit(self._running)
             with self._lock:
@@ -148,6 +160,9 @@ class Committer:
                 self._outcomes.append(outcome)
                 self._lock.notify_all()
             self._wake()
+
+    def _takeable(self) -> bool:
+        return bool(self._queue) and not self._held and not self._failed
 
     def _commit(self, parts: list[Handed]) -> Outcome:
         records = [record for part in parts for record in part.records]

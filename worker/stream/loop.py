@@ -123,7 +123,7 @@ class Worker:
             # transaction, so the committed offsets we start from are final.
             self._txns.init()
             self._assignment.start(self._consumer, self._txns, self._drop_uncommitted)
-            self._committer = Committer(self._txns, self._inflight.wake)
+            self._committer = Committer(self._txns, self._inflight.wake, self.config.commit_linger_ms / 1000)
             while not self.stop.is_set():
                 self._step()
             self._drain()

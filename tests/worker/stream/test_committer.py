@@ -178,3 +178,29 @@ def test_a_hold_lets_the_running_transaction_end_and_gives_back_the_rest(stream)
         [outcome] = _outcomes(committer, woken, 1)
         assert outcome.error is None and [p.cycle for p in outcome.handed] == ["fourth"]
         assert stream.committed_offsets()[0] == 13 and _read_keys(stream) == ["first-0", "first-1", "first-2", "fourth-0"]
+
+
+
+@pytest.mark.parametrize("linger_s", [0.0, 1.0])
+def test_a_lingering_committer_lets_later_cycles_join_the_oldest_ones_transaction(stream, linger_s):
+    """With a linger, a cycle handed while no transaction runs waits that long for the next ones, which commit with
+    it; without one it begins at once, alone (the second, handed 0.2 s later, commits in a transaction of its own)."""
+    woken = threading.Semaphore(0)
+    with _transactions(stream, f"t-linger-{linger_s:g}") as txns:
+        committer = Committer(txns, woken.release, linger_s=linger_s)
+        try:
+            first = Handed("first", _records(stream, 1, "a"), _offsets(stream, (0, 1)))
+            committer.hand(first)
+            time.sleep(0.2)
+            committer.hand(Handed("second", _records(stream, 1, "b"), _offsets(stream, (1, 1))))
+            ended = _outcomes(committer, woken, 1)
+            if linger_s:
+                [outcome] = ended
+                assert [part.cycle for part in outcome.handed] == ["first", "second"]
+                assert outcome.committed_at - first.handed_at >= linger_s
+            else:
+                ended += _outcomes(committer, woken, 2 - len(ended))
+                assert [[part.cycle for part in outcome.handed] for outcome in ended] == [["first"], ["second"]]
+            assert _read_keys(stream) == ["a-0", "b-0"]
+        finally:
+            committer.close()
