@@ -41,8 +41,10 @@ def plot(result: dict, path: Path, stages_shown: int = 12) -> Path:
     rows = {t: {(r["thread"], r["stage"]): r["us_per_state_corrected"] for r in result["summary"][t].get("stages", [])}
             for t in trees}
     with_stages = any(rows.values())
-    fig, axes = plt.subplots(3 if with_stages else 2, 1, figsize=(10.0, 11.0 if with_stages else 6.5), dpi=110,
-                             gridspec_kw={"height_ratios": [1, 1, 1.6] if with_stages else [1, 1]})
+    in_order = [r for r in result["runs"] if r["mode"] == "light" and r.get("broker_cpu_us_per_state") is not None]
+    heights = [1, 1] + ([1.6] if with_stages else []) + ([1.2] if len(in_order) > 1 else [])
+    fig, axes = plt.subplots(len(heights), 1, figsize=(10.0, 3.3 * sum(heights)), dpi=110,
+                             gridspec_kw={"height_ratios": heights})
     cpu_ax, gil_ax = axes[0], axes[1]
     env = result["env"]
     _stacked(cpu_ax, names, cpu, colors, scale=1.0)
@@ -57,6 +59,8 @@ def plot(result: dict, path: Path, stages_shown: int = 12) -> Path:
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     if with_stages:
         _stage_bars(axes[2], names, [rows[t] for t in trees], stages_shown)
+    if len(in_order) > 1:
+        _windows(axes[-1], in_order, {t: n for t, n in zip(trees, names)})
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -100,3 +104,17 @@ def _stage_bars(ax, names: list[str], rows: list[dict[tuple[str, str], float]], 
     ax.set(xlabel="host CPU us a state (stages window)", title=f"the {len(largest)} largest stages")
     ax.grid(True, axis="x", alpha=0.3)
     ax.legend(fontsize=7, loc="lower right")
+
+
+def _windows(ax, runs: list[dict], names: dict[str, str]) -> None:
+    """The light windows in the order they ran: the worker's host CPU a state (a marker per tree) and the broker's, on
+    one axis, so that a drift over the run shows beside the trees' difference."""
+    order = range(1, len(runs) + 1)
+    ax.plot(order, [r["broker_cpu_us_per_state"] for r in runs], color="grey", linestyle=":", label="broker (all trees)")
+    for j, (tree, name) in enumerate(names.items()):
+        mine = [(i, r["host_us_per_state"]) for i, r in zip(order, runs) if r["tree"] == tree]
+        ax.plot([i for i, _ in mine], [v for _, v in mine], marker="o", linestyle="none", color=f"C{j}",
+                label=f"worker: {name}")
+    ax.set(xlabel="window, in the order it ran", ylabel="CPU us a committed state", ylim=(0, None),
+           title="each window: the worker's host CPU and the broker's (a process beside it on this machine)")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
