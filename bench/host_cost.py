@@ -34,12 +34,11 @@ Two modes per window, each in its own worker process:
 Per cycle from the `committed` events: the median close -> launch (the cycle closed until its batch was queued on the
 device) of the cycles of <= 8 states, with its parts (`bench.stream_windows.cycle_timelines`).
 
-Beside the worker, per window: the broker's CPU per state (its process's clocks) and the cores the whole machine kept
-busy and lost to steal (`/proc/stat`): on this project's 2-core machine, at 1,000 states/s, Apache Kafka takes ~1 ms of
-CPU a state (the load generator's unbatched records among it) and the machine runs at ~1.8-2 busy cores, so the
-worker's own clocks run long. Each repetition starts at another tree: one tree's four windows in a run cost the worker
-500, 526, 526 and 546 us a state, librdkafka's share rising (89 to 128) as the broker's fell (1,195 to 956 us a state:
-its JIT warming up), and the tree always run second was charged for it.
+Beside the worker, per window: the broker's CPU a state and the machine's busy and stolen cores (`/proc/stat`): on this
+project's 2-core machine at 1,000 states/s Apache Kafka takes ~1 ms of CPU a state and the machine ~1.8-2 cores, so the
+worker's clocks run long. Each repetition starts at another tree: one tree's four windows in a run cost the worker 500,
+526, 526 and 546 us a state (librdkafka's 89 to 128) as the broker's fell (1,195 to 956: its JIT warming up), and the
+tree always run second was charged for it.
 
 The JSON (`--out`, default bench/results/DATE-cpu-host-cost.json) holds every window and, per tree, the medians over
 its repetitions; with two trees, each figure's ratio (second / first). A PNG beside it (where matplotlib is installed;
@@ -172,6 +171,12 @@ def window(args, broker, model_dir: Path, schema_file: Path, texts: list[str], l
     if gil is not None:
         result["gil"] = gil
     return result
+
+
+def window_order(trees: list[str], reps: int) -> list[tuple[int, int, str]]:
+    """(repetition, tree's index, tree) in the order the windows run: each repetition starts at another tree, since a
+    run's later windows cost the worker more than its first (module docstring)."""
+    return [(rep, t, tree) for rep in range(reps) for t, tree in rotated(list(enumerate(trees)), rep)]
 
 
 def beside(around: list, states_n: int, seconds: float) -> dict:
@@ -377,15 +382,11 @@ def main(argv=None) -> dict:
     print(json.dumps(env), flush=True)
     runs = []
     with bench_broker(args.broker, logs) as broker:
-        for rep in range(args.reps):
-            # each repetition starts at another tree: a later window of a run costs more than an earlier one on this
-            # machine, and the tree always run second was charged for it
-            for t, tree in rotated(list(enumerate(trees)), rep):
-                for mode in modes:
-                    run = window(args, broker, model_dir, schema_file, texts, logs, Path(tree), mode,
-                                 f"hc{rep}t{t}{mode[0]}")
-                    runs.append(run)
-                    print(json.dumps({k: v for k, v in run.items() if k not in ("stages", "gil")}), flush=True)
+        for rep, t, tree in window_order(trees, args.reps):
+            for mode in modes:
+                run = window(args, broker, model_dir, schema_file, texts, logs, Path(tree), mode, f"hc{rep}t{t}{mode[0]}")
+                runs.append(run)
+                print(json.dumps({k: v for k, v in run.items() if k not in ("stages", "gil")}), flush=True)
     result = {"env": env, "summary": summary(runs, trees), "runs": runs}
     out = Path(args.out) if args.out else REPO / "bench" / "results" / f"{env['date']}-cpu-host-cost.json"
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -17,15 +17,21 @@ def thread_ticks(pid: int) -> dict[int, tuple[str, int]]:
     except FileNotFoundError:
         return out
     for tid in tids:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                stat = f.read()
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-        name = stat[stat.index("(") + 1:stat.rindex(")")]
-        fields = stat[stat.rindex(")") + 2:].split()
-        out[int(tid)] = (name, int(fields[11]) + int(fields[12]))  # utime, stime (fields 14, 15 of stat)
+        found = _stat_ticks(f"/proc/{pid}/task/{tid}/stat")
+        if found is not None:
+            out[int(tid)] = found
     return out
+
+
+def _stat_ticks(path: str) -> tuple[str, int] | None:
+    """(name, utime + stime in clock ticks) from a ``stat`` file of proc(5); None once its task is gone."""
+    try:
+        with open(path) as f:
+            stat = f.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    fields = stat[stat.rindex(")") + 2:].split()
+    return stat[stat.index("(") + 1:stat.rindex(")")], int(fields[11]) + int(fields[12])  # fields 14, 15 of stat
 
 
 def cpu_by_thread(before: dict, after: dict, seconds: float) -> dict[str, float]:
@@ -78,13 +84,8 @@ def thread_cpu_ns(pid: int | None = None) -> dict[int, tuple[str, int]]:
 
 def process_cpu_s(pid: int) -> float:
     """CPU seconds (user + system) that process ``pid`` has burnt so far, all its threads (0 once it is gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
-    except (FileNotFoundError, ProcessLookupError):
-        return 0.0
-    fields = stat[stat.rindex(")") + 2:].split()
-    return (int(fields[11]) + int(fields[12])) / TICK
+    found = _stat_ticks(f"/proc/{pid}/stat")
+    return found[1] / TICK if found is not None else 0.0
 
 
 def machine_cpu_s() -> tuple[float, float]:

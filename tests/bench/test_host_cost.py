@@ -5,7 +5,6 @@ import os
 import pytest
 
 from bench import host_cost
-from bench.ab_order import rotated
 from tests.brokers import bench_broker_args
 
 
@@ -65,7 +64,8 @@ def test_the_stand_ins_gpu_is_a_line_or_a_gpus_measured_batch_times():
 
 
 def test_each_repetition_starts_at_another_tree():
-    """A later window costs more than an earlier one (the broker warms up): no tree may always run first."""
-    trees = [(0, "/tmp/before"), (1, ".")]
-    assert [rotated(trees, rep)[0][1] for rep in range(4)] == ["/tmp/before", ".", "/tmp/before", "."]
-    assert rotated([1, 2, 3], 4) == [2, 3, 1]
+    """A later window costs more than an earlier one (the broker warms up): no tree may always run first, and each
+    window keeps its tree's index (its log's name)."""
+    assert host_cost.window_order(["/tmp/before", "."], 3) == [(0, 0, "/tmp/before"), (0, 1, "."), (1, 1, "."),
+                                                              (1, 0, "/tmp/before"), (2, 0, "/tmp/before"), (2, 1, ".")]
+    assert [t for _, t, _ in host_cost.window_order(["a", "b", "c"], 3)] == [0, 1, 2, 1, 2, 0, 2, 0, 1]
