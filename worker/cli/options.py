@@ -68,8 +68,8 @@ LOOP_OPTIONS = [
     _option("commit_linger_ms", int, typer.Option(
         DEFAULTS["commit_linger_ms"], "--commit-linger-ms", envvar="DECIDER_COMMIT_LINGER_MS", min=0, max=10_000,
         help="How long a scored batch may wait for the next ones to join its transaction when none is running "
-             "(default 0: a transaction begins as soon as a batch is scored). Larger transactions cost the worker's "
-             "host and the broker less per state; the wait adds to every record's latency, up to this long.")),
+             "(default 0). Larger transactions cost the host and the broker less per state; the wait adds to every "
+             "record's latency. It pays only where the broker shares the worker's cores (docs/brokers.md).")),
     _option("broker_outage_s", float, typer.Option(DEFAULTS["broker_outage_s"], "--broker-outage-s", envvar="DECIDER_BROKER_OUTAGE_S", help="How long to ride out an unreachable broker (nothing commits meanwhile; the worker resumes by itself when it returns) before exiting with code 5.")),
     _option("stall_after_s", float, typer.Option(
         DEFAULTS["stall_after_s"], "--stall-after-s", envvar="DECIDER_STALL_AFTER_S",
