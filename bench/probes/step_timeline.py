@@ -111,4 +111,21 @@ def summarize(intervals: list[Interval], steps: int, n_rows: int = 25) -> str:
     for (after, before), (count, idle) in transitions[:n_rows]:
         lines.append(f"| {after[:40]} -> {before[:40]} | {count} | {idle:.1f} | {idle / count:.2f} |")
     lines.append(f"(median of the steps' gap totals: {statistics.median(s['gaps_us'] for s in summaries):.1f} us)")
-    return "\n".join(lines)
+    return "\n".join(lines + torch_kernels(split_steps(intervals, steps)[0]))
+
+
+def torch_kernels(step: list[Interval]) -> list[str]:
+    """Each kernel of torch's own in a step, in order, by its whole name and the kernel before it: a family's name
+    keeps only the start of a templated name, which lumps different kernels together."""
+    lines = ["", "| position | after | torch kernel (whole name) | us |", "|---|---|---|---|"]
+    for position, event in enumerate(step):
+        if event.family.startswith("torch: "):
+            after = step[position - 1].family if position else "-"
+            lines.append(f"| {position} | {after[:40]} | {_short(event.name)} | {event.end_us - event.start_us:.1f} |")
+    return lines
+
+
+def _short(name: str) -> str:
+    # the kernel's own name and its functor, without the template arguments' long tails
+    name = name.replace("(anonymous namespace)::", "").replace("at::native::", "")
+    return name[:160].replace("|", "/")

@@ -47,3 +47,14 @@ def test_steps_are_told_apart_by_count_and_the_median_one_is_reported():
     assert "median 28.0 us" in report and "idle between them 3.0 us" in report
     with pytest.raises(ValueError, match="do not divide"):
         split_steps(trace[:-1], 3)
+
+
+def test_torch_kernels_are_listed_by_whole_name_in_step_order():
+    from bench.probes.step_timeline import Interval, torch_kernels
+
+    step = [Interval("_row_norm_kernel", 0, 2), Interval("void at::native::(anonymous namespace)::CatArrayBatchedCopy<"
+                                                         "float>(x)", 3, 9),
+            Interval("nvjet_gemm", 10, 20), Interval("void at::native::vectorized_elementwise_kernel<4>(y)", 21, 22)]
+    lines = torch_kernels(step)
+    assert lines[3] == "| 1 | _row_norm_kernel | void CatArrayBatchedCopy<float>(x) | 6.0 |"
+    assert lines[4] == "| 3 | GEMM (cuBLAS) | void vectorized_elementwise_kernel<4>(y) | 1.0 |" and len(lines) == 5
