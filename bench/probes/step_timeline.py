@@ -115,9 +115,9 @@ def summarize(intervals: list[Interval], steps: int, n_rows: int = 25) -> str:
 
 
 def torch_kernels(step: list[Interval]) -> list[str]:
-    """Each kernel of torch's own in a step, in order, by its whole name and the kernel before it: a family's name
-    keeps only the start of a templated name, which lumps different kernels together."""
-    lines = ["", "| position | after | torch kernel (whole name) | us |", "|---|---|---|---|"]
+    """Each kernel of torch's own in a step (`summarize` lists the first), in order, by its whole name and the kernel
+    before it: a family's name keeps only the start of a templated name, which lumps different kernels together."""
+    lines = ["", "| position | after | torch kernel (whole name; the first step) | us |", "|---|---|---|---|"]
     for position, event in enumerate(step):
         if event.family.startswith("torch: "):
             after = step[position - 1].family if position else "-"
