@@ -2,10 +2,10 @@
 
 At batch 1 (184 rows) a 1024-column projection is 8-16 tiles for 132 SMs: cuBLAS takes 6-9 us where the weight's
 bytes take 1-2, because too few programs run. Splitting K over more programs is the usual cure, and it changes the
-order in which a row's products are summed, so a split used at few rows and not at many breaks batch invariance (the
-reason split-K was ruled out before, runs AC and AY). This probe times the other way round: one summation order for
-every M, K cut into S slices, each slice a chain of k-steps into a fresh float32 accumulator, the slices added in
-order. Two kernels give that order:
+order in which a row's products are summed, so a split used at few rows and not at many breaks batch invariance
+(runs AC and AY split K at few rows only, and were slower than cuBLAS there as well). This probe times another way:
+one order for every M, K cut into S slices, each slice a chain of k-steps into a fresh float32 accumulator, the slices
+added in order. Two kernels give that order:
 
 - `sliced`: one program a tile, the S slices one after the other (no extra memory traffic; for many rows);
 - `split`: S programs a tile, one slice each, float32 partials to memory, then a kernel that adds them in slice order
