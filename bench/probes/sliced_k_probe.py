@@ -226,7 +226,8 @@ def _cell(timed: tuple[float, tuple] | None, cublas: float) -> str:
 
 
 def plot(result: dict, path: Path) -> Path:
-    """Each shape's GEMM time against cuBLAS's by row count: `sliced` at S = 1 and 2, `split` at its best S, the floor."""
+    """Each shape's GEMM time against cuBLAS's by row count: `sliced` at S = 1 and 2, `split` at its best S, and the
+    floor."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
