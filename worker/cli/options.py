@@ -12,7 +12,7 @@ from typing import Any, Callable, Mapping, Optional
 import typer
 from typer.core import TyperCommand
 
-from worker.config import Cluster, Topics, WorkerConfig
+from worker.config import MAX_COMMIT_LINGER_MS, MAX_TRANSACTIONAL_IDS, Cluster, Topics, WorkerConfig
 from worker.exceptions import ConfigError
 from worker.formats.input_mapping import InputMapping, split_list, unescape_flag_template
 from worker.formats.registry import RegistryConfig
@@ -59,14 +59,16 @@ LOOP_OPTIONS = [
              "a batch no captured graph serves runs eagerly once while its graph is captured beside the stream.")),
     _option("transaction_timeout_ms", int, typer.Option(DEFAULTS["transaction_timeout_ms"], "--transaction-timeout-ms", envvar="DECIDER_TRANSACTION_TIMEOUT_MS", help="Broker-side timeout of an open transaction.")),
     _option("transactional_ids", int, typer.Option(
-        DEFAULTS["transactional_ids"], "--transactional-ids", envvar="DECIDER_TRANSACTIONAL_IDS", min=1, max=4,
+        DEFAULTS["transactional_ids"], "--transactional-ids", envvar="DECIDER_TRANSACTIONAL_IDS", min=1,
+        max=MAX_TRANSACTIONAL_IDS,
         help="Transactional ids to commit on in turn, one transaction each (1 to 4). Apache Kafka refuses a "
              "producer's next transaction until the last one's markers are written; on 2 (the default), back-to-back "
              "commits do not wait for them. The ids are the worker's transactional id and that id with .t1, .t2, "
              "...; those up to .t3 that it does not use are fenced at start, so lowering the setting never leaves "
              "a transaction open (docs/brokers.md).")),
     _option("commit_linger_ms", int, typer.Option(
-        DEFAULTS["commit_linger_ms"], "--commit-linger-ms", envvar="DECIDER_COMMIT_LINGER_MS", min=0, max=10_000,
+        DEFAULTS["commit_linger_ms"], "--commit-linger-ms", envvar="DECIDER_COMMIT_LINGER_MS", min=0,
+        max=MAX_COMMIT_LINGER_MS,
         help="How long a scored batch may wait for the next ones to join its transaction when none is running "
              "(default 0). Larger transactions cost the host and the broker less per state; the wait adds to every "
              "record's latency. It pays only where the broker shares the worker's cores (docs/brokers.md).")),

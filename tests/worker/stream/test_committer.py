@@ -180,7 +180,6 @@ def test_a_hold_lets_the_running_transaction_end_and_gives_back_the_rest(stream)
         assert stream.committed_offsets()[0] == 13 and _read_keys(stream) == ["first-0", "first-1", "first-2", "fourth-0"]
 
 
-
 @pytest.mark.parametrize("linger_s", [0.0, 1.0])
 def test_a_lingering_committer_lets_later_cycles_join_the_oldest_ones_transaction(stream, linger_s):
     """With a linger, a cycle handed while no transaction runs waits that long for the next ones, which commit with
