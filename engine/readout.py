@@ -8,6 +8,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from engine.label_mass import label_mass
 from engine.prompt import MAX_OPTIONS
 
 
@@ -31,24 +32,37 @@ SCORE_COLUMNS = 2 * MAX_OPTIONS + 1
 (`RAW`), the label mass (`MASS`)."""
 PROBABILITIES, RAW, MASS = slice(0, MAX_OPTIONS), slice(MAX_OPTIONS, 2 * MAX_OPTIONS), 2 * MAX_OPTIONS
 
-MassFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-"""(normed hidden states [S, H], label logits [S, MAX_OPTIONS] at temperature 1, mask) -> label mass [S]."""
+FUSED = True
+"""Whether `read_rows` takes the kernel table's `score_rows` where it has one (one launch for the softmaxes and the label
+mass, not ~17). Read at each call, so a CUDA graph keeps the path it was captured with and
+`bench/probes/variant_ab.py` can time both in one process ("unfused:engine.readout.FUSED=False")."""
+
+ScoreRowsFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+"""(labels' logits [S, MAX_OPTIONS], inv_temp [S, 1], bias, mask, vocabulary log-sum-exp [S] or None) -> the read-out
+[S, SCORE_COLUMNS] (`engine.kernels.score_rows.score_rows`)."""
 
 
 def read_rows(hs: torch.Tensor, norm, W: torch.Tensor, inv_temp: torch.Tensor, bias: torch.Tensor, mask: torch.Tensor,
-              linear=F.linear, mass: MassFn | None = None) -> torch.Tensor:
+              linear=F.linear, vocab_lse: Callable[[torch.Tensor], torch.Tensor] | None = None,
+              ordered_mass: Callable | None = None, score_rows: ScoreRowsFn | None = None) -> torch.Tensor:
     """hs: [S, H] hidden states at the answer slots before the final norm (`HybridForward.layers(..., rows=slots)`);
     inv_temp: [S, 1]; bias: [S, MAX_OPTIONS] float32, a log-probability per option position (calibration);
     mask: [S, MAX_OPTIONS].
 
     -> [S, SCORE_COLUMNS] float32: per answer softmax((z - bias) * inv_temp) over its options, softmax(z * inv_temp)
-    (the raw distribution), and the label mass (`mass`; NaN without it), z being the labels' logits. Options a
-    question lacks are exactly 0. A bias of 0 gives the raw distribution's bits. The final norm and the label
-    projection (`linear`, the forward's own) run on the S slot rows only.
+    (the raw distribution), and the label mass (`engine.label_mass.label_mass` of `vocab_lse`, the final-normed rows'
+    log-sum-exp over the whole vocabulary; NaN without it), z being the labels' logits. Options a question lacks are
+    exactly 0. A bias of 0 gives the raw distribution's bits. The final norm and the label projection (`linear`, the
+    forward's own) run on the S slot rows only; `score_rows` (a kernel table's) does the rest in one launch where
+    `FUSED` is on, `ordered_mass` the label mass's sum where it is not.
     """
     normed = norm(hs)
-    z = linear(normed, W).float()                                                       # [S, MAX_OPTIONS]
+    z = linear(normed, W)                                                               # [S, MAX_OPTIONS]
+    lse = vocab_lse(normed) if vocab_lse is not None else None
+    if score_rows is not None and FUSED:
+        return score_rows(z, inv_temp, bias, mask, lse)
+    z = z.float()
     raw = torch.softmax((z * inv_temp).masked_fill(~mask, float("-inf")), -1)
     calibrated = torch.softmax(((z - bias) * inv_temp).masked_fill(~mask, float("-inf")), -1)
-    label_mass = mass(normed, z, mask) if mass is not None else z.new_full(z.shape[:1], float("nan"))
-    return torch.cat([calibrated, raw, label_mass[:, None]], -1)
+    mass = label_mass(z, lse, mask, ordered_mass) if lse is not None else z.new_full(z.shape[:1], float("nan"))
+    return torch.cat([calibrated, raw, mass[:, None]], -1)

@@ -35,7 +35,6 @@ from engine.buckets import batch_buckets, unpadded_prefix
 from engine.fingerprint import Fingerprint, calibration_part, prompt_part
 from engine.graph_plans import GraphPlans, answers_per_row, serves
 from engine.graphs import GraphManager, StepShape
-from engine.label_mass import label_mass
 from engine.model import SuffixContext
 from engine.prefix_bank import PrefixBank
 from engine.prompt import (DEFAULT_MAX_CTX_TOKENS, MAX_OPTIONS, ChatTemplate, Question, parse_questions,
@@ -355,11 +354,10 @@ class SchemaEngine(GraphPlans):
                  host_slots: list[int] | None, with_mass: bool):
         """-> (fn(staged) -> the read-out of the step's answers, nothing to keep) at `shape` (`layout`'s)."""
         kernels = self.fwd.kernels
-        mass = None
+        vocab_lse = None
         if with_mass:
-            def mass(normed, logits, mask):
-                lse = self.e.vocab.logsumexp(normed, kernels.linear, kernels.row_logsumexp, kernels.vocab_logsumexp)
-                return label_mass(logits, lse, mask, kernels.ordered_mass)
+            def vocab_lse(normed):
+                return self.e.vocab.logsumexp(normed, kernels.linear, kernels.row_logsumexp, kernels.vocab_logsumexp)
 
         def step(staged):
             ids, slots, flat, n_options, answers, inv_temp, bias = layout.unstage(staged)
@@ -367,7 +365,7 @@ class SchemaEngine(GraphPlans):
             ctx = SuffixContext(self.bank, slots, shape.T, key_span, lengths, host_slots, answers)
             hidden = self.fwd.layers(ids, ctx.positions, ctx, rows=flat)                      # [A, H]
             return read_rows(hidden, self.fwd.final_norm, self.e.W, inv_temp[:, None], bias, mask, kernels.linear,
-                             mass)
+                             vocab_lse, kernels.ordered_mass, kernels.score_rows)
         return step, None
 
 

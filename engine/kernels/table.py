@@ -80,6 +80,9 @@ class Kernels:
         and `row_logsumexp`;
     ordered_mass(share [S, N] float32) -> [S] float32: each row's columns summed left to right, clamped at 1, in one
         launch (the label mass's sum, `engine.label_mass.label_mass`); None: a loop of torch adds, a launch each;
+    score_rows(z [S, N], inv_temp [S, 1], bias [S, N], mask [S, N], lse [S] or None) -> [S, 2N + 1] float32: the
+        read-out's softmaxes and label mass in one launch (`engine.kernels.score_rows`, batch-invariant by
+        construction, so in both CUDA tables); None: `engine.readout.read_rows`'s torch ops;
     attend_by_request: the suffix pass runs attention one row at a time on its own lengths (eager only: a graph
         cannot capture per-batch lengths), for tables whose attention kernel depends on the batch's padded length;
     batch_invariant: a row's result does not depend on the batch around it (its size, the row's position, its
@@ -103,6 +106,7 @@ class Kernels:
     row_logsumexp: Callable = torch_k.torch_row_logsumexp
     vocab_logsumexp: Callable | None = None
     ordered_mass: Callable | None = None
+    score_rows: Callable | None = None
     attend_by_request: bool = False
     batch_invariant: bool = False
 
@@ -155,6 +159,7 @@ def fla_kernels() -> Kernels:
     from engine.kernels import cuda_fast as f      # imports fla and triton, which CPU machines may lack
     from engine.kernels.suffix_attention import answer_attention, suffix_attention
     from engine.kernels.fused import ordered_mass, row_logsumexp
+    from engine.kernels.score_rows import score_rows
     from engine.kernels.vocab_logsumexp import vocab_logsumexp
     log.info("fla's autotuned kernels pinned to one launch each (the same in every process): %s",
              f.pin_autotuned_launches())
@@ -165,7 +170,7 @@ def fla_kernels() -> Kernels:
                    f.qk_norm_rope, f.gate_attention, f.linear, add_linear=torch_k.torch_add_linear,
                    indexed_attention=bi.indexed_attention, suffix_attention=suffix_attention,
                    answer_attention=answer_attention, row_logsumexp=row_logsumexp, vocab_logsumexp=vocab_logsumexp,
-                   ordered_mass=ordered_mass)
+                   ordered_mass=ordered_mass, score_rows=score_rows)
 
 
 def batch_invariant_kernels(table: Kernels, gemm_weights: Sequence[torch.Tensor],
