@@ -165,28 +165,6 @@ def _substitute_row(i, b_A, b_Ai):
 
 
 @triton.jit
-def _substitute_loaded_row(i, rows, row0, T, b_Ai, row_stride: tl.constexpr):
-    # `_substitute_row` with row i of the block read back from `rows` (`_keep_rows`) as two tiles already in b_Ai's
-    # layout, [r, c] = A[i, c] and [r, c] = A[i, r], instead of reduced out of the block in registers and converted to
-    # the other axis (a cross-thread reduction and a trip through shared memory, each step). 0 - A is what
-    # `_substitute_row`'s sum of one -A and zeros gives (a -0 becomes +0), so every step has its bits
-    o_i = tl.arange(0, b_Ai.shape[0])
-    p = rows + (row0 + i) * row_stride
-    real = row0 + i < T
-    by_col = 0. - tl.load(p + o_i[:, None] * 0 + o_i[None, :], mask=real & (o_i[None, :] < i), other=0.)
-    by_row = 0. - tl.load(p + o_i[:, None] + o_i[None, :] * 0, mask=real & (o_i[:, None] < i), other=0.)
-    b_a = by_col + tl.sum(by_row * b_Ai, 0)[None, :]
-    return tl.where((o_i == i)[:, None], b_a, b_Ai)
-
-
-@triton.jit
-def _keep_rows(rows, b, row0, m_r, row_stride: tl.constexpr):
-    # a float32 diagonal block of A into the chunk's rows of the scratch, for `_substitute_loaded_row` to read back
-    o_i = tl.arange(0, b.shape[0])
-    tl.store(rows + (row0 + o_i)[:, None] * row_stride + o_i[None, :], b, mask=m_r[:, None])
-
-
-@triton.jit
 def _store_block(A, b, row0, col0, m_r, HV: tl.constexpr, BT: tl.constexpr):
     o_i = tl.arange(0, b.shape[0])
     tl.store(A + (row0 + o_i)[:, None] * (HV * BT) + (col0 + o_i)[None, :], b.to(A.dtype.element_ty),
@@ -194,31 +172,30 @@ def _store_block(A, b, row0, col0, m_r, HV: tl.constexpr, BT: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["T"])
-def _solve_kernel(k, g, beta, A, ROWS, T, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
-                  BC: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr, FROM_ROWS: tl.constexpr,
-                  PDL: tl.constexpr = False):
+def _solve_kernel(k, g, beta, A, T, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
+                  BC: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr = False):
     await_previous_kernel(PDL)
-    _solve_chunk(k, g, beta, A, ROWS, T, tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64), H, HV, K, BT,
-                 BC, BK, PRECISION, FROM_ROWS)
+    _solve_chunk(k, g, beta, A, T, tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64), H, HV, K, BT, BC, BK,
+                 PRECISION)
 
 
 @triton.jit(do_not_specialize=["T"])
-def _solve_w_u_kernel(k, v, g, beta, A, w, u, ROWS, T, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
-                      V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr,
-                      W_U_BK: tl.constexpr, FROM_ROWS: tl.constexpr, PDL: tl.constexpr = False):
+def _solve_w_u_kernel(k, v, g, beta, A, w, u, T, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                      BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr,
+                      W_U_BK: tl.constexpr, PDL: tl.constexpr = False):
     # the two kernels' programs for one chunk of one value head, one after the other in one program: the chunk's
     # solved blocks go to A and are read back by the same program (the barrier makes every thread's stores visible to
     # all of its threads), so the arithmetic, the roundings and the bits are the two kernels'
     await_previous_kernel(PDL)
     i_t, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
-    _solve_chunk(k, g, beta, A, ROWS, T, i_t, i_bh, H, HV, K, BT, BC, BK, PRECISION, FROM_ROWS)
+    _solve_chunk(k, g, beta, A, T, i_t, i_bh, H, HV, K, BT, BC, BK, PRECISION)
     tl.debug_barrier()
     _w_u_chunk(k, v, beta, w, u, A, g, T, i_t, i_bh, H, HV, K, V, BT, W_U_BK, W_U_BK)
 
 
 @triton.jit
-def _solve_chunk(k, g, beta, A, ROWS, T, i_t, i_bh, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
-                 BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr, FROM_ROWS: tl.constexpr):
+def _solve_chunk(k, g, beta, A, T, i_t, i_bh, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
+                 BC: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr):
     # chunk i_t of row i_bh // HV's value head i_bh % HV: fla's `chunk_gated_delta_rule_fwd_kkt_solve_kernel`
     # (equal-length rows, a decay) with its four forward substitutions, one per diagonal block, run as one loop: the
     # four chains are independent, so each step's reductions overlap instead of running 4 x 14 steps one after another
@@ -295,24 +272,11 @@ def _solve_chunk(k, g, beta, A, ROWS, T, i_t, i_bh, H: tl.constexpr, HV: tl.cons
     b_Ai11 = -b_A11
     b_Ai22 = -b_A22
     b_Ai33 = -b_A33
-    if FROM_ROWS:
-        ROWS += (bos * HV + i_h) * BC
-        _keep_rows(ROWS, b_A00, i_tc0, m_tc0, HV * BC)
-        _keep_rows(ROWS, b_A11, i_tc1, m_tc1, HV * BC)
-        _keep_rows(ROWS, b_A22, i_tc2, m_tc2, HV * BC)
-        _keep_rows(ROWS, b_A33, i_tc3, m_tc3, HV * BC)
-        tl.debug_barrier()       # every thread's rows visible to all of the program's threads
-        for i in range(2, min(BC, T - i_tc0)):
-            b_Ai00 = _substitute_loaded_row(i, ROWS, i_tc0, T, b_Ai00, HV * BC)
-            b_Ai11 = _substitute_loaded_row(i, ROWS, i_tc1, T, b_Ai11, HV * BC)
-            b_Ai22 = _substitute_loaded_row(i, ROWS, i_tc2, T, b_Ai22, HV * BC)
-            b_Ai33 = _substitute_loaded_row(i, ROWS, i_tc3, T, b_Ai33, HV * BC)
-    else:
-        for i in range(2, min(BC, T - i_tc0)):
-            b_Ai00 = _substitute_row(i, b_A00, b_Ai00)
-            b_Ai11 = _substitute_row(i, b_A11, b_Ai11)
-            b_Ai22 = _substitute_row(i, b_A22, b_Ai22)
-            b_Ai33 = _substitute_row(i, b_A33, b_Ai33)
+    for i in range(2, min(BC, T - i_tc0)):
+        b_Ai00 = _substitute_row(i, b_A00, b_Ai00)
+        b_Ai11 = _substitute_row(i, b_A11, b_Ai11)
+        b_Ai22 = _substitute_row(i, b_A22, b_Ai22)
+        b_Ai33 = _substitute_row(i, b_A33, b_Ai33)
     m_I = o_i[:, None] == o_i[None, :]
     b_Ai00 += m_I
     b_Ai11 += m_I
@@ -347,19 +311,6 @@ SOLVE_PRECISION = "tf32" if torch.cuda.is_available() and torch.cuda.get_device_
 """The merges' dot precision, as fla picks it (`fla.utils.IS_TF32_SUPPORTED`)."""
 
 
-SUBSTITUTE_FROM_ROWS = True
-"""Whether the solve's forward substitution reads each step's row of A back from a float32 scratch copy of the
-diagonal blocks (`_substitute_loaded_row`) rather than reducing it out of the block in registers (`_substitute_row`):
-the same bits, one cross-thread reduction a step instead of two and a layout conversion. Read at each call (a
-compile-time constant of the kernels), so `bench/probes/variant_ab.py` can time both in one process."""
-
-
-def _row_scratch(B: int, T: int, HV: int, device) -> torch.Tensor:
-    # [B, T, Hv, 16] float32: each chunk's four diagonal blocks, row by row (never read where the switch is off)
-    return torch.empty(B, T, HV, 16, dtype=torch.float32, device=device) if SUBSTITUTE_FROM_ROWS else \
-        torch.empty(1, dtype=torch.float32, device=device)
-
-
 def solve_into(A: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, chunk: int,
                launch: tuple[int, int]) -> None:
     """(I + strictly_lower(beta K K^T 2^(g_i - g_j)))^-1 of each chunk into A [B, T, Hv, chunk]'s lower triangle
@@ -368,10 +319,8 @@ def solve_into(A: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: torch.Te
     B, T, H, K = k.shape
     HV = beta.shape[2]
     if B * T:
-        rows = _row_scratch(B, T, HV, A.device)
-        _solve_kernel[(triton.cdiv(T, chunk), B * HV)](k, g, beta, A, rows, T, H=H, HV=HV, K=K, BT=chunk, BC=16,
-                                                       BK=launch[0], PRECISION=SOLVE_PRECISION,
-                                                       FROM_ROWS=SUBSTITUTE_FROM_ROWS, num_warps=launch[1],
+        _solve_kernel[(triton.cdiv(T, chunk), B * HV)](k, g, beta, A, T, H=H, HV=HV, K=K, BT=chunk, BC=16,
+                                                       BK=launch[0], PRECISION=SOLVE_PRECISION, num_warps=launch[1],
                                                        **pdl_launch())
 
 
@@ -383,8 +332,7 @@ def solve_w_u_into(w: torch.Tensor, u: torch.Tensor, A: torch.Tensor, k: torch.T
     B, T, H, K = k.shape
     HV, V = v.shape[2], v.shape[3]
     if B * T:
-        rows = _row_scratch(B, T, HV, A.device)
-        _solve_w_u_kernel[(triton.cdiv(T, chunk), B * HV)](k, v, g, beta, A, w, u, rows, T, H=H, HV=HV, K=K, V=V,
-                                                           BT=chunk, BC=16, BK=launch[0], PRECISION=SOLVE_PRECISION,
-                                                           W_U_BK=W_U_BLOCK, FROM_ROWS=SUBSTITUTE_FROM_ROWS,
-                                                           num_warps=launch[1], num_stages=launch[2], **pdl_launch())
+        _solve_w_u_kernel[(triton.cdiv(T, chunk), B * HV)](k, v, g, beta, A, w, u, T, H=H, HV=HV, K=K, V=V, BT=chunk,
+                                                           BC=16, BK=launch[0], PRECISION=SOLVE_PRECISION,
+                                                           W_U_BK=W_U_BLOCK, num_warps=launch[1], num_stages=launch[2],
+                                                           **pdl_launch())

@@ -264,37 +264,6 @@ def test_solve_and_w_u_in_one_launch_give_the_two_kernels_bits(T):
         assert torch.equal(A1.masked_fill(~lower[None, :, None, :], 0), A.masked_fill(~lower[None, :, None, :], 0))
 
 
-@pytest.mark.parametrize("T", [184, 100, 40], ids=["three-chunks", "chunk-cut-short", "one-short-chunk"])
-def test_substituting_from_the_kept_rows_gives_the_registers_bits(T, monkeypatch):
-    """The substitution reading each step's row of A back from the float32 scratch
-    (`delta_rule_inputs.SUBSTITUTE_FROM_ROWS`) against reducing it out of the block in registers: the same A, bit for
-    bit, at the solve's launches, alone and with w/u in one launch (grouped value heads; a run of equal keys, whose
-    entries of A are large; 40 tokens: the last diagonal blocks have no token)."""
-    from engine.kernels import delta_rule_inputs as dri
-
-    g = torch.Generator().manual_seed(25)
-    B, H, HV, K, V, chunk = 2, 2, 4, 128, 128, 64
-    dtype = torch.float32 if not torch.cuda.is_available() else torch.bfloat16
-    k = torch.nn.functional.normalize(torch.randn(B, T, H, K, generator=g), dim=-1)
-    k[1, 8:24] = k[1, 7:8]                                                  # equal keys: large entries in A
-    k = k.to(DEV, dtype)
-    v = torch.randn(B, T, HV, V, generator=g).to(DEV, dtype)
-    beta = torch.rand(B, T, HV, generator=g).to(DEV)
-    decay = (-torch.rand(B, T, HV, generator=g).cumsum(1) * 0.05).to(DEV)
-    results = {}
-    for from_rows in (False, True):
-        monkeypatch.setattr(dri, "SUBSTITUTE_FROM_ROWS", from_rows)
-        for launch in ((64, 2), (64, 1), (64, 4)):
-            A = torch.zeros(B, T, HV, chunk, device=DEV, dtype=dtype)
-            dri.solve_into(A, k, decay, beta, chunk, launch)
-            results[from_rows, launch] = A
-        A, w, u = (torch.zeros(B, T, HV, n, device=DEV, dtype=dtype) for n in (chunk, K, V))
-        dri.solve_w_u_into(w, u, A, k, v, decay, beta, chunk, (64, 2, 4))
-        results[from_rows, "one launch"] = torch.cat([A, w, u], -1)
-    for key in ((64, 2), (64, 1), (64, 4), "one launch"):
-        assert torch.equal(results[True, key], results[False, key]), key
-
-
 @pytest.mark.parametrize("rows", [1, 8], ids=["small-grid", "large-grid"])
 def test_fixed_wy_launches_give_flas_w_and_u(rows):
     """`cuda_fast.WY_LAUNCH` / `WY_SMALL_LAUNCH` (batch 1 starts 48 solve programs, batch 8 384) against fla's
