@@ -271,12 +271,6 @@ higher one stays batch-invariant where it is a checked row count: 256 is): 256 r
 candidate. Read at each call, like `BLOCKED_CUBLAS`."""
 
 
-ZERO_PADDING = False
-"""Whether `InvariantLinear` zero-fills the rows it pads a GEMM's input with up to its floor (True: as before; the
-real rows' bits are the same either way). Read at each call, like `BLOCKED_CUBLAS`, so that
-`bench/probes/variant_ab.py` can time both in one process."""
-
-
 class InvariantLinear:
     """`F.linear` with a summation order that does not depend on the row count. Per weight shape, the first of:
     - cuBLAS with fewer rows than a floor zero-padded up to it, at the lowest floor of `MIN_ROWS` from which
@@ -317,13 +311,7 @@ class InvariantLinear:
         M = rows.shape[0]
         if M >= floor:
             return torch.nn.functional.linear(x, weight)
-        if ZERO_PADDING:
-            padded = torch.nn.functional.pad(rows, (0, 0, 0, floor - M))               # [floor, K]
-        else:
-            # the padding rows are left as they are: a GEMM's output row depends on its own input row alone, and the
-            # rows past M are dropped, so zeroing them (a fill kernel a GEMM, six a step in the last layer) buys nothing
-            padded = rows.new_empty(floor, rows.shape[1])
-            padded[:M].copy_(rows)
+        padded = torch.nn.functional.pad(rows, (0, 0, 0, floor - M))                   # [floor, K]
         return torch.nn.functional.linear(padded, weight)[:M].view(*x.shape[:-1], weight.shape[0])
 
     def _tile(self, shape: tuple[int, int], x: torch.Tensor) -> Config | None:
