@@ -8,6 +8,8 @@ label shares in column order, then the stores. A row's result is its own thread'
 does not depend on the rows beside it or on how many there are (batch-invariant by construction, in both CUDA tables).
 Its bits are not PyTorch's: Triton's `exp` and this order of the softmax's sum are not torch's kernels'; the
 probabilities agree with the PyTorch path to float32 rounding (`tests/engine/kernels/test_score_rows.py`).
+
+On the H100 at batch 1 (run ER) it takes 5.6 us, and torch's own kernels in a step fell from 35 (79.5 us) to 15 (23.1).
 """
 from __future__ import annotations
 
