@@ -56,7 +56,10 @@ CAUSES = ("rebalance", "capture", "gc", "broker_gc", "gpu_busy", "scoring", "hos
 MEMBERSHIP = ("assigned", "revoked", "lost", "aborted", "model_loaded")
 WAITS_ON_BROKER = ("broker_schema", "broker_commit", "reader")
 """The pieces a pause of the broker holds up (its requests are not answered meanwhile)."""
-_GC_PAUSE = re.compile(r"^\[(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d+)\+0000\] GC\(\d+\) Pause .* ([\d.]+)ms$", re.M)
+_GC_PAUSE = re.compile(r"^\[(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d+)\+0000\] GC\(\d+\) (?:[YO]: )?Pause .* ([\d.]+)ms$",
+                       re.M)
+"""A pause's line in the broker's log: G1's (``GC(7) Pause Young ...``) and ZGC's, generational ones naming the young or
+old collection (``GC(0) Y: Pause Mark Start (Major) ...``)."""
 SAME_TRANSACTION_MS = 0.05
 """Cycles whose records became visible this close together (the event's rounding) ended in one transaction."""
 _TIMES = ("arrived_monotonic_ms", "closed_ms", "scored_ms", "arrival_to_visible_ms", "offsets")
@@ -84,9 +87,8 @@ class CyclePieces:
 
 
 def broker_pauses(log: "str | Path | None") -> list[tuple[float, float]]:
-    """The JVM's pauses in an Apache Kafka broker's log file (``-Xlog:gc:stdout:utctime``,
-    ``worker.devbroker.apache_kafka``) as (start, end) wall times in ms since the epoch: a line is written as its pause
-    ends. None or no file: none."""
+    """The JVM's pauses in an Apache Kafka broker's log file (the log tags of ``worker.devbroker.apache_kafka.GC_FLAGS``)
+    as (start, end) wall times in ms since the epoch: a line is written as its pause ends. None or no file: none."""
     if log is None or not Path(log).is_file():
         return []
     pauses = []

@@ -18,12 +18,14 @@ def test_a_quarter_of_a_large_machines_cores_and_all_of_a_small_ones():
 
 
 @pytest.mark.skipif(brokers.kafka_problem() is not None, reason="needs Java and the Kafka jars (bash dev/setup.sh)")
-def test_a_confined_broker_runs_on_its_cores_only_and_logs_its_collections(tmp_path):
+@pytest.mark.parametrize("gc", ["zgc", "g1"])
+def test_a_confined_broker_runs_on_its_cores_only_and_logs_its_collections(tmp_path, gc):
     from confluent_kafka.admin import AdminClient
 
-    from worker.devbroker.apache_kafka import ApacheKafka
+    from bench.tail_causes import broker_pauses
+    from worker.devbroker.apache_kafka import GC_FLAGS, ApacheKafka
 
-    with ApacheKafka(directory=str(tmp_path / "kafka"), cpus=1) as broker:
+    with ApacheKafka(directory=str(tmp_path / "kafka"), cpus=1, gc=gc) as broker:
         assert AdminClient({"bootstrap.servers": broker.bootstrap}).list_topics(timeout=30).brokers
         status = Path(f"/proc/{broker.process.pid}/status").read_text()
         allowed = re.search(r"^Cpus_allowed_list:\s*(\S+)$", status, re.M).group(1)
@@ -35,7 +37,18 @@ def test_a_confined_broker_runs_on_its_cores_only_and_logs_its_collections(tmp_p
             re.search(r"^Cpus_allowed_list:\s*(\S+)$", (t / "status").read_text(), re.M).group(1) == last
             for t in threads)
         command = Path(f"/proc/{broker.process.pid}/cmdline").read_bytes().split(b"\0")
-        assert b"-XX:ActiveProcessorCount=1" in command and b"-Xlog:gc:stdout:utctime" in command
-    # at least the start's collections (the metadata's threshold), each on a line with its pause
+        assert b"-XX:ActiveProcessorCount=1" in command and f"-Xlog:{GC_FLAGS[gc][1]}:stdout:utctime".encode() in command
+        assert all(flag.encode() in command for flag in GC_FLAGS[gc][0])
+    # at least the start's collections (the metadata's threshold), each pause on a line the tail's causes read
     log = broker.log_path.read_text()
-    assert re.search(r"^\[\d{4}-\d\d-\d\dT[\d:.]+\+0000\] GC\(\d+\) Pause .* [\d.]+ms$", log, re.M), log[-2000:]
+    pauses = broker_pauses(broker.log_path)
+    assert pauses and all(0 <= end - start < 1000 for start, end in pauses), log[-2000:]
+    if gc == "zgc":
+        assert max(end - start for start, end in pauses) < 5, log[-2000:]      # concurrent: its pauses are short
+
+
+def test_an_unknown_collector_is_refused():
+    from worker.devbroker.apache_kafka import ApacheKafka
+
+    with pytest.raises(ValueError, match="zgc"):
+        ApacheKafka(gc="parallel")

@@ -85,6 +85,19 @@ def test_a_collection_is_charged_to_gc_and_taken_out_of_what_it_stopped():
     assert _cause([before], _state(0.0, 41.0)) == {"broker_commit": 1}
 
 
+def test_zgcs_pauses_are_read_in_both_its_forms_and_its_concurrent_phases_are_not(tmp_path):
+    """ZGC's pause lines (Java 17's, and Java 21+'s generational ones naming the young or old collection) are the
+    broker's pauses, as G1's are; its concurrent phases and collection summaries are not."""
+    log = ("[1970-01-12T13:46:40.010+0000] GC(0) Pause Mark Start 0.006ms\n"
+           "[1970-01-12T13:46:40.020+0000] GC(0) Concurrent Mark 9.912ms\n"
+           "[1970-01-12T13:46:40.030+0000] GC(1) Y: Pause Mark Start (Major) 0.014ms\n"
+           "[1970-01-12T13:46:40.040+0000] GC(1) O: Pause Relocate Start 0.020ms\n"
+           "[1970-01-12T13:46:40.050+0000] GC(1) Major Collection (Warmup) 26M(5%)->12M(2%) 0.048s\n")
+    (tmp_path / "server.log").write_text(log)
+    assert broker_pauses(tmp_path / "server.log") == [pytest.approx((1000 * T0 + at - ms, 1000 * T0 + at))
+                                                       for at, ms in ((10, 0.006), (30, 0.014), (40, 0.020))]
+
+
 def test_a_pause_of_the_broker_is_charged_to_broker_gc_where_the_worker_waited_on_the_broker(tmp_path):
     """A G1 pause of Apache Kafka's JVM (its GC log) inside a slow transaction step is the broker's collection, not
     its commit; inside the host's own work it is nothing of the broker's."""

@@ -158,6 +158,19 @@ def server_properties(port: int, controller_port: int, log_dir: Path, overrides:
     return settings
 
 
+GC_FLAGS = {
+    # Kafka's own choice (kafka-run-class.sh). Its young collections stop the broker: on the H100 machine's capacity
+    # run EQ every ~2.7 s for 10.6 ms (p50; up to 26), a stall inside the transactions of a 25 ms budget
+    "g1": (["-XX:+UseG1GC", "-XX:MaxGCPauseMillis=20"], "gc"),
+    # ZGC collects concurrently: under a worker-like load on this project's CPU machine its pauses were at most 0.05 ms
+    # (Java 17) and 0.09 ms (Java 25, generational), G1's 14 ms at the median (bench/README.md, "broker GC"). Its
+    # pauses are logged by gc+phases
+    "zgc": (["-XX:+UseZGC"], "gc,gc+phases"),
+}
+"""The broker JVM's collector flags and the log tags that put each pause on a line of the broker's log
+(``bench.tail_causes.broker_pauses`` reads them), by ``ApacheKafka.gc``."""
+
+
 @dataclass
 class ApacheKafka:
     """One Apache Kafka broker+controller process. Use as a context manager, or call ``start()`` / ``stop()``.
@@ -166,6 +179,7 @@ class ApacheKafka:
     ``server.log`` (the broker's output) and ``data/`` (the log). ``port`` and ``controller_port`` 0 mean free
     ones, chosen once, so that a restart listens where clients already look. ``settings`` override
     ``server_properties``'s. ``cpus`` confines the broker to that many of this machine's cores (None: all of them).
+    ``gc`` is the JVM's collector, a key of ``GC_FLAGS``.
     """
 
     port: int = 0
@@ -173,6 +187,7 @@ class ApacheKafka:
     directory: str | None = None
     heap_mb: int = 512
     cpus: int | None = None
+    gc: str = "zgc"
     settings: Mapping[str, str] = field(default_factory=dict)
     home: Path | None = None
     process: subprocess.Popen | None = field(default=None, init=False)
@@ -194,6 +209,10 @@ class ApacheKafka:
     def log_path(self) -> Path:
         """The broker's own log (its stdout and stderr)."""
         return self.path / "server.log"
+
+    def __post_init__(self) -> None:
+        if self.gc not in GC_FLAGS:
+            raise ValueError(f"the broker's gc must be one of {', '.join(GC_FLAGS)}, not {self.gc!r}")
 
     def start(self, timeout_s: float = 90.0) -> "ApacheKafka":
         """Format the log directory if it is new, start the broker, and wait until an Admin metadata call answers."""
@@ -248,8 +267,9 @@ class ApacheKafka:
         log_config = files("worker.devbroker").joinpath("kafka/log4j2.yaml")
         # Each collection's pause on a line of the broker's log: a stall of the clients' broker calls is then told
         # apart from one of their own (on the GPU machine, transactions slowed for ~10 ms every ~1.5 s at 1,250 states/s)
-        command = ["java", f"-Xms{self.heap_mb}m", f"-Xmx{self.heap_mb}m", "-XX:+UseG1GC", "-XX:MaxGCPauseMillis=20",
-                   "-Xlog:gc:stdout:utctime", *self._cpu_flags(), "-Djava.awt.headless=true",
+        flags, tags = GC_FLAGS[self.gc]
+        command = ["java", f"-Xms{self.heap_mb}m", f"-Xmx{self.heap_mb}m", *flags,
+                   f"-Xlog:{tags}:stdout:utctime", *self._cpu_flags(), "-Djava.awt.headless=true",
                    f"-Dlog4j2.configurationFile={log_config}", "-cp", self._classpath(), "kafka.Kafka", str(properties)]
         self._log = open(self.log_path, "ab")
         # Its own session: a Ctrl-C in the terminal reaches us, and we decide when the broker stops.
