@@ -87,8 +87,9 @@ class CyclePieces:
 
 
 def broker_pauses(log: "str | Path | None") -> list[tuple[float, float]]:
-    """The JVM's pauses in an Apache Kafka broker's log file (the log tags of ``worker.devbroker.apache_kafka.GC_FLAGS``)
-    as (start, end) wall times in ms since the epoch: a line is written as its pause ends. None or no file: none."""
+    """The JVM's pauses in an Apache Kafka broker's log file (the log tags of
+    ``worker.devbroker.apache_kafka.GC_FLAGS``) as (start, end) wall times in ms since the epoch: a line is written as
+    its pause ends. None or no file: none."""
     if log is None or not Path(log).is_file():
         return []
     pauses = []

@@ -33,8 +33,8 @@ SCORE_COLUMNS = 2 * MAX_OPTIONS + 1
 PROBABILITIES, RAW, MASS = slice(0, MAX_OPTIONS), slice(MAX_OPTIONS, 2 * MAX_OPTIONS), 2 * MAX_OPTIONS
 
 FUSED = True
-"""Whether `read_rows` takes the kernel table's `score_rows` where it has one (one launch for the softmaxes and the label
-mass, not ~17). Read at each call, so a CUDA graph keeps the path it was captured with and
+"""Whether `read_rows` takes the kernel table's `score_rows` where it has one (one launch for the softmaxes and the
+label mass, not ~17). Read at each call, so a CUDA graph keeps the path it was captured with and
 `bench/probes/variant_ab.py` can time both in one process ("unfused:engine.readout.FUSED=False": run EO, p50 at batch 1
 2.282 ms fused against 2.325, at batch 8 4.903 against 4.948, on an H100)."""
 

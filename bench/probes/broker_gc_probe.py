@@ -65,8 +65,8 @@ def _cycles(bootstrap: str, until: float) -> tuple[int, list[float]]:
         producer.begin_transaction()
         for m in messages:
             producer.produce("probabilities", b"\0" * 500, key=m.key(), partition=m.partition())
-        producer.send_offsets_to_transaction([TopicPartition(m.topic(), m.partition(), m.offset() + 1) for m in messages],
-                                             consumer.consumer_group_metadata())
+        offsets = [TopicPartition(m.topic(), m.partition(), m.offset() + 1) for m in messages]
+        producer.send_offsets_to_transaction(offsets, consumer.consumer_group_metadata())
         producer.commit_transaction()
         took.append((time.monotonic() - started) * 1000)
         states += len(messages)

@@ -37,8 +37,9 @@ def test_a_confined_broker_runs_on_its_cores_only_and_logs_its_collections(tmp_p
             re.search(r"^Cpus_allowed_list:\s*(\S+)$", (t / "status").read_text(), re.M).group(1) == last
             for t in threads)
         command = Path(f"/proc/{broker.process.pid}/cmdline").read_bytes().split(b"\0")
-        assert b"-XX:ActiveProcessorCount=1" in command and f"-Xlog:{GC_FLAGS[gc][1]}:stdout:utctime".encode() in command
-        assert all(flag.encode() in command for flag in GC_FLAGS[gc][0])
+        flags, tags = GC_FLAGS[gc]
+        assert b"-XX:ActiveProcessorCount=1" in command and f"-Xlog:{tags}:stdout:utctime".encode() in command
+        assert all(flag.encode() in command for flag in flags)
     # at least the start's collections (the metadata's threshold), each pause on a line the tail's causes read
     log = broker.log_path.read_text()
     pauses = broker_pauses(broker.log_path)

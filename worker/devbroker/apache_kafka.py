@@ -163,8 +163,8 @@ GC_FLAGS = {
     # run EQ every ~2.7 s for 10.6 ms (p50; up to 26), a stall inside the transactions of a 25 ms budget
     "g1": (["-XX:+UseG1GC", "-XX:MaxGCPauseMillis=20"], "gc"),
     # ZGC collects concurrently: under a worker-like load on this project's CPU machine its pauses were at most 0.05 ms
-    # (Java 17) and 0.09 ms (Java 25, generational), G1's 14 ms at the median (bench/README.md, "broker GC"). Its
-    # pauses are logged by gc+phases
+    # (Java 17) and 0.02 ms (Java 25, generational), G1's 14 ms at the median (bench/probes/broker_gc_probe.py;
+    # bench/README.md, "The broker's collector"). Its pauses are logged by gc+phases
     "zgc": (["-XX:+UseZGC"], "gc,gc+phases"),
 }
 """The broker JVM's collector flags and the log tags that put each pause on a line of the broker's log

@@ -1,6 +1,6 @@
-"""engine.kernels.score_rows (the read-out's softmaxes and label mass in one launch) against `engine.readout.read_rows`'s
-PyTorch ops, and a row's bits at any row count. Runs on the GPU; on a CPU through Triton's interpreter
-(`TRITON_INTERPRET=1 pytest -m gpu tests/engine/kernels/test_score_rows.py`)."""
+"""engine.kernels.score_rows (the read-out's softmaxes and label mass in one launch) against
+`engine.readout.read_rows`'s PyTorch ops, and a row's bits at any row count. Runs on the GPU; on a CPU through
+Triton's interpreter (`TRITON_INTERPRET=1 pytest -m gpu tests/engine/kernels/test_score_rows.py`)."""
 
 import pytest
 import torch
