@@ -3,9 +3,9 @@
     python bench/probes/broker_gc_probe.py --gc g1,zgc --seconds 40 --out /tmp/broker-gc.json
 
 For each collector (`worker.devbroker.apache_kafka.GC_FLAGS`) a fresh broker confined to one core, as the benches run
-it (`bench.bench_broker`), takes `--rate` JSON-sized states a second into a 4-partition topic, and one transactional
-producer reads them in cycles of up to 9 and commits each cycle's records (500-byte values) with its input offsets, as
-the worker does (its retry backoff too). Reported: the JVM's pauses from the broker's log
+it (`bench.bench_broker`), takes `--rate` JSON-sized states a second into the states topic (4 partitions), and the
+worker's own transactions (`worker.stream.turns.worker_transactions`: its producer settings, its two transactional ids
+in turn) commit them in cycles of up to 9, each cycle's records (500-byte values) with its input offsets. Reported: the JVM's pauses from the broker's log
 (`bench.tail_causes.broker_pauses`), the broker's CPU seconds per thousand states, and the transactions' times. A pause
 stops every request of the broker, so on a 25 ms budget a 10-26 ms one (G1 on the H100 machine, run EQ) is most of a
 state's time.
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import threading
 import time
@@ -24,53 +23,56 @@ from tempfile import TemporaryDirectory
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.tail_causes import broker_pauses  # noqa: E402
+from bench.thread_cpu import process_cpu_s  # noqa: E402
+from worker.config import Topics, WorkerConfig  # noqa: E402
 from worker.devbroker.apache_kafka import GC_FLAGS, ApacheKafka  # noqa: E402
+from worker.formats.records import OutgoingRecord  # noqa: E402
+from worker.kafka_clients import create_topics, plain_producer  # noqa: E402
+from worker.stream.turns import worker_transactions  # noqa: E402
 
 CYCLE = 9
 """States a cycle takes at most: the capacity runs' cycles at 25 ms held 8-9."""
 
 
-def _feed(bootstrap: str, rate: int, until: float) -> None:
-    from confluent_kafka import Producer
-
-    producer = Producer({"bootstrap.servers": bootstrap, "linger.ms": 2})
+def _feed(bootstrap: str, topic: str, rate: int, until: float) -> None:
+    producer = plain_producer(bootstrap, linger_ms=2)
     payload = b'{"id": "%d", "text": "' + b"x" * 700 + b'"}'
     sent, started = 0, time.monotonic()
     while time.monotonic() < until:
         wait = started + sent / rate - time.monotonic()
         if wait > 0:
             time.sleep(wait)
-        producer.produce("states", payload % sent, key=str(sent % 97).encode())
+        producer.produce(topic, payload % sent, key=str(sent % 97).encode())
         producer.poll(0)
         sent += 1
     producer.flush()
 
 
-def _cycles(bootstrap: str, until: float) -> tuple[int, list[float]]:
+def _cycles(bootstrap: str, topics: Topics, until: float) -> tuple[int, list[float]]:
     """Read-process-write transactions until `until`: (states committed, each transaction's ms)."""
-    from confluent_kafka import Consumer, Producer, TopicPartition
+    from confluent_kafka import Consumer, TopicPartition
 
     consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": "probe", "enable.auto.commit": False,
                          "isolation.level": "read_committed", "auto.offset.reset": "earliest"})
-    consumer.subscribe(["states"])
-    producer = Producer({"bootstrap.servers": bootstrap, "transactional.id": "probe-0", "linger.ms": 2,
-                         "retry.backoff.ms": 2, "retry.backoff.max.ms": 10})
-    producer.init_transactions()
+    consumer.subscribe([topics.states])
+    config = WorkerConfig(bootstrap=bootstrap, model_dir="unused", worker_id="probe", group="probe", topics=topics)
+    transactions = worker_transactions(config, consumer)
+    transactions.init()
     states, took = 0, []
-    while time.monotonic() < until:
-        messages = consumer.consume(CYCLE, timeout=0.01)
-        if not messages:
-            continue
-        started = time.monotonic()
-        producer.begin_transaction()
-        for m in messages:
-            producer.produce("probabilities", b"\0" * 500, key=m.key(), partition=m.partition())
-        offsets = [TopicPartition(m.topic(), m.partition(), m.offset() + 1) for m in messages]
-        producer.send_offsets_to_transaction(offsets, consumer.consumer_group_metadata())
-        producer.commit_transaction()
-        took.append((time.monotonic() - started) * 1000)
-        states += len(messages)
-    consumer.close()
+    try:
+        while time.monotonic() < until:
+            messages = consumer.consume(CYCLE, timeout=0.01)
+            if not messages:
+                continue
+            started = time.monotonic()
+            transactions.commit([OutgoingRecord(topics.probabilities, m.key(), b"\0" * 500) for m in messages],
+                                [TopicPartition(m.topic(), m.partition(), m.offset() + 1) for m in messages],
+                                consumer.consumer_group_metadata())
+            took.append((time.monotonic() - started) * 1000)
+            states += len(messages)
+    finally:
+        transactions.close()
+        consumer.close()
     return states, took
 
 
@@ -81,19 +83,15 @@ def _quantile(values: list[float], q: float) -> float | None:
 
 def run(gc: str, seconds: float, rate: int) -> dict:
     """One broker with collector `gc` under the load for `seconds`."""
-    from confluent_kafka.admin import AdminClient, NewTopic
-
+    topics = Topics()
     with TemporaryDirectory() as tmp, ApacheKafka(directory=tmp, cpus=1, gc=gc) as broker:
-        admin = AdminClient({"bootstrap.servers": broker.bootstrap})     # kept until the topics exist
-        for created in admin.create_topics([NewTopic("states", 4, 1), NewTopic("probabilities", 4, 1)]).values():
-            created.result()
+        create_topics(broker.bootstrap, topics, partitions=4)
         until = time.monotonic() + seconds
-        feeder = threading.Thread(target=_feed, args=(broker.bootstrap, rate, until), daemon=True)
+        feeder = threading.Thread(target=_feed, args=(broker.bootstrap, topics.states, rate, until), daemon=True)
         feeder.start()
-        states, took = _cycles(broker.bootstrap, until)
+        states, took = _cycles(broker.bootstrap, topics, until)
         feeder.join()
-        stat = Path(f"/proc/{broker.process.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        cpu_s = (int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK")       # utime, stime
+        cpu_s = process_cpu_s(broker.process.pid)
         pauses = [end - start for start, end in broker_pauses(broker.log_path)]
     return {"gc": gc, "seconds": seconds, "states": states, "transactions": len(took),
             "broker_cpu_ms_per_1000_states": round(cpu_s * 1e6 / max(states, 1), 1),

@@ -162,8 +162,8 @@ GC_FLAGS = {
     # Kafka's own choice (kafka-run-class.sh). Its young collections stop the broker: on the H100 machine's capacity
     # run EQ every ~2.7 s for 10.6 ms (p50; up to 26), a stall inside the transactions of a 25 ms budget
     "g1": (["-XX:+UseG1GC", "-XX:MaxGCPauseMillis=20"], "gc"),
-    # ZGC collects concurrently: under a worker-like load on this project's CPU machine its pauses were at most 0.05 ms
-    # (Java 17) and 0.02 ms (Java 25, generational), G1's 14 ms at the median (bench/probes/broker_gc_probe.py;
+    # ZGC collects concurrently: under a worker-like load on this project's CPU machine its pauses were at most 0.06 ms
+    # (Java 17) and 0.03 ms (Java 25, generational), G1's 15 ms at the median (bench/probes/broker_gc_probe.py;
     # bench/README.md, "The broker's collector"). Its pauses are logged by gc+phases
     "zgc": (["-XX:+UseZGC"], "gc,gc+phases"),
 }
