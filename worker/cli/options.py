@@ -61,11 +61,11 @@ LOOP_OPTIONS = [
     _option("transactional_ids", int, typer.Option(
         DEFAULTS["transactional_ids"], "--transactional-ids", envvar="DECIDER_TRANSACTIONAL_IDS", min=1,
         max=MAX_TRANSACTIONAL_IDS,
-        help="Transactional ids to commit on in turn, one transaction each (1 to 4). Apache Kafka refuses a "
-             "producer's next transaction until the last one's markers are written; on 2 (the default), back-to-back "
-             "commits do not wait for them. The ids are the worker's transactional id and that id with .t1, .t2, "
-             "...; those up to .t3 that it does not use are fenced at start, so lowering the setting never leaves "
-             "a transaction open (docs/brokers.md).")),
+        help=f"Transactional ids to commit on in turn, one transaction each (1 to {MAX_TRANSACTIONAL_IDS}). Apache "
+             "Kafka refuses a producer's next transaction until the last one's markers are written; on 2 (the "
+             "default), back-to-back commits do not wait for them. The ids are the worker's transactional id and that "
+             f"id with .t1, .t2, ...; those up to .t{MAX_TRANSACTIONAL_IDS - 1} that it does not use are fenced at "
+             "start, so lowering the setting never leaves a transaction open (docs/brokers.md).")),
     _option("commit_linger_ms", int, typer.Option(
         DEFAULTS["commit_linger_ms"], "--commit-linger-ms", envvar="DECIDER_COMMIT_LINGER_MS", min=0,
         max=MAX_COMMIT_LINGER_MS,
