@@ -12,6 +12,10 @@ from pathlib import Path
 from typing import Iterator
 
 BROKERS = ("kafka", "embedded")
+BROKER_GC_ENV = "DECIDER_BENCH_BROKER_GC"
+"""The environment variable that picks the benches' Apache Kafka collector (a key of
+``worker.devbroker.apache_kafka.GC_FLAGS``; unset: ZGC, the default): ``g1`` runs Kafka's own flags, so that
+``bench/gpu_session.sh gc-ab`` can time the capacity on both in one tree."""
 
 
 def add_broker_option(parser) -> None:
@@ -41,7 +45,8 @@ def bench_broker(kind: str, logs: Path, name: str = "broker") -> Iterator:
         if problem is not None:
             raise SystemExit(f"--broker kafka: {problem}; or run on the embedded broker with --broker embedded")
         # Its log directory beside the logs, not in them (the logs are kept with the results), its own log copied in.
-        broker = ApacheKafka(directory=str(logs.parent / f"{name}-kafka"), cpus=broker_cpus())
+        broker = ApacheKafka(directory=str(logs.parent / f"{name}-kafka"), cpus=broker_cpus(),
+                             gc=os.environ.get(BROKER_GC_ENV) or ApacheKafka.gc)
         try:
             with broker:
                 yield broker

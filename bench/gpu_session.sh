@@ -8,7 +8,7 @@
 #   steps: tests timelines (profile_engine.py --graphs --timeline in the fast and deterministic tables, TIMELINE_BATCHES) workspace-timelines (the deterministic table's, cuBLAS's workspace against none, WS_ROUNDS processes each) hostprobe (bench/probes/host_probe.py --profile: the launch's host time by function, HOST_BATCHES) workspace (cuBLAS without a workspace: bench/probes/cublas_workspace_probe.py, the engine in both) flaless (deterministic scoring on CUDA with fla hidden: refused) profile engine lengths (64/256-token states) schemas (many live schemas) variants (bench/probes/variant_ab.py:
 #   VARIANTS="name:module.ATTR=value|...", DETERMINISTIC=1 for the workers' kernel table) stream scaleout (2 workers,
 #   one killed) env-ab (the capacity under each of ENV_SETTINGS, e.g. "- TOKENIZERS_PARALLELISM=true") nagle-ab (the
-#   workers' Kafka clients with Nagle's algorithm on, then off) unpadded-ab
+#   workers' Kafka clients with Nagle's algorithm on, then off) gc-ab (the broker on G1, then ZGC) unpadded-ab
 #   (the capacity with --padded-batches, then --unpadded-batches) contention (the worker's launch beside what
 #   runs with it in a worker: bench/probes/launch_contention.py) capacity-ab (this
 #   tree's capacity against AB_TREE's, alternated ROUNDS times) capacity (stream_bench.py --capacity once per DELAYS, default "0": broker delays in ms, through
@@ -81,14 +81,16 @@ for step in $steps; do
                  --states "${STATES:-8000}" --out "$OUT" ${CAPACITY_ARGS:-} 2>&1 | tee "$OUT/capacity_delay$delay.txt" | tail -12
              done
              cgroup_cpu "after" >> "$OUT/cgroup_cpu.txt"; cat "$OUT/cgroup_cpu.txt"; archive_logs "$OUT" ;;
-    env-ab|unpadded-ab|nagle-ab) # the capacity under each of ENV_SETTINGS (space-separated; each a comma-separated
+    env-ab|unpadded-ab|nagle-ab|gc-ab) # the capacity under each of ENV_SETTINGS (space-separated; each a comma-separated
              # VAR=value list, "-" for the environment as it is), the same tree and offered rates (--full-load-rate),
              # ROUNDS rounds alternated; CAPACITY_ARGS, default 50 and 100 ms at 75-90%. unpadded-ab: --padded-batches
              # against --unpadded-batches (DECIDER_UNPADDED_BATCHES false, then true). nagle-ab: the workers' Kafka
-             # clients with Nagle's algorithm on (librdkafka's default and decider's), then off (a config file's [kafka] table)
+             # clients with Nagle's algorithm on (librdkafka's default and decider's), then off (a config file's [kafka] table).
+             # gc-ab: the broker on G1 (Kafka's own flags), then on ZGC (the benches' default: bench/bench_broker.py)
              case "$step" in unpadded-ab) default="DECIDER_UNPADDED_BATCHES=false DECIDER_UNPADDED_BATCHES=true" ;;
                nagle-ab) default="- DECIDER_CONFIG=/tmp/decider-nagle-off.toml"
                  printf '[kafka]\n"socket.nagle.disable" = true\n' > /tmp/decider-nagle-off.toml ;;
+               gc-ab) default="DECIDER_BENCH_BROKER_GC=g1 DECIDER_BENCH_BROKER_GC=zgc" ;;
                *) default=- ;; esac
              settings=${ENV_SETTINGS:-$default}
              # a setting may come twice in a round (ENV_SETTINGS="A - - A": both orders in one call), so its position

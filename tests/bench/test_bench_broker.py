@@ -53,3 +53,18 @@ def test_an_unknown_collector_is_refused():
 
     with pytest.raises(ValueError, match="zgc"):
         ApacheKafka(gc="parallel")
+
+
+@pytest.mark.skipif(brokers.kafka_problem() is not None, reason="needs Java and the Kafka jars (bash dev/setup.sh)")
+def test_the_benches_collector_comes_from_the_environment(tmp_path, monkeypatch):
+    from bench.bench_broker import BROKER_GC_ENV, bench_broker
+
+    (tmp_path / "logs").mkdir()
+    monkeypatch.setenv(BROKER_GC_ENV, "parallel")
+    with pytest.raises(ValueError, match="not 'parallel'"):
+        with bench_broker("kafka", tmp_path / "logs"):
+            pass
+    monkeypatch.setenv(BROKER_GC_ENV, "g1")
+    with bench_broker("kafka", tmp_path / "logs") as broker:
+        command = Path(f"/proc/{broker.process.pid}/cmdline").read_bytes().split(b"\0")
+        assert b"-XX:+UseG1GC" in command and b"-XX:+UseZGC" not in command
