@@ -123,12 +123,14 @@ def _wy_representation(k, v, g, beta):
     HV = v.shape[2]
     small = triton.cdiv(T, CHUNK) * B * HV < WY_FILL_PROGRAMS
     solve, w_u = WY_SMALL_LAUNCH if small else WY_LAUNCH
-    # the solve writes A's lower blocks only: fla's w/u kernel reads the whole of A, which must then be zero above
-    A = (torch.empty if FUSED_INPUTS else torch.zeros)(B, T, HV, CHUNK, device=k.device, dtype=k.dtype)
     if small and FUSED_WY_SMALL_LAUNCH is not None and FUSED_INPUTS and MERGED_SOLVE:
         w, u = k.new_empty(B, T, HV, K), torch.empty_like(v)
-        delta_rule_inputs.solve_w_u_into(w, u, A, k, v, g, beta, CHUNK, FUSED_WY_SMALL_LAUNCH)
+        parts = delta_rule_inputs.w_u_parts(triton.cdiv(T, CHUNK) * B * HV, delta_rule_inputs.w_u_blocks(k, v))
+        A = torch.empty(parts * B, T, HV, CHUNK, device=k.device, dtype=k.dtype)
+        delta_rule_inputs.solve_w_u_into(w, u, A, k, v, g, beta, CHUNK, FUSED_WY_SMALL_LAUNCH, parts)
         return w, u
+    # the solve writes A's lower blocks only: fla's w/u kernel reads the whole of A, which must then be zero above
+    A = (torch.empty if FUSED_INPUTS else torch.zeros)(B, T, HV, CHUNK, device=k.device, dtype=k.dtype)
     if MERGED_SOLVE:
         delta_rule_inputs.solve_into(A, k, g, beta, CHUNK, solve)
     else:

@@ -89,37 +89,71 @@ def _w_u_kernel(k, v, beta, w, u, A, g, T, H: tl.constexpr, HV: tl.constexpr, K:
 def _w_u_chunk(k, v, beta, w, u, A, g, T, i_t, i_bh, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
                V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
     # chunk i_t of row i_bh // HV's value head i_bh % HV: fla's `recompute_w_u_fwd_kernel`
+    bos, i_h, o_t, m_t, b_b, b_A, b_g = _w_u_chunk_loads(beta, A, g, T, i_t, i_bh, HV, BT)
+    for i_v in range(tl.cdiv(V, BV)):
+        _u_block(v, u, b_A, b_b, bos, i_h, o_t, m_t, i_v, HV, V, BV)
+    for i_k in range(tl.cdiv(K, BK)):
+        _w_block(k, w, b_A, b_b, b_g, bos, i_h, o_t, m_t, i_k, H, HV, K, BK)
+
+
+@triton.jit
+def _w_u_chunk_loads(beta, A, g, T, i_t, i_bh, HV: tl.constexpr, BT: tl.constexpr):
+    # what every column block of chunk i_t of row i_bh // HV's value head i_bh % HV reads: (row's first token, head,
+    # the chunk's tokens and their mask, beta, the lower triangle of A (diagonal included; above it A may hold
+    # anything: it is never written), 2^g)
     i_b, i_h = i_bh // HV, i_bh % HV
     bos = i_b * T
     o_t = i_t * BT + tl.arange(0, BT)
     o_A = tl.arange(0, BT)
     m_t = o_t < T
-    # the lower triangle of the chunk's A, diagonal included; above it A may hold anything (it is never written)
     m_A = m_t[:, None] & (o_A[None, :] <= o_A[:, None])
     b_b = tl.load(beta + bos * HV + i_h + o_t * HV, mask=m_t, other=0.0)
     b_A = tl.load(A + (bos * HV + i_h) * BT + o_t[:, None] * (HV * BT) + o_A[None, :], mask=m_A, other=0.0)
-
-    for i_v in range(tl.cdiv(V, BV)):
-        o_v = i_v * BV + tl.arange(0, BV)
-        m_v = m_t[:, None] & (o_v[None, :] < V)
-        p_v = v + (bos * HV + i_h) * V + o_t[:, None] * (HV * V) + o_v[None, :]
-        p_u = u + (bos * HV + i_h) * V + o_t[:, None] * (HV * V) + o_v[None, :]
-        b_v = tl.load(p_v, mask=m_v, other=0.0)
-        b_vb = (b_v * b_b[:, None]).to(b_v.dtype)
-        b_u = tl.dot(b_A, b_vb, allow_tf32=False)
-        tl.store(p_u, b_u.to(p_u.dtype.element_ty), mask=m_v)
-
     b_g = tl.math.exp2(tl.load(g + (bos * HV + i_h) + o_t * HV, mask=m_t, other=0.0).to(tl.float32))
-    for i_k in range(tl.cdiv(K, BK)):
-        o_k = i_k * BK + tl.arange(0, BK)
-        m_k = m_t[:, None] & (o_k[None, :] < K)
-        p_k = k + (bos * H + i_h // (HV // H)) * K + o_t[:, None] * (H * K) + o_k[None, :]
-        p_w = w + (bos * HV + i_h) * K + o_t[:, None] * (HV * K) + o_k[None, :]
-        b_k = tl.load(p_k, mask=m_k, other=0.0)
-        b_kb = b_k * b_b[:, None]
-        b_kb *= b_g[:, None]
-        b_w = tl.dot(b_A, b_kb.to(b_k.dtype))
-        tl.store(p_w, b_w.to(p_w.dtype.element_ty), mask=m_k)
+    return bos, i_h, o_t, m_t, b_b, b_A, b_g
+
+
+@triton.jit
+def _u_block(v, u, b_A, b_b, bos, i_h, o_t, m_t, i_v, HV: tl.constexpr, V: tl.constexpr, BV: tl.constexpr):
+    # value columns i_v * BV.. of the chunk's u = A (v * beta)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = m_t[:, None] & (o_v[None, :] < V)
+    p_v = v + (bos * HV + i_h) * V + o_t[:, None] * (HV * V) + o_v[None, :]
+    p_u = u + (bos * HV + i_h) * V + o_t[:, None] * (HV * V) + o_v[None, :]
+    b_v = tl.load(p_v, mask=m_v, other=0.0)
+    b_vb = (b_v * b_b[:, None]).to(b_v.dtype)
+    b_u = tl.dot(b_A, b_vb, allow_tf32=False)
+    tl.store(p_u, b_u.to(p_u.dtype.element_ty), mask=m_v)
+
+
+@triton.jit
+def _w_block(k, w, b_A, b_b, b_g, bos, i_h, o_t, m_t, i_k, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+             BK: tl.constexpr):
+    # key columns i_k * BK.. of the chunk's w = A (k * beta * 2^g)
+    o_k = i_k * BK + tl.arange(0, BK)
+    m_k = m_t[:, None] & (o_k[None, :] < K)
+    p_k = k + (bos * H + i_h // (HV // H)) * K + o_t[:, None] * (H * K) + o_k[None, :]
+    p_w = w + (bos * HV + i_h) * K + o_t[:, None] * (HV * K) + o_k[None, :]
+    b_k = tl.load(p_k, mask=m_k, other=0.0)
+    b_kb = b_k * b_b[:, None]
+    b_kb *= b_g[:, None]
+    b_w = tl.dot(b_A, b_kb.to(b_k.dtype))
+    tl.store(p_w, b_w.to(p_w.dtype.element_ty), mask=m_k)
+
+
+@triton.jit
+def _w_u_part(k, v, beta, w, u, A, g, T, i_t, i_bh, first, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+              V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, COUNT: tl.constexpr):
+    # column blocks first .. first + COUNT - 1 of the chunk's u (its value blocks, numbered first) and w (its key
+    # blocks, after them): `_w_u_chunk`'s blocks with their arithmetic, so that programs sharing a chunk's blocks give
+    # its bits
+    bos, i_h, o_t, m_t, b_b, b_A, b_g = _w_u_chunk_loads(beta, A, g, T, i_t, i_bh, HV, BT)
+    NVB: tl.constexpr = (V + BV - 1) // BV
+    for j in tl.static_range(COUNT):
+        if first + j < NVB:
+            _u_block(v, u, b_A, b_b, bos, i_h, o_t, m_t, first + j, HV, V, BV)
+        else:
+            _w_block(k, w, b_A, b_b, b_g, bos, i_h, o_t, m_t, first + j - NVB, H, HV, K, BK)
 
 
 def w_u_into(w: torch.Tensor, u: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, A: torch.Tensor,
@@ -182,15 +216,25 @@ def _solve_kernel(k, g, beta, A, T, H: tl.constexpr, HV: tl.constexpr, K: tl.con
 @triton.jit(do_not_specialize=["T"])
 def _solve_w_u_kernel(k, v, g, beta, A, w, u, T, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                       BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr,
-                      W_U_BK: tl.constexpr, PDL: tl.constexpr = False):
+                      W_U_BK: tl.constexpr, PARTS: tl.constexpr = 1, a_part_stride=0, PDL: tl.constexpr = False):
     # the two kernels' programs for one chunk of one value head, one after the other in one program: the chunk's
     # solved blocks go to A and are read back by the same program (the barrier makes every thread's stores visible to
-    # all of its threads), so the arithmetic, the roundings and the bits are the two kernels'
+    # all of its threads), so the arithmetic, the roundings and the bits are the two kernels'. With PARTS > 1 each of
+    # a chunk's PARTS programs (program_id 2) solves it into scratch of its own (A + part * a_part_stride) and computes
+    # its share of w's and u's column blocks: the solve is latency, so repeating it costs SMs that would idle anyway
     await_previous_kernel(PDL)
     i_t, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
-    _solve_chunk(k, g, beta, A, T, i_t, i_bh, H, HV, K, BT, BC, BK, PRECISION)
-    tl.debug_barrier()
-    _w_u_chunk(k, v, beta, w, u, A, g, T, i_t, i_bh, H, HV, K, V, BT, W_U_BK, W_U_BK)
+    if PARTS == 1:
+        _solve_chunk(k, g, beta, A, T, i_t, i_bh, H, HV, K, BT, BC, BK, PRECISION)
+        tl.debug_barrier()
+        _w_u_chunk(k, v, beta, w, u, A, g, T, i_t, i_bh, H, HV, K, V, BT, W_U_BK, W_U_BK)
+    else:
+        part = tl.program_id(2)
+        A += part.to(tl.int64) * a_part_stride
+        _solve_chunk(k, g, beta, A, T, i_t, i_bh, H, HV, K, BT, BC, BK, PRECISION)
+        tl.debug_barrier()
+        COUNT: tl.constexpr = (tl.cdiv(K, W_U_BK) + tl.cdiv(V, W_U_BK)) // PARTS
+        _w_u_part(k, v, beta, w, u, A, g, T, i_t, i_bh, part * COUNT, H, HV, K, V, BT, W_U_BK, W_U_BK, COUNT)
 
 
 @triton.jit
@@ -324,15 +368,37 @@ def solve_into(A: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: torch.Te
                                                        **pdl_launch())
 
 
+W_U_SPLIT_PROGRAMS = 264
+"""Where `engine.kernels.cuda_fast.FUSED_WY_SMALL_LAUNCH` solves a small grid in one launch, a chunk's w and u column
+blocks are shared among up to 4 programs (`solve_w_u_into`'s parts, each repeating the chunk's solve), the most whose
+grid stays within this many programs (batch 1's 48 programs: 4 parts; batch 2: 2; from batch 3 one). At batch 1 the
+one launch's 48 programs leave most of the SMs idle while each computes its four 64-column blocks one after the other.
+The same bits at any parts. 0: one program a chunk. Read at each call, for `bench/probes/variant_ab.py`."""
+
+
+def w_u_parts(programs: int, blocks: int) -> int:
+    """Programs a chunk for `solve_w_u_into` where the solve starts `programs` (`W_U_SPLIT_PROGRAMS`)."""
+    return next(p for p in (4, 2, 1) if p == 1 or (blocks % p == 0 and programs * p <= W_U_SPLIT_PROGRAMS))
+
+
+def w_u_blocks(k: torch.Tensor, v: torch.Tensor) -> int:
+    """How many column blocks of `W_U_BLOCK` a chunk's w and u have together (`solve_w_u_into`'s parts divide it)."""
+    return triton.cdiv(k.shape[-1], W_U_BLOCK) + triton.cdiv(v.shape[-1], W_U_BLOCK)
+
+
 def solve_w_u_into(w: torch.Tensor, u: torch.Tensor, A: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   g: torch.Tensor, beta: torch.Tensor, chunk: int, launch: tuple[int, int, int]) -> None:
-    """`solve_into` then `w_u_into` in one launch of (BK, warps, stages): A [B, T, Hv, chunk] is written as
+                   g: torch.Tensor, beta: torch.Tensor, chunk: int, launch: tuple[int, int, int], parts: int = 1) -> None:
+    """`solve_into` then `w_u_into` in one launch of (BK, warps, stages): A [parts * B, T, Hv, chunk] is written as
     `solve_into` writes it (its scratch: the same program reads it back), w and u as `w_u_into` writes them, with
-    their bits."""
+    their bits. parts (dividing `w_u_blocks`): programs a chunk, each solving it into its own B rows of A and computing
+    its share of w's and u's column blocks."""
     B, T, H, K = k.shape
     HV, V = v.shape[2], v.shape[3]
+    if w_u_blocks(k, v) % parts or A.shape[0] != parts * B:
+        raise ValueError(f"solve_w_u_into: {parts} parts of {w_u_blocks(k, v)} column blocks, A of "
+                         f"{A.shape[0]} rows for {B}")
     if B * T:
-        _solve_w_u_kernel[(triton.cdiv(T, chunk), B * HV)](k, v, g, beta, A, w, u, T, H=H, HV=HV, K=K, V=V, BT=chunk,
-                                                           BC=16, BK=launch[0], PRECISION=SOLVE_PRECISION,
-                                                           W_U_BK=W_U_BLOCK, num_warps=launch[1], num_stages=launch[2],
-                                                           **pdl_launch())
+        _solve_w_u_kernel[(triton.cdiv(T, chunk), B * HV, parts)](
+            k, v, g, beta, A, w, u, T, H=H, HV=HV, K=K, V=V, BT=chunk, BC=16, BK=launch[0], PRECISION=SOLVE_PRECISION,
+            W_U_BK=W_U_BLOCK, PARTS=parts, a_part_stride=A[0].numel() * B, num_warps=launch[1],
+            num_stages=launch[2], **pdl_launch())

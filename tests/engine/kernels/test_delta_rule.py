@@ -237,6 +237,14 @@ def test_w_u_reads_only_the_lower_triangle_of_the_solved_matrix():
         assert torch.equal(w, fla_w) and torch.equal(u, fla_u)
 
 
+def test_a_small_grid_shares_each_chunks_w_and_u_among_as_many_programs_as_fit():
+    from engine.kernels.delta_rule_inputs import W_U_SPLIT_PROGRAMS, w_u_parts
+
+    assert W_U_SPLIT_PROGRAMS == 264        # batch 1 (48 programs of 184 tokens x 16 heads), 2 and 3 of the 0.8B model
+    assert [w_u_parts(programs, 4) for programs in (48, 96, 144, 264)] == [4, 2, 1, 1]
+    assert w_u_parts(48, 3) == 1 and w_u_parts(48, 6) == 2      # parts divide the blocks
+
+
 @pytest.mark.parametrize("T", [184, 100, 40], ids=["three-chunks", "chunk-cut-short", "one-short-chunk"])
 def test_solve_and_w_u_in_one_launch_give_the_two_kernels_bits(T):
     """`delta_rule_inputs.solve_w_u_into` (the solve and w/u as one program a chunk) against `solve_into` then
@@ -256,12 +264,18 @@ def test_solve_and_w_u_in_one_launch_give_the_two_kernels_bits(T):
     solve_into(A, k, decay, beta, chunk, (64, 2))
     w, u = torch.empty(B, T, HV, K, device=DEV, dtype=dtype), torch.empty(B, T, HV, V, device=DEV, dtype=dtype)
     w_u_into(w, u, k, v, beta, A, decay, chunk, (2, 4))
-    for launch in ((64, 2, 4), (64, 1, 3), (64, 4, 3)):      # BK as the solve's: it splits K K^T's sums
-        A1 = torch.full_like(A, float("nan"))          # above the diagonal the one launch leaves A as it found it
-        w1, u1 = torch.empty_like(w), torch.empty_like(u)
-        solve_w_u_into(w1, u1, A1, k, v, decay, beta, chunk, launch)
-        assert torch.equal(w1, w) and torch.equal(u1, u), launch
-        assert torch.equal(A1.masked_fill(~lower[None, :, None, :], 0), A.masked_fill(~lower[None, :, None, :], 0))
+    # BK as the solve's: it splits K K^T's sums; a chunk's w and u blocks shared among 2 or 4 programs, each solving
+    # the chunk into its own scratch (4 column blocks here: 2 of w, 2 of u)
+    for launch, parts in (((64, 2, 4), 1), ((64, 1, 3), 1), ((64, 4, 3), 1), ((64, 2, 4), 2), ((64, 2, 4), 4)):
+        A1 = torch.full((parts * B, *A.shape[1:]), float("nan"), device=DEV, dtype=dtype)   # above the diagonal the
+        w1, u1 = torch.full_like(w, float("nan")), torch.full_like(u, float("nan"))       # launch leaves A as it was
+        solve_w_u_into(w1, u1, A1, k, v, decay, beta, chunk, launch, parts)
+        assert torch.equal(w1, w) and torch.equal(u1, u), (launch, parts)
+        for A_part in A1.split(B):
+            assert torch.equal(A_part.masked_fill(~lower[None, :, None, :], 0), A.masked_fill(~lower[None, :, None, :], 0))
+    with pytest.raises(ValueError, match="3 parts of 4 column blocks"):
+        solve_w_u_into(w1, u1, torch.empty(3 * B, *A.shape[1:], device=DEV, dtype=dtype), k, v, decay, beta, chunk,
+                       (64, 2, 4), 3)
 
 
 @pytest.mark.parametrize("rows", [1, 8], ids=["small-grid", "large-grid"])
