@@ -368,12 +368,14 @@ def solve_into(A: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: torch.Te
                                                        **pdl_launch())
 
 
-W_U_SPLIT_PROGRAMS = 264
+W_U_SPLIT_PROGRAMS = 0
 """Where `engine.kernels.cuda_fast.FUSED_WY_SMALL_LAUNCH` solves a small grid in one launch, a chunk's w and u column
-blocks are shared among up to 4 programs (`solve_w_u_into`'s parts, each repeating the chunk's solve), the most whose
-grid stays within this many programs (batch 1's 48 programs: 4 parts; batch 2: 2; from batch 3 one). At batch 1 the
-one launch's 48 programs leave most of the SMs idle while each computes its four 64-column blocks one after the other.
-The same bits at any parts. 0: one program a chunk. Read at each call, for `bench/probes/variant_ab.py`."""
+blocks may be shared among up to 4 programs (`solve_w_u_into`'s parts, each repeating the chunk's solve), the most
+whose grid stays within this many programs (at 264: batch 1's 48 programs in 4 parts, batch 2's 96 in 2, from batch 3
+one). At batch 1 the one launch's 48 programs leave most of the SMs idle while each computes its four 64-column blocks
+one after the other. The same bits at any parts. 0 (the default until a GPU has timed it: prepared on the CPU,
+2026-12-07): one program a chunk. Read at each call, for `bench/probes/variant_ab.py`
+(`--variant "split:engine.kernels.delta_rule_inputs.W_U_SPLIT_PROGRAMS=264"`)."""
 
 
 def w_u_parts(programs: int, blocks: int) -> int:

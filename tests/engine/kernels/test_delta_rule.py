@@ -237,10 +237,13 @@ def test_w_u_reads_only_the_lower_triangle_of_the_solved_matrix():
         assert torch.equal(w, fla_w) and torch.equal(u, fla_u)
 
 
-def test_a_small_grid_shares_each_chunks_w_and_u_among_as_many_programs_as_fit():
-    from engine.kernels.delta_rule_inputs import W_U_SPLIT_PROGRAMS, w_u_parts
+def test_a_small_grid_shares_each_chunks_w_and_u_among_as_many_programs_as_fit(monkeypatch):
+    from engine.kernels import delta_rule_inputs
+    from engine.kernels.delta_rule_inputs import w_u_parts
 
-    assert W_U_SPLIT_PROGRAMS == 264        # batch 1 (48 programs of 184 tokens x 16 heads), 2 and 3 of the 0.8B model
+    assert w_u_parts(48, 4) == 1                    # off by default
+    # batch 1 (48 programs of 184 tokens x 16 heads), 2 and 3 of the 0.8B model
+    monkeypatch.setattr(delta_rule_inputs, "W_U_SPLIT_PROGRAMS", 264)
     assert [w_u_parts(programs, 4) for programs in (48, 96, 144, 264)] == [4, 2, 1, 1]
     assert w_u_parts(48, 3) == 1 and w_u_parts(48, 6) == 2      # parts divide the blocks
 
