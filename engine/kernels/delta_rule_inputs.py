@@ -98,9 +98,8 @@ def _w_u_chunk(k, v, beta, w, u, A, g, T, i_t, i_bh, H: tl.constexpr, HV: tl.con
 
 @triton.jit
 def _w_u_chunk_loads(beta, A, g, T, i_t, i_bh, HV: tl.constexpr, BT: tl.constexpr):
-    # what every column block of chunk i_t of row i_bh // HV's value head i_bh % HV reads: (row's first token, head,
-    # the chunk's tokens and their mask, beta, the lower triangle of A (diagonal included; above it A may hold
-    # anything: it is never written), 2^g)
+    # what each column block of chunk i_t of row i_bh // HV's value head i_bh % HV reads: beta, 2^g and A's lower
+    # triangle, diagonal included (above it A may hold anything: it is never written)
     i_b, i_h = i_bh // HV, i_bh % HV
     bos = i_b * T
     o_t = i_t * BT + tl.arange(0, BT)
@@ -135,8 +134,7 @@ def _w_block(k, w, b_A, b_b, b_g, bos, i_h, o_t, m_t, i_k, H: tl.constexpr, HV: 
     p_k = k + (bos * H + i_h // (HV // H)) * K + o_t[:, None] * (H * K) + o_k[None, :]
     p_w = w + (bos * HV + i_h) * K + o_t[:, None] * (HV * K) + o_k[None, :]
     b_k = tl.load(p_k, mask=m_k, other=0.0)
-    b_kb = b_k * b_b[:, None]
-    b_kb *= b_g[:, None]
+    b_kb = b_k * b_b[:, None] * b_g[:, None]
     b_w = tl.dot(b_A, b_kb.to(b_k.dtype))
     tl.store(p_w, b_w.to(p_w.dtype.element_ty), mask=m_k)
 
@@ -144,9 +142,8 @@ def _w_block(k, w, b_A, b_b, b_g, bos, i_h, o_t, m_t, i_k, H: tl.constexpr, HV: 
 @triton.jit
 def _w_u_part(k, v, beta, w, u, A, g, T, i_t, i_bh, first, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
               V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, COUNT: tl.constexpr):
-    # column blocks first .. first + COUNT - 1 of the chunk's u (its value blocks, numbered first) and w (its key
-    # blocks, after them): `_w_u_chunk`'s blocks with their arithmetic, so that programs sharing a chunk's blocks give
-    # its bits
+    # column blocks first .. first + COUNT - 1 of the chunk's u (its value blocks, first) and w (its key blocks):
+    # `_w_u_chunk`'s blocks, so programs sharing a chunk give its bits
     bos, i_h, o_t, m_t, b_b, b_A, b_g = _w_u_chunk_loads(beta, A, g, T, i_t, i_bh, HV, BT)
     NVB: tl.constexpr = (V + BV - 1) // BV
     for j in tl.static_range(COUNT):
@@ -369,13 +366,10 @@ def solve_into(A: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: torch.Te
 
 
 W_U_SPLIT_PROGRAMS = 0
-"""Where `engine.kernels.cuda_fast.FUSED_WY_SMALL_LAUNCH` solves a small grid in one launch, a chunk's w and u column
-blocks may be shared among up to 4 programs (`solve_w_u_into`'s parts, each repeating the chunk's solve), the most
-whose grid stays within this many programs (at 264: batch 1's 48 programs in 4 parts, batch 2's 96 in 2, from batch 3
-one). At batch 1 the one launch's 48 programs leave most of the SMs idle while each computes its four 64-column blocks
-one after the other. The same bits at any parts. 0 (the default until a GPU has timed it: prepared on the CPU,
-2026-12-07): one program a chunk. Read at each call, for `bench/probes/variant_ab.py`
-(`--variant "split:engine.kernels.delta_rule_inputs.W_U_SPLIT_PROGRAMS=264"`)."""
+"""Where `engine.kernels.cuda_fast.FUSED_WY_SMALL_LAUNCH` solves a small grid, a chunk's w and u column blocks go to
+up to 4 programs (`solve_w_u_into`'s parts, each repeating the solve), the most whose grid stays within this many
+programs (264: batch 1's 48 in 4 parts, batch 2's 96 in 2), where one program a chunk leaves most SMs idle. The same
+bits. 0 (one program a chunk) until a GPU has timed it. Read at each call, for `bench/probes/variant_ab.py`."""
 
 
 def w_u_parts(programs: int, blocks: int) -> int:
@@ -390,10 +384,9 @@ def w_u_blocks(k: torch.Tensor, v: torch.Tensor) -> int:
 
 def solve_w_u_into(w: torch.Tensor, u: torch.Tensor, A: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    g: torch.Tensor, beta: torch.Tensor, chunk: int, launch: tuple[int, int, int], parts: int = 1) -> None:
-    """`solve_into` then `w_u_into` in one launch of (BK, warps, stages): A [parts * B, T, Hv, chunk] is written as
-    `solve_into` writes it (its scratch: the same program reads it back), w and u as `w_u_into` writes them, with
-    their bits. parts (dividing `w_u_blocks`): programs a chunk, each solving it into its own B rows of A and computing
-    its share of w's and u's column blocks."""
+    """`solve_into` then `w_u_into` in one launch of (BK, warps, stages), with their bits: A [parts * B, T, Hv, chunk]
+    is the solve's scratch, each of a chunk's `parts` programs (dividing `w_u_blocks`) solving it into its own B rows
+    and computing its share of w's and u's column blocks."""
     B, T, H, K = k.shape
     HV, V = v.shape[2], v.shape[3]
     if w_u_blocks(k, v) % parts or A.shape[0] != parts * B:
