@@ -121,11 +121,12 @@ def _wy_representation(k, v, g, beta):
         return w, u
     B, T, _, K = k.shape
     HV = v.shape[2]
-    small = triton.cdiv(T, CHUNK) * B * HV < WY_FILL_PROGRAMS
+    programs = triton.cdiv(T, CHUNK) * B * HV          # the solve's: one a chunk of a row's value head
+    small = programs < WY_FILL_PROGRAMS
     solve, w_u = WY_SMALL_LAUNCH if small else WY_LAUNCH
     if small and FUSED_WY_SMALL_LAUNCH is not None and FUSED_INPUTS and MERGED_SOLVE:
         w, u = k.new_empty(B, T, HV, K), torch.empty_like(v)
-        parts = delta_rule_inputs.w_u_parts(triton.cdiv(T, CHUNK) * B * HV, delta_rule_inputs.w_u_blocks(k, v))
+        parts = delta_rule_inputs.w_u_parts(programs, delta_rule_inputs.w_u_blocks(k, v))
         A = torch.empty(parts * B, T, HV, CHUNK, device=k.device, dtype=k.dtype)
         delta_rule_inputs.solve_w_u_into(w, u, A, k, v, g, beta, CHUNK, FUSED_WY_SMALL_LAUNCH, parts)
         return w, u

@@ -383,15 +383,16 @@ def w_u_blocks(k: torch.Tensor, v: torch.Tensor) -> int:
 
 
 def solve_w_u_into(w: torch.Tensor, u: torch.Tensor, A: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   g: torch.Tensor, beta: torch.Tensor, chunk: int, launch: tuple[int, int, int], parts: int = 1) -> None:
+                   g: torch.Tensor, beta: torch.Tensor, chunk: int, launch: tuple[int, int, int],
+                   parts: int = 1) -> None:
     """`solve_into` then `w_u_into` in one launch of (BK, warps, stages), with their bits: A [parts * B, T, Hv, chunk]
     is the solve's scratch, each of a chunk's `parts` programs (dividing `w_u_blocks`) solving it into its own B rows
     and computing its share of w's and u's column blocks."""
     B, T, H, K = k.shape
     HV, V = v.shape[2], v.shape[3]
-    if w_u_blocks(k, v) % parts or A.shape[0] != parts * B:
-        raise ValueError(f"solve_w_u_into: {parts} parts of {w_u_blocks(k, v)} column blocks, A of "
-                         f"{A.shape[0]} rows for {B}")
+    blocks = w_u_blocks(k, v)
+    if blocks % parts or A.shape[0] != parts * B:
+        raise ValueError(f"solve_w_u_into: {parts} parts of {blocks} column blocks, A of {A.shape[0]} rows for {B}")
     if B * T:
         _solve_w_u_kernel[(triton.cdiv(T, chunk), B * HV, parts)](
             k, v, g, beta, A, w, u, T, H=H, HV=HV, K=K, V=V, BT=chunk, BC=16, BK=launch[0], PRECISION=SOLVE_PRECISION,
