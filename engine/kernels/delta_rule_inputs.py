@@ -230,7 +230,7 @@ def _solve_w_u_kernel(k, v, g, beta, A, w, u, T, H: tl.constexpr, HV: tl.constex
         A += part.to(tl.int64) * a_part_stride
         _solve_chunk(k, g, beta, A, T, i_t, i_bh, H, HV, K, BT, BC, BK, PRECISION)
         tl.debug_barrier()
-        COUNT: tl.constexpr = (tl.cdiv(K, W_U_BK) + tl.cdiv(V, W_U_BK)) // PARTS
+        COUNT: tl.constexpr = ((K + W_U_BK - 1) // W_U_BK + (V + W_U_BK - 1) // W_U_BK) // PARTS
         _w_u_part(k, v, beta, w, u, A, g, T, i_t, i_bh, part * COUNT, H, HV, K, V, BT, W_U_BK, W_U_BK, COUNT)
 
 
