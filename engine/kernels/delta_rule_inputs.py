@@ -365,16 +365,16 @@ def solve_into(A: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: torch.Te
                                                        **pdl_launch())
 
 
-W_U_SPLIT_PROGRAMS = 0
-"""Where `engine.kernels.cuda_fast.FUSED_WY_SMALL_LAUNCH` solves a small grid, a chunk's w and u column blocks go to
-up to 4 programs (`solve_w_u_into`'s parts, each repeating the solve), the most whose grid stays within this many
-programs (264: batch 1's 48 in 4 parts, batch 2's 96 in 2), where one program a chunk leaves most SMs idle. The same
-bits. 0 (one program a chunk) until a GPU has timed it. Read at each call, for `bench/probes/variant_ab.py`."""
+W_U_SPLIT_BELOW = 64
+"""Where `engine.kernels.cuda_fast.FUSED_WY_SMALL_LAUNCH` solves a grid of fewer programs than this (batch 1's 48 at
+128-token states, on 132 SMs), a chunk's w and u column blocks go to as many programs as divide them, up to 4
+(`solve_w_u_into`'s parts, each repeating the solve on SMs that idle anyway). The same bits. H200, run EV: batch 1
+2.109 -> 2.068 ms; batch 2 in 2 parts 2.433 -> 2.447 (so not split). 0: off. Read at each call, for variant_ab."""
 
 
 def w_u_parts(programs: int, blocks: int) -> int:
-    """Programs a chunk for `solve_w_u_into` where the solve starts `programs` (`W_U_SPLIT_PROGRAMS`)."""
-    return next(p for p in (4, 2, 1) if p == 1 or (blocks % p == 0 and programs * p <= W_U_SPLIT_PROGRAMS))
+    """Programs a chunk for `solve_w_u_into` where the solve starts `programs` (`W_U_SPLIT_BELOW`)."""
+    return next(p for p in (4, 2, 1) if p == 1 or (blocks % p == 0 and programs < W_U_SPLIT_BELOW))
 
 
 def w_u_blocks(k: torch.Tensor, v: torch.Tensor) -> int:

@@ -241,11 +241,11 @@ def test_a_small_grid_shares_each_chunks_w_and_u_among_as_many_programs_as_fit(m
     from engine.kernels import delta_rule_inputs
     from engine.kernels.delta_rule_inputs import w_u_parts
 
-    assert w_u_parts(48, 4) == 1                    # off by default
-    # batch 1 (48 programs of 184 tokens x 16 heads), 2 and 3 of the 0.8B model
-    monkeypatch.setattr(delta_rule_inputs, "W_U_SPLIT_PROGRAMS", 264)
-    assert [w_u_parts(programs, 4) for programs in (48, 96, 144, 264)] == [4, 2, 1, 1]
+    # batch 1 (48 programs of 184 tokens x 16 heads), 2 and 3 of the 0.8B model: only batch 1 is split
+    assert [w_u_parts(programs, 4) for programs in (48, 63, 64, 96, 144)] == [4, 4, 1, 1, 1]
     assert w_u_parts(48, 3) == 1 and w_u_parts(48, 6) == 2      # parts divide the blocks
+    monkeypatch.setattr(delta_rule_inputs, "W_U_SPLIT_BELOW", 0)
+    assert w_u_parts(48, 4) == 1                                # 0 turns it off
 
 
 @pytest.mark.parametrize("T", [184, 100, 40], ids=["three-chunks", "chunk-cut-short", "one-short-chunk"])
