@@ -237,7 +237,7 @@ def test_w_u_reads_only_the_lower_triangle_of_the_solved_matrix():
         assert torch.equal(w, fla_w) and torch.equal(u, fla_u)
 
 
-def test_a_small_grid_shares_each_chunks_w_and_u_among_as_many_programs_as_fit(monkeypatch):
+def test_only_a_grid_of_few_programs_shares_each_chunks_w_and_u_among_programs(monkeypatch):
     from engine.kernels import delta_rule_inputs
     from engine.kernels.delta_rule_inputs import w_u_parts
 
