@@ -374,7 +374,7 @@ W_U_SPLIT_BELOW = 64
 
 def w_u_parts(programs: int, blocks: int) -> int:
     """Programs a chunk for `solve_w_u_into` where the solve starts `programs` (`W_U_SPLIT_BELOW`)."""
-    return next(p for p in (4, 2, 1) if p == 1 or (blocks % p == 0 and programs < W_U_SPLIT_BELOW))
+    return 1 if programs >= W_U_SPLIT_BELOW else next(p for p in (4, 2, 1) if blocks % p == 0)
 
 
 def w_u_blocks(k: torch.Tensor, v: torch.Tensor) -> int:
