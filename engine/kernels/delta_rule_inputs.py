@@ -213,12 +213,13 @@ def _solve_kernel(k, g, beta, A, T, H: tl.constexpr, HV: tl.constexpr, K: tl.con
 @triton.jit(do_not_specialize=["T"])
 def _solve_w_u_kernel(k, v, g, beta, A, w, u, T, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                       BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr,
-                      W_U_BK: tl.constexpr, PARTS: tl.constexpr = 1, a_part_stride=0, PDL: tl.constexpr = False):
+                      W_U_BK: tl.constexpr, PARTS: tl.constexpr = 1, COUNT: tl.constexpr = 0, a_part_stride=0,
+                      PDL: tl.constexpr = False):
     # the two kernels' programs for one chunk of one value head, one after the other in one program: the chunk's
     # solved blocks go to A and are read back by the same program (the barrier makes every thread's stores visible to
     # all of its threads), so the arithmetic, the roundings and the bits are the two kernels'. With PARTS > 1 each of
     # a chunk's PARTS programs (program_id 2) solves it into scratch of its own (A + part * a_part_stride) and computes
-    # its share of w's and u's column blocks: the solve is latency, so repeating it costs SMs that would idle anyway
+    # its COUNT of w's and u's column blocks: the solve is latency, so repeating it costs SMs that would idle anyway
     await_previous_kernel(PDL)
     i_t, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     if PARTS == 1:
@@ -230,7 +231,6 @@ def _solve_w_u_kernel(k, v, g, beta, A, w, u, T, H: tl.constexpr, HV: tl.constex
         A += part.to(tl.int64) * a_part_stride
         _solve_chunk(k, g, beta, A, T, i_t, i_bh, H, HV, K, BT, BC, BK, PRECISION)
         tl.debug_barrier()
-        COUNT: tl.constexpr = ((K + W_U_BK - 1) // W_U_BK + (V + W_U_BK - 1) // W_U_BK) // PARTS
         _w_u_part(k, v, beta, w, u, A, g, T, i_t, i_bh, part * COUNT, H, HV, K, V, BT, W_U_BK, W_U_BK, COUNT)
 
 
@@ -396,5 +396,5 @@ def solve_w_u_into(w: torch.Tensor, u: torch.Tensor, A: torch.Tensor, k: torch.T
     if B * T:
         _solve_w_u_kernel[(triton.cdiv(T, chunk), B * HV, parts)](
             k, v, g, beta, A, w, u, T, H=H, HV=HV, K=K, V=V, BT=chunk, BC=16, BK=launch[0], PRECISION=SOLVE_PRECISION,
-            W_U_BK=W_U_BLOCK, PARTS=parts, a_part_stride=A[0].numel() * B, num_warps=launch[1],
+            W_U_BK=W_U_BLOCK, PARTS=parts, COUNT=blocks // parts, a_part_stride=A[0].numel() * B, num_warps=launch[1],
             num_stages=launch[2], **pdl_launch())
