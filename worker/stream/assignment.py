@@ -115,6 +115,8 @@ class GroupAssignment:
         self.incremental = False  # whether a rebalance revokes only the partitions that move (else: every one)
         self.rejoin_pause_s = 0.0  # how long a cooperative revoke waits before it rejoins: the embedded broker's gap
         self.session_lost_at: float | None = None  # monotonic time this worker's partitions were last lost
+        self._txns: TakingTurns | None = None
+        self._heal_due = False  # partitions were lost: their offsets may hang in a transaction (`_on_assign`)
         self._leaving = False
         self.metadata = GroupMetadata()   # forgotten at every rebalance callback: the generation or epoch moves
 
@@ -136,7 +138,7 @@ class GroupAssignment:
             raise ConfigError(f"the states consumer's settings: {exc.args[0].str()}") from None
 
     def start(self, consumer: Consumer, txns: TakingTurns | None, drop_uncommitted: DropUncommitted) -> None:
-        self._drop_uncommitted = drop_uncommitted
+        self._drop_uncommitted, self._txns = drop_uncommitted, txns
         if txns is not None:  # without transactions of its own, the worker can neither have left nor heal pending offsets
             complete_hanging_offsets(self._config, consumer, txns)
         consumer.subscribe([self._config.topics.states], on_assign=self._on_assign, on_revoke=self._on_revoke,
@@ -178,6 +180,13 @@ class GroupAssignment:
 
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         self.metadata.forget()
+        if self._heal_due and self._txns is not None and partitions:
+            # Lost in a broker outage, the last transaction may have been committing while the broker restarted: its
+            # offsets can then hang pending for good (`complete_hanging_offsets`), and librdkafka would retry their
+            # fetch without a word. Nothing of this worker is in flight here: the loss dropped it all, after the
+            # transaction running had ended (`_on_lost`).
+            self._heal_due = False
+            complete_hanging_offsets(self._config, consumer, self._txns, partitions)
         # Incremental: ``partitions`` are the ones added, the others stay; eager: the whole new assignment. Each
         # starts at its committed offset.
         (consumer.incremental_assign if self.incremental else consumer.assign)(partitions)
@@ -200,6 +209,7 @@ class GroupAssignment:
         # transaction with stale group metadata would be rejected anyway.
         self.session_lost_at = time.monotonic()
         self._drop_uncommitted("partitions lost", None)
+        self._heal_due = True
         self._give_up(consumer, partitions)
         self._emit("lost", self._where(partitions))
 

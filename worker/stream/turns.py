@@ -108,9 +108,11 @@ HANGING_CHECK_S = 3.0
 """How long the committed offsets may take to answer at start before `complete_hanging_offsets` steps in."""
 
 
-def complete_hanging_offsets(config: WorkerConfig, consumer: Consumer, txns: TakingTurns) -> bool:
-    """At start, before the group is joined: make the group's committed offsets readable again where a transaction of
-    one of this worker's ids left them pending for good; whether it had to.
+def complete_hanging_offsets(config: WorkerConfig, consumer: Consumer, txns: TakingTurns,
+                             partitions: list[TopicPartition] | None = None) -> bool:
+    """At start, before the group is joined, or when partitions come back after they were lost (``partitions``; else
+    all of the states topic's): make the group's committed offsets readable again where a transaction of one of this
+    worker's ids left them pending for good; whether it had to.
 
     Apache Kafka 4.4, restarted after a SIGKILL while a transaction was committing, completes that transaction with
     its markers skipped for the partitions whose leader it does not know yet (`Couldn't find leader endpoint ... likely
@@ -125,7 +127,9 @@ def complete_hanging_offsets(config: WorkerConfig, consumer: Consumer, txns: Tak
     worker answer within the wait). A hanging transaction on an output partition ends with the id's next transaction
     that writes to it; `worker.stream.progress` reports it meanwhile."""
     states = config.topics.states
-    partitions = [TopicPartition(states, p) for p in sorted(consumer.list_topics(states, timeout=10).topics[states].partitions)]
+    if partitions is None:
+        partitions = [TopicPartition(states, p) for p in sorted(consumer.list_topics(states, timeout=10).topics[states].partitions)]
+    partitions = [TopicPartition(tp.topic, tp.partition) for tp in partitions]  # the stable committed offsets asked
     if _committed_answer(consumer, partitions, HANGING_CHECK_S):
         return False
     log.warning("the committed offsets of %s did not answer within %.0f s: a transaction of this worker's ids may have "

@@ -13,6 +13,7 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, Topi
 from tests.worker.stream.test_transactions import _group_consumer, _producer, _read_keys, _records
 from worker.config import WorkerConfig
 from worker.exceptions import FencedError
+from worker.stream.assignment import GroupAssignment
 from worker.kafka_clients import last_committed
 from worker.stream import turns
 from worker.stream.transactions import Transactions
@@ -98,6 +99,41 @@ def test_start_commits_on_every_id_when_the_committed_offsets_do_not_answer(stre
     dead_letter = last_committed(stream.bootstrap, stream.group, [TopicPartition(stream.topics.dead_letter, 0)])
     assert dead_letter[0].offset == 0                      # the topic's end: it holds nothing
     assert stream.committed_offsets()[0] == 4              # the input's offsets as they were
+    stuck.abort_transaction(10)
+    taking.close()
+    consumer.close()
+
+
+def test_partitions_assigned_after_a_loss_get_the_same_heal_when_their_offsets_do_not_answer(stream, monkeypatch):
+    """A broker outage can outlast the group session: the worker's partitions are lost and come back in the same
+    process, after its last transaction may have been committing while the broker restarted. Their offsets then hang
+    as at a restart, and librdkafka would retry their fetch forever without a word (a CI run saw a worker silent for
+    120 s after lost -> assigned). So the assignment that follows a loss checks them, and heals as at start; an
+    assignment that follows no loss does not wait on them."""
+    monkeypatch.setattr(turns, "HANGING_CHECK_S", 1.0)
+    consumer = Consumer({"bootstrap.servers": stream.bootstrap, "group.id": stream.group, "enable.auto.commit": False,
+                         "isolation.level": "read_committed", "log_level": 0})
+    taking = _turns(stream, consumer, ["lost-a", "lost-b"])
+    dropped: list[str] = []
+    assignment = GroupAssignment(_config(stream))
+    assignment.start(consumer, taking, lambda why, partitions: dropped.append(why))   # nothing hangs yet: no heal
+    consumer.unsubscribe()   # the test plays the rebalance callbacks itself
+    partitions = [TopicPartition(stream.topics.states, p) for p in range(stream.partitions)]
+    dead_letter = [TopicPartition(stream.topics.dead_letter, 0)]
+    stuck = Producer({**_producer(stream, "abandoned-lost"), "transaction.timeout.ms": 600_000})
+    stuck.init_transactions(10)
+    stuck.begin_transaction()
+    stuck.send_offsets_to_transaction([TopicPartition(stream.topics.states, 1, 7)], consumer.consumer_group_metadata(), 10)
+    started = time.monotonic()
+    assignment._on_assign(consumer, partitions)                               # no loss before it: no check, no heal
+    assert time.monotonic() - started < 1.0
+    assert last_committed(stream.bootstrap, stream.group, dead_letter)[0].offset < 0
+    assignment._on_lost(consumer, partitions)
+    assert dropped == ["partitions lost"]
+    monkeypatch.setattr(turns, "_committed_answer", _answers_after(turns._committed_answer, first=1))
+    assignment._on_assign(consumer, partitions)
+    assert last_committed(stream.bootstrap, stream.group, dead_letter)[0].offset == 0   # a transaction on each id
+    assert sorted(tp.partition for tp in consumer.assignment()) == list(range(stream.partitions))
     stuck.abort_transaction(10)
     taking.close()
     consumer.close()
