@@ -73,8 +73,7 @@ def decay_and_beta(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bia
 
 
 W_U_BLOCK = 64
-"""Key and value columns a w/u program computes at a time (fla's `recompute_w_u_fwd` block), in `w_u_into` and in
-`solve_w_u_into` alike."""
+"""Key and value columns a w/u program computes at a time (fla's `recompute_w_u_fwd` block), in both w/u launches."""
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -88,18 +87,19 @@ def _w_u_kernel(k, v, beta, w, u, A, g, T, H: tl.constexpr, HV: tl.constexpr, K:
 @triton.jit
 def _w_u_chunk(k, v, beta, w, u, A, g, T, i_t, i_bh, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
                V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
-    # chunk i_t of row i_bh // HV's value head i_bh % HV: fla's `recompute_w_u_fwd_kernel`
-    bos, i_h, o_t, m_t, b_b, b_A, b_g = _w_u_chunk_loads(beta, A, g, T, i_t, i_bh, HV, BT)
+    # chunk i_t of row i_bh // HV's value head i_bh % HV: fla's `recompute_w_u_fwd_kernel` (2^g read after u, as there)
+    bos, i_h, o_t, m_t, b_b, b_A = _w_u_chunk_loads(beta, A, T, i_t, i_bh, HV, BT)
     for i_v in range(tl.cdiv(V, BV)):
         _u_block(v, u, b_A, b_b, bos, i_h, o_t, m_t, i_v, HV, V, BV)
+    b_g = tl.math.exp2(tl.load(g + (bos * HV + i_h) + o_t * HV, mask=m_t, other=0.0).to(tl.float32))
     for i_k in range(tl.cdiv(K, BK)):
         _w_block(k, w, b_A, b_b, b_g, bos, i_h, o_t, m_t, i_k, H, HV, K, BK)
 
 
 @triton.jit
-def _w_u_chunk_loads(beta, A, g, T, i_t, i_bh, HV: tl.constexpr, BT: tl.constexpr):
-    # what each column block of chunk i_t of row i_bh // HV's value head i_bh % HV reads: beta, 2^g and A's lower
-    # triangle, diagonal included (above it A may hold anything: it is never written)
+def _w_u_chunk_loads(beta, A, T, i_t, i_bh, HV: tl.constexpr, BT: tl.constexpr):
+    # what every column block of chunk i_t of row i_bh // HV's value head i_bh % HV reads (w's read 2^g too): beta
+    # and A's lower triangle, diagonal included (above it A may hold anything: it is never written)
     i_b, i_h = i_bh // HV, i_bh % HV
     bos = i_b * T
     o_t = i_t * BT + tl.arange(0, BT)
@@ -108,8 +108,7 @@ def _w_u_chunk_loads(beta, A, g, T, i_t, i_bh, HV: tl.constexpr, BT: tl.constexp
     m_A = m_t[:, None] & (o_A[None, :] <= o_A[:, None])
     b_b = tl.load(beta + bos * HV + i_h + o_t * HV, mask=m_t, other=0.0)
     b_A = tl.load(A + (bos * HV + i_h) * BT + o_t[:, None] * (HV * BT) + o_A[None, :], mask=m_A, other=0.0)
-    b_g = tl.math.exp2(tl.load(g + (bos * HV + i_h) + o_t * HV, mask=m_t, other=0.0).to(tl.float32))
-    return bos, i_h, o_t, m_t, b_b, b_A, b_g
+    return bos, i_h, o_t, m_t, b_b, b_A
 
 
 @triton.jit
@@ -144,7 +143,8 @@ def _w_u_part(k, v, beta, w, u, A, g, T, i_t, i_bh, first, H: tl.constexpr, HV: 
               V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, COUNT: tl.constexpr):
     # column blocks first .. first + COUNT - 1 of the chunk's u (its value blocks, first) and w (its key blocks):
     # `_w_u_chunk`'s blocks, so programs sharing a chunk give its bits
-    bos, i_h, o_t, m_t, b_b, b_A, b_g = _w_u_chunk_loads(beta, A, g, T, i_t, i_bh, HV, BT)
+    bos, i_h, o_t, m_t, b_b, b_A = _w_u_chunk_loads(beta, A, T, i_t, i_bh, HV, BT)
+    b_g = tl.math.exp2(tl.load(g + (bos * HV + i_h) + o_t * HV, mask=m_t, other=0.0).to(tl.float32))
     NVB: tl.constexpr = (V + BV - 1) // BV
     for j in tl.static_range(COUNT):
         if first + j < NVB:
