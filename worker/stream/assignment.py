@@ -21,7 +21,7 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaExcepti
 
 from worker.ops import liveness
 from worker.config import WorkerConfig
-from worker.exceptions import BrokerOutageError, ConfigError, FatalError, FencedError
+from worker.exceptions import AbortableError, BrokerOutageError, ConfigError, FatalError, FencedError
 from worker.kafka_clients import (CONSUMER_GROUP_HEARTBEAT_API, broker_api_keys, incremental_rebalancing,
                                   is_embedded_broker, worker_consumer_config)
 from worker.stream.group_metadata import GroupMetadata
@@ -186,7 +186,11 @@ class GroupAssignment:
             # fetch without a word. Nothing of this worker is in flight here: the loss dropped it all, after the
             # transaction running had ended (`_on_lost`).
             self._heal_due = False
-            complete_hanging_offsets(self._config, consumer, self._txns, partitions)
+            try:
+                complete_hanging_offsets(self._config, consumer, self._txns, partitions)
+            except (KafkaException, AbortableError) as exc:  # the broker just back: no worse off than unchecked
+                log.warning("could not check the committed offsets of partitions %s after their loss (%s): reading "
+                            "them starts when they answer", [p.partition for p in partitions], exc)
         # Incremental: ``partitions`` are the ones added, the others stay; eager: the whole new assignment. Each
         # starts at its committed offset.
         (consumer.incremental_assign if self.incremental else consumer.assign)(partitions)

@@ -197,3 +197,36 @@ def test_a_static_members_fencing_right_after_its_session_expired_is_an_outage_n
         check_consumer_error(error, _config(), lost_at)
     assert type(caught.value).__name__ == raised
     assert caught.value.exit_code == (5 if raised == "BrokerOutageError" else 3)
+
+
+def test_a_heal_the_broker_refuses_after_a_loss_still_assigns_the_partitions(monkeypatch, caplog):
+    """Partitions come back after a loss, and the broker, just back, refuses the check of their offsets: the worker
+    assigns them anyway (the consumer's own fetch of the offsets retries, as it would without the check), says so, and
+    checks only once after a loss."""
+    from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
+
+    from worker.config import Topics
+    from worker.stream import assignment as assignment_module
+
+    checked: list = []
+
+    def refused(config, consumer, txns, partitions=None):
+        checked.append(partitions)
+        if partitions is not None:
+            raise KafkaException(KafkaError(KafkaError.COORDINATOR_NOT_AVAILABLE))
+        return False
+    monkeypatch.setattr(assignment_module, "complete_hanging_offsets", refused)
+    assignment = assignment_module.GroupAssignment(_config(topics=Topics(states="states")))
+    consumer = Consumer({"bootstrap.servers": "127.0.0.1:1", "group.id": "heal", "log_level": 0})
+    partitions = [TopicPartition("states", 0), TopicPartition("states", 1)]
+    try:
+        assignment.start(consumer, object(), lambda why, lost: None)   # any transactions: the check is replaced
+        assignment._on_lost(consumer, partitions)
+        with caplog.at_level("WARNING", logger="worker.stream.assignment"):
+            assignment._on_assign(consumer, partitions)
+        assignment._on_assign(consumer, partitions)
+        assert sorted(tp.partition for tp in consumer.assignment()) == [0, 1]
+    finally:
+        consumer.close()
+    assert checked == [None, partitions]      # at start, then once after the loss
+    assert "could not check the committed offsets of partitions [0, 1] after their loss" in caplog.text
