@@ -240,7 +240,9 @@ def gpu_pipeline(events: list[dict], since: float = 0.0) -> dict:
     carry the latency budget's plan at the close (since 2026-12-06), how much later than planned the cycles closed
     (``close_after_plan_ms``, median; negative: sooner, as a full batch closes; runs DP to DT's workers asked the plan
     as of the close, so it never showed one later) and how much later than expected the GPU freed
-    (``free_after_expected_ms``, median: the cycle ahead's scores against the plan's time for them)."""
+    (``free_after_expected_ms``, median: the cycle ahead's scores against the plan's time for them); and where they
+    carry the planner's gathering window (since 2026-12-07), its median (``gather_window_ms``) and the share of cycles
+    planned with one (``gathering_fraction``: 0 where every cycle closed as soon as the GPU could take it)."""
     cycles = [e for e in _commits(events) if e["t"] >= since
               and all(e.get(k) is not None for k in ("arrived_monotonic_ms", "closed_ms", "launched_ms", "scored_ms"))]
     if len(cycles) < 2:
@@ -263,9 +265,12 @@ def gpu_pipeline(events: list[dict], since: float = 0.0) -> dict:
             after_expected.append(free_at - at(cycle, "ahead_free_expected_ms"))
     span = at(cycles[-1], "scored_ms") - at(cycles[0], "scored_ms")
     share = lambda ms: round(ms / span, 3) if span > 0 else None  # noqa: E731
+    windows = [cycle["gather_ms"] for cycle in cycles if cycle.get("gather_ms") is not None]
     return {"cycles": len(cycles), "gpu_busy_fraction": share(busy), "idle_before_launch_ms": round(_lower_median(idle), 2),
             "close_lead_ms": round(_lower_median(lead), 2), "idle_while_waiting_fraction": share(idle_waiting),
             "idle_while_gathering_fraction": share(idle_gathering),
             "idle_after_close_fraction": share(idle_waiting - idle_gathering),
             **({"close_after_plan_ms": round(_lower_median(after_plan), 2)} if after_plan else {}),
-            **({"free_after_expected_ms": round(_lower_median(after_expected), 2)} if after_expected else {})}
+            **({"free_after_expected_ms": round(_lower_median(after_expected), 2)} if after_expected else {}),
+            **({"gather_window_ms": round(_lower_median(windows), 2),
+                "gathering_fraction": round(sum(w > 0 for w in windows) / len(windows), 3)} if windows else {})}

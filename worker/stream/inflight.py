@@ -42,6 +42,7 @@ class InFlight:
     planned_visible_at: float | None = None  # when the latency budget's plan expects it visible
     planned_close_at: float | None = None  # when the budget would have closed it (its plan at the close)
     ahead_free_at: float | None = None  # when the budget expected the cycle ahead scored (None: the GPU was free)
+    gather_s: float | None = None  # the budget's gathering window at the close (None: no budget)
     submitted_at: float | None = None  # when the loop handed it to the GPU thread (schemas caught up, batches built)
     launched: Future = field(default_factory=Future)  # its ``LaunchTimes``, once its batch is queued on the device
     scored_at: float | None = None  # when its scores were ready (set on the scoring thread)
@@ -82,7 +83,9 @@ class InFlight:
         collections that overlapped it (``gc_pauses_ms``: [start since arrival, ms] each) and the CUDA graphs its
         launch captured (``graph_captures``), for ``bench/tail_causes.py``; and, where its states came from tokenizer
         jobs, when the last of them was submitted and was done (``tokenize_submitted_ms``, ``tokenized_ms``), and the
-        GPU thread's CPU time from taking it to its launch (``launch_cpu_ms``: the rest of that time it waited)."""
+        GPU thread's CPU time from taking it to its launch (``launch_cpu_ms``: the rest of that time it waited); and under
+        a budget, the gathering window it planned with at the close (``gather_ms``, ``worker.stream.gathering``: 0 where
+        the planner closes as soon as the GPU can take the cycle)."""
         arrived_at = self.cycle.arrived_at
         if arrived_at is None:
             return {}
@@ -99,6 +102,8 @@ class InFlight:
             stops["tokenized_ms"] = since_arrival(launch.tokenized_at)
         if launch is not None and launch.cpu_s is not None:
             stops["launch_cpu_ms"] = round(launch.cpu_s * 1000, 3)
+        if self.gather_s is not None:
+            stops["gather_ms"] = round(self.gather_s * 1000, 2)
         # the arrival on the monotonic clock places cycles on one clock finer than the log's milliseconds (the GPU's
         # idle time between two cycles, for one)
         return {"arrived_monotonic_ms": round(arrived_at * 1000, 3),
@@ -155,8 +160,9 @@ class CyclesInFlight:
         # the loop came to late looked on plan
         planned_close = budget.close_by(cycle.arrived_at if cycle.arrived_at is not None else closed_at, cycle)
         ahead_free = budget.state.gpu_free_at if budget.state is not None and self.gpu_busy() else None
+        gather = budget.state.gather_s if budget.state is not None else None
         inflight = InFlight(cycle, keys, Future(), closed_at, budget.submitted(closed_at, cycle),  # before it is in flight
-                            planned_close, ahead_free, table_view=table_view)
+                            planned_close, ahead_free, gather_s=gather, table_view=table_view)
         inflight.submitted_at = monotonic()
         inflight.future = scorer.submit(jobs, on_launched=lambda times: inflight.on_launched(times))
         # through a weak reference: a callback holding the cycle would make future -> callback -> cycle -> future a

@@ -287,6 +287,9 @@ def test_a_committed_cycles_event_says_where_its_first_states_time_went():
     fields = tokenized.latency_fields(committed_at=10.019)
     assert (fields["tokenize_submitted_ms"], fields["tokenized_ms"]) == (pytest.approx(3.9), pytest.approx(5.5))
     assert fields["launch_cpu_ms"] == pytest.approx(0.4)
+    # under a budget: the gathering window its close planned with
+    gathered = InFlight(cycle, [], Future(), closed_at=10.004, gather_s=0.0075)
+    assert gathered.latency_fields(committed_at=10.019)["gather_ms"] == 7.5
 
 
 def test_a_submitted_cycle_keeps_the_budgets_plan_at_its_close_for_its_event():
@@ -314,6 +317,8 @@ def test_a_submitted_cycle_keeps_the_budgets_plan_at_its_close_for_its_event():
     fields = two.latency_fields(committed_at=1.030)
     assert fields["ahead_free_expected_ms"] == pytest.approx(10.0)
     assert fields["planned_close_ms"] == pytest.approx((planned - 1.003) * 1000)
+    # the gathering window the plan had at the close: none learned yet here
+    assert fields["gather_ms"] == 0.0
     # a close the loop came to late (busy elsewhere past the plan's time) says so: the plan is not moved to the close
     third = _cycle_of(8, opened_at=1.020)
     due = budget.close_by(1.020, third)
