@@ -83,9 +83,9 @@ class InFlight:
         collections that overlapped it (``gc_pauses_ms``: [start since arrival, ms] each) and the CUDA graphs its
         launch captured (``graph_captures``), for ``bench/tail_causes.py``; and, where its states came from tokenizer
         jobs, when the last of them was submitted and was done (``tokenize_submitted_ms``, ``tokenized_ms``), and the
-        GPU thread's CPU time from taking it to its launch (``launch_cpu_ms``: the rest of that time it waited); and under
-        a budget, the gathering window it planned with at the close (``gather_ms``, ``worker.stream.gathering``: 0 where
-        the planner closes as soon as the GPU can take the cycle)."""
+        GPU thread's CPU time from taking it to its launch (``launch_cpu_ms``: the rest of that time it waited); and
+        under a budget, the gathering window it planned with at the close (``gather_ms``, ``worker.stream.gathering``:
+        0 where the planner closes as soon as the GPU can take the cycle)."""
         arrived_at = self.cycle.arrived_at
         if arrived_at is None:
             return {}
