@@ -242,7 +242,8 @@ def main(argv=None) -> dict:
                 r = dict(method=m, batch=B, state_tokens=L, suffix_tokens=round(suffix_tokens, 1),
                          prompt_tokens=round(prompt_tokens, 1), states_per_s=B / p50, tokens_per_s=tok_s,
                          gemm_fraction=tok_s * flop_per_token / ceiling, p50_ms=p50 * 1e3, p99_ms=p99 * 1e3,
-                         iters=len(ts), prefix_tokens_saved_per_state=(h_eager.prefix_tokens if m.startswith("cached") else 0),
+                         iters=len(ts),
+                         prefix_tokens_saved_per_state=(h_eager.prefix_tokens if m.startswith("cached") else 0),
                          gpu_mem_gb=(peak[m] / 1e9 if peak[m] is not None else None))
                 runs.append(r)
                 print(_row(r), f"  ({spent[m]:.1f} s incl. warm-up and captures)", flush=True)
