@@ -14,9 +14,8 @@ file owns the order of operations, the fused projections and the layer states, s
   index (`Kernels.indexed_attention`), merged with the causal suffix half by log-sum-exp; the Gated DeltaNet layers
   start from the slot's conv and recurrent states.
 
-A request is one row (packed) or one row per question (independent), each row continuing one prefix; rows of any
-schemas share a batch. Rows are right-padded; everything here is causal, so padding after a row's last real token
-never reaches that row's slots.
+A request is one row (packed) or one row per question (independent), each continuing one prefix; rows of any schemas
+share a batch. Rows are right-padded; everything here is causal, so a row's padding never reaches its slots.
 """
 from __future__ import annotations
 
@@ -355,20 +354,22 @@ class HybridForward:
 
     def _gated_delta_net(self, lin, w, x, i, ctx):
         B, T, _ = x.shape                                                                  # x: [B, T, hidden]
-        K = lin.conv_kernel_size
-        H = lin.num_v_heads
+        K, H = lin.conv_kernel_size, lin.num_v_heads
         # qkv: [B, T, 2 * key_dim + value_dim] (conv channels C); z: [B, T, value_dim]; b, a: [B, T, Hv]
         qkv, z, gates = self.kernels.linear(x, w["in_proj"]).split([lin.conv_dim, lin.value_dim, 2 * H], dim=-1)
         if ctx.records:
             ctx.keep("conv", i, _last_inputs(qkv, K - 1))                                  # [B, C, K-1]
         # q, k: [B, T, Hk, Dk] L2-normalised per head; v: [B, T, Hv, Dv]; b, a: [B, T, Hv], out of the same pass
-        prev, prev_index = ctx.conv_prev(i)
-        q, k, v, b, a = self.kernels.conv_qkv(qkv, w["conv"], prev, lin.key_dim, lin.head_k_dim, lin.head_v_dim,
-                                              gates, prev_index)
-        # out: [B, T, Hv, Dv]; final: [B, Hv, Dk, Dv] float32 when the context records it, else None
-        rec, rec_index = ctx.rec_prev(i)
-        out, final = self.kernels.delta_rule(q, k, v, a, b, lin.A_log, lin.dt_bias, rec, ctx.records, rec_index)
-        if final is not None:
+        (prev, prev_index), (rec, rec_index) = ctx.conv_prev(i), ctx.rec_prev(i)
+        conv_args = (qkv, w["conv"], prev, lin.key_dim, lin.head_k_dim, lin.head_v_dim, gates, prev_index)
+        if self.kernels.conv_decay is not None and rec_index is not None and not ctx.records:
+            # a suffix pass from the bank: beta and the decay (for a, b) out of the conv's pass (`Kernels.conv_decay`)
+            q, k, v, beta, g = self.kernels.conv_decay(*conv_args, lin.A_log, lin.dt_bias)
+            out, final = self.kernels.decayed_delta_rule(q, k, v, g, beta, rec, rec_index), None
+        else:
+            q, k, v, b, a = self.kernels.conv_qkv(*conv_args)
+            out, final = self.kernels.delta_rule(q, k, v, a, b, lin.A_log, lin.dt_bias, rec, ctx.records, rec_index)
+        if final is not None:        # out: [B, T, Hv, Dv]; final: [B, Hv, Dk, Dv] float32 when the context records it
             ctx.keep("rec", i, final)
         out = self.kernels.gated_rms_norm(out, z.view(B, T, H, lin.head_v_dim), lin.norm.weight,
                                           lin.norm.variance_epsilon)                       # [B, T, Hv, Dv]

@@ -18,8 +18,8 @@ The families the tables are built from, one module each:
 - `fused`: the fused Triton kernels of the CUDA forward (norms, q/k norm + RoPE, the attention's gate, SwiGLU, a row's
   log-sum-exp);
 - `causal_conv`: the Gated DeltaNet's causal conv fused with the q/k L2 norms;
-- `indexed_delta_rule`, `delta_rule_inputs`: the suffix pass's delta rule from prefix states read by index, and its
-  inputs in fewer launches than fla's;
+- `indexed_delta_rule`, `delta_rule_inputs`, `decay`: the suffix pass's delta rule from prefix states read by index,
+  and its inputs (the WY matrix, the decay and beta) in fewer launches than fla's;
 - `vocab_logsumexp`: the full vocabulary's log-sum-exp in one GEMM kernel (the label mass);
 - `blocked_linear`: the batch-invariant GEMM in cuBLAS's own kernels, in blocks of a fixed row count;
 - `pdl`: programmatic dependent launch, which every Triton kernel here takes.

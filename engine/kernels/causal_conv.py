@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels.decay import DECAY_WARPS, decay_and_beta, decay_chunk
 from engine.kernels.fused import per_column
 from engine.kernels.pdl import await_previous_kernel, pdl_launch
 
@@ -47,13 +48,42 @@ Read at each call, so `bench/probes/variant_ab.py` can time it either way."""
 
 
 @triton.jit(do_not_specialize=["T"])
-def _conv_qkv_kernel(X, W, PREV, PREV_INDEX, GATES, Q, K, V, BETA, ALPHA, T, x_b, x_t, w_c, w_k, p_b, p_c, p_k,
-                     g_b, g_t, eps, HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                     KW: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, NG: tl.constexpr, BG: tl.constexpr,
-                     HAS_PREV: tl.constexpr, HAS_INDEX: tl.constexpr, W_TILE: tl.constexpr = False,
+def _conv_qkv_kernel(X, W, PREV, PREV_INDEX, GATES, Q, K, V, BETA, ALPHA, A_LOG, DT_BIAS, T, x_b, x_t, w_c, w_k, p_b,
+                     p_c, p_k, g_b, g_t, eps, scale, HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr,
+                     DV: tl.constexpr, KW: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, NG: tl.constexpr,
+                     BG: tl.constexpr, HAS_PREV: tl.constexpr, HAS_INDEX: tl.constexpr, W_TILE: tl.constexpr = False,
+                     GATE_COPY: tl.constexpr = True, DECAY: tl.constexpr = False, CHUNK: tl.constexpr = 64,
                      PDL: tl.constexpr = False):
-    # one program: BT tokens of one row (b) x one head's channels (seg: q heads, then k heads, then v heads)
+    # segments 0 .. 2 HK + HV - 1: the conv (`_conv_segment`); with DECAY one more, whose programs make the delta rule's
+    # decay and beta from the gates (into ALPHA and BETA): the work of `engine.kernels.decay`'s kernel in this launch
     await_previous_kernel(PDL)
+    if DECAY:
+        if tl.program_id(1) == 2 * HK + HV:
+            _decay_segment(GATES, A_LOG, DT_BIAS, ALPHA, BETA, T, g_b, g_t, scale, NG, CHUNK)
+        else:
+            _conv_segment(X, W, PREV, PREV_INDEX, GATES, Q, K, V, BETA, ALPHA, T, x_b, x_t, w_c, w_k, p_b, p_c, p_k,
+                          g_b, g_t, eps, HK, HV, DK, DV, KW, BT, BD, NG, BG, HAS_PREV, HAS_INDEX, W_TILE, GATE_COPY)
+    else:
+        _conv_segment(X, W, PREV, PREV_INDEX, GATES, Q, K, V, BETA, ALPHA, T, x_b, x_t, w_c, w_k, p_b, p_c, p_k, g_b,
+                      g_t, eps, HK, HV, DK, DV, KW, BT, BD, NG, BG, HAS_PREV, HAS_INDEX, W_TILE, GATE_COPY)
+
+
+@triton.jit
+def _decay_segment(GATES, A_LOG, DT_BIAS, G, BETA, T, g_b, g_t, scale, NG: tl.constexpr, CHUNK: tl.constexpr):
+    # row b's decay chunks (one per chunk and head), dealt round the segment's programs; gates: b | a
+    b = tl.program_id(2).to(tl.int64)
+    items = tl.cdiv(T, CHUNK) * NG
+    for item in range(tl.program_id(0), items, tl.num_programs(0)):
+        decay_chunk(GATES + NG, GATES, A_LOG, DT_BIAS, G, BETA, T, g_b, g_t, scale, item // NG, b, item % NG, NG,
+                    CHUNK)
+
+
+@triton.jit
+def _conv_segment(X, W, PREV, PREV_INDEX, GATES, Q, K, V, BETA, ALPHA, T, x_b, x_t, w_c, w_k, p_b, p_c, p_k, g_b, g_t,
+                  eps, HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, KW: tl.constexpr,
+                  BT: tl.constexpr, BD: tl.constexpr, NG: tl.constexpr, BG: tl.constexpr, HAS_PREV: tl.constexpr,
+                  HAS_INDEX: tl.constexpr, W_TILE: tl.constexpr, GATE_COPY: tl.constexpr):
+    # one program: BT tokens of one row (b) x one head's channels (seg: q heads, then k heads, then v heads)
     seg = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
     t = tl.program_id(0) * BT + tl.arange(0, BT)
@@ -94,15 +124,16 @@ def _conv_qkv_kernel(X, W, PREV, PREV_INDEX, GATES, Q, K, V, BETA, ALPHA, T, x_b
         y = y * (1.0 / tl.sqrt(tl.sum(y * y, axis=1) + eps))[:, None]
     if seg < HK:
         tl.store(Q + (token * HK + seg) * DK + cols[None, :], y.to(ty), mask=mask)
-        if seg == 0:
-            # the delta rule's beta and decay inputs (b | a, NG each), copied contiguous in the same pass: fla makes
-            # its inputs contiguous, which for these views of the fused projection is two more kernels per layer
-            g_cols = tl.arange(0, BG)
-            g_mask = t_ok[:, None] & (g_cols < 2 * NG)[None, :]
-            gates = tl.load(GATES + b * g_b + t[:, None] * g_t + g_cols[None, :], mask=g_mask, other=0.0)
-            is_beta = (g_cols < NG)[None, :]
-            tl.store(BETA + token * NG + g_cols[None, :], gates, mask=g_mask & is_beta)
-            tl.store(ALPHA + token * NG + (g_cols - NG)[None, :], gates, mask=g_mask & (g_cols >= NG)[None, :])
+        if GATE_COPY:
+            if seg == 0:
+                # the delta rule's beta and decay inputs (b | a, NG each), copied contiguous in the same pass: fla makes
+                # its inputs contiguous, which for these views of the fused projection is two more kernels per layer
+                g_cols = tl.arange(0, BG)
+                g_mask = t_ok[:, None] & (g_cols < 2 * NG)[None, :]
+                gates = tl.load(GATES + b * g_b + t[:, None] * g_t + g_cols[None, :], mask=g_mask, other=0.0)
+                is_beta = (g_cols < NG)[None, :]
+                tl.store(BETA + token * NG + g_cols[None, :], gates, mask=g_mask & is_beta)
+                tl.store(ALPHA + token * NG + (g_cols - NG)[None, :], gates, mask=g_mask & (g_cols >= NG)[None, :])
     elif is_qk:
         tl.store(K + (token * HK + seg - HK) * DK + cols[None, :], y.to(ty), mask=mask)
     else:
@@ -118,29 +149,68 @@ def conv_qkv(x: torch.Tensor, weight: torch.Tensor, prev: torch.Tensor | None, k
     expanded prefix state is read in place), or with prev_index [B] int64 the prefix bank's [S, C, KW-1], row b
     continuing entry prev_index[b]; gates [B, T, 2H] (the delta rule's b | a, a strided view) -> q, k [B, T, Hk, Dk]
     (L2-normalised per head) and v [B, T, Hv, Dv] of silu(causal_conv(x)), and b, a [B, T, H]: all contiguous."""
+    NG = gates.shape[-1] // 2
+    b, a = (torch.empty(*gates.shape[:-1], NG, dtype=x.dtype, device=x.device) for _ in range(2))
+    q, k, v = _conv(x, weight, prev, key_dim, head_k_dim, head_v_dim, gates, prev_index, eps, b, a)
+    return q, k, v, b, a
+
+
+def conv_qkv_decay(x: torch.Tensor, weight: torch.Tensor, prev: torch.Tensor | None, key_dim: int, head_k_dim: int,
+                   head_v_dim: int, gates: torch.Tensor, prev_index: torch.Tensor | None, A_log: torch.Tensor,
+                   dt_bias: torch.Tensor, chunk: int, scale: float, eps: float = 1e-6
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`conv_qkv`, with the delta rule's beta and decay in place of its b and a: (q, k, v, beta, g), beta and g as
+    `engine.kernels.decay.decay_and_beta` makes them from the gates ([B, T, H] float32, contiguous). At the small
+    launch (`CONV_SMALL_CONFIG`, one warp, as the decay's own kernel) they are made by extra programs of the conv's
+    launch: one launch a layer fewer at batch 1; elsewhere by `decay_and_beta`, reading the gates in place."""
+    NG = gates.shape[-1] // 2
+    if gates.stride(-1) != 1:
+        gates = gates.contiguous()
+    if _small(x, key_dim, head_k_dim, head_v_dim) and CONV_SMALL_CONFIG[1] == DECAY_WARPS:
+        g, beta = (torch.empty(*gates.shape[:-1], NG, dtype=torch.float32, device=x.device) for _ in range(2))
+        q, k, v = _conv(x, weight, prev, key_dim, head_k_dim, head_v_dim, gates, prev_index, eps, beta, g,
+                        decay=(A_log, dt_bias, chunk, scale))
+        return q, k, v, beta, g
+    q, k, v = _conv(x, weight, prev, key_dim, head_k_dim, head_v_dim, gates, prev_index, eps, None, None)
+    g, beta = decay_and_beta(gates[..., NG:], gates[..., :NG], A_log, dt_bias, chunk, scale)
+    return q, k, v, beta, g
+
+
+def _small(x: torch.Tensor, key_dim: int, head_k_dim: int, head_v_dim: int) -> bool:
+    """Whether `CONV_CONFIG` would start fewer than `CONV_FILL_PROGRAMS` programs for x, so the conv runs at
+    `CONV_SMALL_CONFIG` (both read at the call)."""
     B, T, C = x.shape
-    KW = weight.shape[1]
+    segments = 2 * (key_dim // head_k_dim) + (C - 2 * key_dim) // head_v_dim
+    return triton.cdiv(T, CONV_CONFIG[0]) * segments * B < CONV_FILL_PROGRAMS
+
+
+def _conv(x, weight, prev, key_dim, head_k_dim, head_v_dim, gates, prev_index, eps, beta, alpha, decay=None):
+    # q, k, v; the gates' b | a copied into beta and alpha (None: not copied), or with decay (A_log, dt_bias, chunk,
+    # scale) the decay and beta made into alpha and beta by the launch's extra segment
+    B, T, C = x.shape
     HK, HV = key_dim // head_k_dim, (C - 2 * key_dim) // head_v_dim
     NG = gates.shape[-1] // 2
     new = lambda *shape: torch.empty(B, T, *shape, dtype=x.dtype, device=x.device)  # noqa: E731
-    q, k, v, beta, alpha = new(HK, head_k_dim), new(HK, head_k_dim), new(HV, head_v_dim), new(NG), new(NG)
+    q, k, v = new(HK, head_k_dim), new(HK, head_k_dim), new(HV, head_v_dim)
     if B * T == 0:
-        return q, k, v, beta, alpha
+        return q, k, v
     if x.stride(-1) != 1:
         x = x.contiguous()
     if gates.stride(-1) != 1:
         gates = gates.contiguous()
     BD = triton.next_power_of_2(max(head_k_dim, head_v_dim))
-    tokens, warps = CONV_CONFIG
-    if triton.cdiv(T, tokens) * (2 * HK + HV) * B < CONV_FILL_PROGRAMS:
-        tokens, warps = CONV_SMALL_CONFIG
+    tokens, warps = CONV_SMALL_CONFIG if _small(x, key_dim, head_k_dim, head_v_dim) else CONV_CONFIG
     # the prefix state is read in the first token block only, so BT >= KW - 1
+    KW = weight.shape[1]
     BT = max(tokens, triton.next_power_of_2(KW - 1))
     state, state_strides = (prev, prev.stride()) if prev is not None else (x, (0, 0, 0))
     index = prev_index if prev_index is not None else x
-    _conv_qkv_kernel[(triton.cdiv(T, BT), 2 * HK + HV, B)](
-        x, weight, state, index, gates, q, k, v, beta, alpha, T, x.stride(0), x.stride(1), weight.stride(0),
-        weight.stride(1), *state_strides, gates.stride(0), gates.stride(1), eps, HK=HK, HV=HV, DK=head_k_dim,
-        DV=head_v_dim, KW=KW, BT=BT, BD=BD, NG=NG, BG=triton.next_power_of_2(2 * NG), HAS_PREV=prev is not None,
-        HAS_INDEX=prev_index is not None, W_TILE=CONV_WEIGHT_TILE, num_warps=warps, **pdl_launch())
-    return q, k, v, beta, alpha
+    A_log, dt_bias, chunk, scale = decay if decay is not None else (x, x, 64, 1.0)
+    _conv_qkv_kernel[(triton.cdiv(T, BT), 2 * HK + HV + (decay is not None), B)](
+        x, weight, state, index, gates, q, k, v, beta if beta is not None else x, alpha if alpha is not None else x,
+        A_log, dt_bias, T, x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), *state_strides,
+        gates.stride(0), gates.stride(1), eps, scale, HK=HK, HV=HV, DK=head_k_dim, DV=head_v_dim, KW=KW, BT=BT, BD=BD,
+        NG=NG, BG=triton.next_power_of_2(2 * NG), HAS_PREV=prev is not None, HAS_INDEX=prev_index is not None,
+        W_TILE=CONV_WEIGHT_TILE, GATE_COPY=beta is not None and decay is None, DECAY=decay is not None, CHUNK=chunk,
+        num_warps=warps, **pdl_launch())
+    return q, k, v

@@ -25,14 +25,14 @@ from fla.ops.utils.constant import RCP_LN2
 from torch.nn.functional import linear
 
 from engine.kernels import delta_rule_inputs
-from engine.kernels.delta_rule_inputs import decay_and_beta
+from engine.kernels.decay import decay_and_beta
 from engine.kernels.indexed_delta_rule import CHUNK, chunk_outputs_indexed, chunk_states_indexed
 from engine.kernels.pytorch import by_index
-from engine.kernels.causal_conv import conv_qkv
+from engine.kernels.causal_conv import conv_qkv, conv_qkv_decay
 from engine.kernels.fused import GATED, add_rms_norm, gate_attention, rms_norm_rope, row_norm, swiglu
 
-__all__ = ["delta_rule", "delta_rule_indexed", "conv_qkv", "row_norm", "gated_rms_norm", "swiglu",
-           "add_rms_norm", "qk_norm_rope", "gate_attention", "linear"]
+__all__ = ["delta_rule", "delta_rule_indexed", "decayed_delta_rule", "conv_qkv", "conv_decay", "row_norm",
+           "gated_rms_norm", "swiglu", "add_rms_norm", "qk_norm_rope", "gate_attention", "linear"]
 
 
 def delta_rule(q, k, v, a, b, A_log, dt_bias, initial_state, output_final_state, initial_index=None):
@@ -74,17 +74,43 @@ def delta_rule_indexed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: tor
     L2-normalised), v [B, T, Hv, V], a, b [B, T, Hv] (contiguous) -> o [B, T, Hv, V]. fla's forward
     (`chunk_gated_delta_rule_fwd`) step by step, its state kernel replaced by `chunk_states_indexed`, or with
     `FUSED_OUTPUT` its state and output kernels by `chunk_outputs_indexed`."""
+    g, beta = _decay(a, b, A_log, dt_bias)
+    return decayed_delta_rule(q, k, v, g, beta, bank, index)
+
+
+def _decay(a, b, A_log, dt_bias):
+    # (g, beta): the chunked log2 decay and sigmoid(b), by one kernel or (FUSED_INPUTS off) fla's two
     if FUSED_INPUTS:
-        g, beta = decay_and_beta(a, b, A_log, dt_bias, CHUNK, RCP_LN2)
-    else:
-        beta = fused_beta_sigmoid(b)
-        g = gdn_gate_chunk_cumsum(g=a, A_log=A_log, chunk_size=CHUNK, scale=RCP_LN2, dt_bias=dt_bias)
+        return decay_and_beta(a, b, A_log, dt_bias, CHUNK, RCP_LN2)
+    return (gdn_gate_chunk_cumsum(g=a, A_log=A_log, chunk_size=CHUNK, scale=RCP_LN2, dt_bias=dt_bias),
+            fused_beta_sigmoid(b))
+
+
+def decayed_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                       bank: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """`delta_rule_indexed` from its decay and beta already made: g, beta [B, T, Hv] float32 (`conv_decay`'s)."""
     w, u = _wy_representation(k, v, g, beta)
     scale = k.shape[-1] ** -0.5
     if FUSED_OUTPUT:
         return chunk_outputs_indexed(q, k, w, u, g, bank, index, scale)
     h, v_new = chunk_states_indexed(k, w, u, g, bank, index)
     return chunk_fwd_o(q=q, k=k, v=v_new, h=h, g=g, scale=scale, chunk_size=CHUNK)
+
+
+CONV_DECAY = True
+"""Whether `conv_decay` makes the delta rule's decay and beta in the conv's launch where that launch is its small one
+(batch 1: `engine.kernels.causal_conv.conv_qkv_decay`), one launch a layer fewer, the same bits; False: the conv, then
+the decay's kernel (read at each call, for `bench/probes/variant_ab.py`)."""
+
+
+def conv_decay(x, weight, prev, key_dim, head_k_dim, head_v_dim, gates, prev_index, A_log, dt_bias):
+    """`Kernels.conv_decay`: the conv's q, k, v, and the delta rule's beta and g, for `decayed_delta_rule`."""
+    if CONV_DECAY and FUSED_INPUTS:
+        return conv_qkv_decay(x, weight, prev, key_dim, head_k_dim, head_v_dim, gates, prev_index, A_log, dt_bias,
+                              CHUNK, RCP_LN2)
+    q, k, v, b, a = conv_qkv(x, weight, prev, key_dim, head_k_dim, head_v_dim, gates, prev_index)
+    g, beta = _decay(a, b, A_log, dt_bias)
+    return q, k, v, beta, g
 
 
 WY_LAUNCH: tuple[tuple[int, int], tuple[int, int]] | None = ((64, 1), (4, 3))

@@ -1,8 +1,6 @@
 """A suffix pass's delta-rule inputs in fewer launches than fla's forward makes them
 (`engine.kernels.cuda_fast.delta_rule_indexed` calls these when `engine.kernels.cuda_fast.FUSED_INPUTS` is on):
 
-- `decay_and_beta`: beta = sigmoid(b) and the chunk-local cumulative log2 decay g in one kernel, where fla launches
-  `fused_beta_sigmoid` and `gdn_gate_chunk_cumsum` (two kernels a layer);
 - `solve_into`: fla 0.6.0's fused K K^T + triangular solve (MIT licence, (c) 2023-2026 Songlin Yang, Yu Zhang,
   Zhiyuan Li and contributors) with its four forward substitutions run as one loop, so that their steps overlap;
 - `w_u_into`: fla 0.6.0's `recompute_w_u_fwd_kernel` (MIT licence, (c) 2023-2026 Songlin Yang, Yu Zhang, Zhiyuan Li
@@ -14,12 +12,9 @@
   blocks it just wrote (the same jit bodies, so the same bits), for grids too small for the launch gap between two
   kernels to hide (`engine.kernels.cuda_fast.FUSED_WY_SMALL_LAUNCH`).
 
-The arithmetic is fla's, in fla's order: the sigmoid, fla's `softplus` and `exp`, the same scan over a chunk's 64 decays
-at fla's pinned launch (1 warp: the scan's tree follows the warps), the same dots and reductions. On the GPU the suffix
-pass's delta rule is checked against fla's own forward bit for bit (`tests/engine/kernels/test_delta_rule.py`).
-
-Triton's interpreter runs these on a CPU: without fla installed, `softplus` is the formula fla itself uses off
-NVIDIA GPUs.
+The decay and beta they read come from `engine.kernels.decay`. The arithmetic is fla's, in fla's order: the same dots
+and reductions. On the GPU the suffix pass's delta rule is checked against fla's own forward bit for bit
+(`tests/engine/kernels/test_delta_rule.py`). Triton's interpreter runs these on a CPU.
 """
 from __future__ import annotations
 
@@ -28,49 +23,6 @@ import triton
 import triton.language as tl
 
 from engine.kernels.pdl import await_previous_kernel, pdl_launch
-
-try:   # fla's softplus: inline PTX on NVIDIA GPUs, so that the decay has the bits of fla's own gate kernel
-    from fla.ops.utils.softplus import softplus as _softplus
-except ImportError:
-    @triton.jit
-    def _softplus(x):
-        return tl.where(x < 20.0, tl.math.log(1 + tl.math.exp(x)), x)
-
-DECAY_WARPS = 1
-"""Warps of `decay_and_beta`: fla's first candidate for its gate kernel, the one `engine.kernels.cuda_fast` pins."""
-
-
-@triton.jit(do_not_specialize=["T"])
-def _decay_and_beta_kernel(a, b, A_log, dt_bias, g, beta, T, scale, H: tl.constexpr, BT: tl.constexpr,
-                           PDL: tl.constexpr = False):
-    # one program: one chunk of one row's head; fla's `gdn_gate_chunk_cumsum_scalar_kernel` plus the sigmoid
-    await_previous_kernel(PDL)
-    i_t, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
-    i_b, i_h = i_bh // H, i_bh % H
-    o_t = i_t * BT + tl.arange(0, BT)
-    m_t = o_t < T
-    at = (i_b * T + o_t) * H + i_h
-    b_b = tl.load(b + at, mask=m_t, other=0.0).to(tl.float32)
-    tl.store(beta + at, tl.sigmoid(b_b).to(beta.dtype.element_ty), mask=m_t)
-    b_a = tl.load(a + at, mask=m_t, other=0.0).to(tl.float32) + tl.load(dt_bias + i_h).to(tl.float32)
-    b_gate = -tl.exp(tl.load(A_log + i_h).to(tl.float32)) * _softplus(b_a)
-    b_o = tl.cumsum(b_gate, axis=0)
-    b_o *= scale
-    tl.store(g + at, b_o.to(g.dtype.element_ty), mask=m_t)
-
-
-def decay_and_beta(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, chunk: int,
-                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """a, b [B, T, H] (contiguous) -> (g, beta), both [B, T, H] float32: g the cumulative sum, within each chunk of
-    `chunk` tokens, of -exp(A_log) * softplus(a + dt_bias), times scale (fla's `gdn_gate_chunk_cumsum`); beta =
-    sigmoid(b) (fla's `fused_beta_sigmoid`)."""
-    B, T, H = a.shape
-    g, beta = (torch.empty(B, T, H, dtype=torch.float32, device=a.device) for _ in range(2))
-    if B * T:
-        _decay_and_beta_kernel[(triton.cdiv(T, chunk), B * H)](a, b, A_log, dt_bias, g, beta, T, scale, H=H, BT=chunk,
-                                                               num_warps=DECAY_WARPS, **pdl_launch())
-    return g, beta
-
 
 W_U_BLOCK = 64
 """Key and value columns a w/u program computes at a time (fla's `recompute_w_u_fwd` block), in both w/u launches."""

@@ -44,6 +44,11 @@ class Kernels:
         `l2norm`) and v [B, T, Hv, Dv], and gates (the delta rule's b | a) split into b, a [B, T, H]; prev: the
         previous K-1 inputs, oldest first, [B, C, K-1] or None, or with prev_index [B] the prefix bank's [S, C, K-1],
         row b continuing entry prev_index[b];
+    conv_decay(x, weight, prev, key_dim, head_k_dim, head_v_dim, gates, prev_index, A_log, dt_bias) -> (q, k, v,
+        beta, g): `conv_qkv` with the delta rule's beta = sigmoid(b) and chunked log2 decay g ([B, T, H] float32) in
+        place of its b and a, for `decayed_delta_rule`; None: `conv_qkv`, then `delta_rule`;
+    decayed_delta_rule(q, k, v, g, beta, initial_state, initial_index) -> out: `delta_rule`'s output for rows starting
+        from the bank's entries by index, with no final state (a suffix pass), from `conv_decay`'s beta and g;
     rms_norm(x, weight, eps), weight already 1 + w for Qwen3.5's zero-centred norms, float32;
     gated_rms_norm(x, gate, weight, eps) = norm(x) * weight * silu(gate);
     swiglu(gate, up) = silu(gate) * up;
@@ -107,6 +112,8 @@ class Kernels:
     vocab_logsumexp: Callable | None = None
     ordered_mass: Callable | None = None
     score_rows: Callable | None = None
+    conv_decay: Callable | None = None
+    decayed_delta_rule: Callable | None = None
     attend_by_request: bool = False
     batch_invariant: bool = False
 
@@ -170,7 +177,8 @@ def fla_kernels() -> Kernels:
                    f.qk_norm_rope, f.gate_attention, f.linear, add_linear=torch_k.torch_add_linear,
                    indexed_attention=bi.indexed_attention, suffix_attention=suffix_attention,
                    answer_attention=answer_attention, row_logsumexp=row_logsumexp, vocab_logsumexp=vocab_logsumexp,
-                   ordered_mass=ordered_mass, score_rows=score_rows)
+                   ordered_mass=ordered_mass, score_rows=score_rows, conv_decay=f.conv_decay,
+                   decayed_delta_rule=f.decayed_delta_rule)
 
 
 def batch_invariant_kernels(table: Kernels, gemm_weights: Sequence[torch.Tensor],

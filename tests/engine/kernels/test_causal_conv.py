@@ -72,3 +72,33 @@ def test_conv_qkv_gives_the_same_bits_at_its_small_grid_launch_and_with_weight_t
             outs.append(conv_qkv(*args))
     assert causal_conv.CONV_SMALL_CONFIG != causal_conv.CONV_CONFIG
     assert all(torch.equal(a, b) for out in outs[1:] for a, b in zip(outs[0], out))
+
+
+@pytest.mark.parametrize("small", [(4, 1), (16, 1), None], ids=["batch-1-launch", "fewer-programs-than-chunks",
+                                                                 "large-launch"])
+def test_conv_qkv_decay_gives_the_conv_and_the_decay_kernels_bits(monkeypatch, small):
+    """`conv_qkv_decay`: q, k, v as `conv_qkv` gives them, and beta and g as `decay.decay_and_beta` makes them from the
+    gates, bit for bit, whether they are made by the conv launch's extra programs (its small launch at one warp, as
+    the decay's own kernel; with more chunks than programs, several chunks a program) or by the decay's kernel reading
+    the gates in place (the large launch): a row scored alone must get the bits it gets in a batch."""
+    from engine.kernels import causal_conv
+    from engine.kernels.causal_conv import conv_qkv, conv_qkv_decay
+    from engine.kernels.decay import decay_and_beta
+
+    B, T, Hk, D, Hv, KW, chunk, scale = 2, 150, 2, 16, 4, 4, 64, 1.4426950408889634
+    C = 2 * Hk * D + Hv * D
+    qkv, _z, gates = fused_pieces(B * T, [C, Hv * D, 2 * Hv], torch.bfloat16, seed=12)
+    g = torch.Generator().manual_seed(13)
+    weight = (torch.randn(C, KW, generator=g) * 0.5).to(DEV, torch.bfloat16).t().contiguous().t()
+    prev = torch.randn(3, KW - 1, C, generator=g).to(DEV, torch.bfloat16).transpose(1, 2)
+    A_log, dt_bias = torch.randn(Hv, generator=g).to(DEV), torch.randn(Hv, generator=g).to(DEV, torch.bfloat16)
+    args = (qkv.view(B, T, C), weight, prev, Hk * D, D, D, gates.view(B, T, 2 * Hv), torch.tensor([2, 0], device=DEV))
+    if small is not None:
+        monkeypatch.setattr(causal_conv, "CONV_SMALL_CONFIG", small)
+    monkeypatch.setattr(causal_conv, "CONV_FILL_PROGRAMS", 10 ** 9 if small else 0)
+    q, k, v, b, a = conv_qkv(*args)
+    want_g, want_beta = decay_and_beta(a, b, A_log, dt_bias, chunk, scale)
+    got = conv_qkv_decay(*args, A_log, dt_bias, chunk, scale)
+    for got_t, want_t in zip(got, (q, k, v, want_beta, want_g)):
+        assert got_t.shape == want_t.shape and got_t.dtype == want_t.dtype and got_t.is_contiguous()
+        assert torch.equal(got_t, want_t)

@@ -127,9 +127,10 @@ def test_delta_rule_indexed_is_flas_delta_rule_from_the_copied_states(monkeypatc
 
 
 def test_decay_and_beta_are_flas_gate_cumsum_and_sigmoid_in_one_kernel():
-    """`delta_rule_inputs.decay_and_beta` against the formulas (a last chunk cut short, several heads and rows), and
-    on a GPU with fla bit for bit against fla's two kernels it replaces."""
-    from engine.kernels.delta_rule_inputs import decay_and_beta
+    """`decay.decay_and_beta` against the formulas (a last chunk cut short, several heads and rows), read from a and b
+    contiguous or as views of one projection (the same bits), and on a GPU with fla bit for bit against fla's two
+    kernels it replaces."""
+    from engine.kernels.decay import decay_and_beta
 
     g = torch.Generator().manual_seed(21)
     B, T, H, chunk, scale = 2, 150, 3, 64, 1.4426950408889634
@@ -141,6 +142,12 @@ def test_decay_and_beta_are_flas_gate_cumsum_and_sigmoid_in_one_kernel():
     want = torch.cat([c.cumsum(1) for c in gate.split(chunk, dim=1)], dim=1) * scale
     torch.testing.assert_close(decay.cpu(), want, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(beta.cpu(), b.float().sigmoid(), atol=1e-6, rtol=1e-6)
+    projection = torch.cat([torch.randn(B, T, 5, generator=g).to(torch.bfloat16), b, a], dim=-1).to(DEV)
+    strided = decay_and_beta(projection[..., 5 + H:], projection[..., 5:5 + H], A_log.to(DEV), dt_bias.to(DEV), chunk,
+                             scale)
+    assert torch.equal(strided[0], decay) and torch.equal(strided[1], beta)
+    with pytest.raises(ValueError, match="one layout"):
+        decay_and_beta(projection[..., 5 + H:], b.to(DEV), A_log.to(DEV), dt_bias.to(DEV), chunk, scale)
     if torch.cuda.is_available() and _has_fla():
         from fla.ops.common.gate import fused_beta_sigmoid
         from fla.ops.gated_delta_rule.gate import gdn_gate_chunk_cumsum

@@ -9,6 +9,7 @@ two can still pass here and fail there.)"""
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 
@@ -16,6 +17,7 @@ triton = pytest.importorskip("triton")
 if os.environ.get("TRITON_INTERPRET") == "1":
     pytest.skip("the interpreter replaces the compiler", allow_module_level=True)
 
+from engine.kernels import decay  # noqa: E402
 from engine.kernels import delta_rule_inputs as dri  # noqa: E402
 from tests.engine.kernels.test_triton_ptx import _compiled  # noqa: E402
 
@@ -44,9 +46,10 @@ def test_the_launches_here_are_cuda_fasts():
 
 def test_decay_and_beta_compiles():
     sig = {**_signature({"a": "*bf16", "b": "*bf16", "A_log": "*fp32", "dt_bias": "*bf16", "g": "*fp32",
-                         "beta": "*fp32"}, ("T",), ()), "scale": "fp32", "H": "constexpr", "BT": "constexpr",
-           "PDL": "constexpr"}
-    assert _cubin(dri._decay_and_beta_kernel, sig, dict(H=SHAPE["HV"], BT=SHAPE["BT"], PDL=False), dri.DECAY_WARPS)
+                         "beta": "*fp32"}, ("T", "row_stride", "token_stride"), ()), "scale": "fp32",
+           "H": "constexpr", "BT": "constexpr", "PDL": "constexpr"}
+    assert _cubin(decay._decay_and_beta_kernel, sig, dict(H=SHAPE["HV"], BT=SHAPE["BT"], PDL=False),
+                  decay.DECAY_WARPS)
 
 
 @pytest.mark.parametrize("launch", ["WY_LAUNCH", "WY_SMALL_LAUNCH"])
@@ -73,3 +76,39 @@ def test_the_one_launch_solve_and_w_u_compiles_in_every_split(parts):
     constants = dict(SHAPE, BC=16, BK=bk, PRECISION="tf32", W_U_BK=dri.W_U_BLOCK, PARTS=parts, COUNT=blocks // parts,
                      PDL=False)
     assert _cubin(dri._solve_w_u_kernel, sig, constants, warps, stages)
+
+
+def _scan_layouts(ttgir: str) -> list[str]:
+    """The layouts (their definitions, not their names) of every scan's operand in a kernel's TTGIR."""
+    aliases = dict(re.findall(r"^(#\w+) = (.*)$", ttgir, flags=re.M))
+    scanned = re.findall(r'"tt\.scan"\(%[\w.]+\).*?\(tensor<\d+xf32, (#\w+)>\)', ttgir, flags=re.S)
+    return [aliases[name] for name in scanned]
+
+
+def test_the_conv_launchs_decay_scans_its_chunks_in_the_decay_kernels_layout():
+    """The decay's scan over a chunk sums in a tree that follows the layout of the values scanned. The conv's small
+    launch (`causal_conv.conv_qkv_decay`, batch 1) runs `decay.decay_chunk` beside the conv; the decay's own kernel
+    (larger batches) runs it alone: compiled, both must scan in one layout, or batch 1's decay would not be batch 8's."""
+    from engine.kernels import causal_conv
+
+    conv_sig = {"X": "*bf16", "W": "*bf16", "PREV": "*bf16", "PREV_INDEX": "*i64", "GATES": "*bf16", "Q": "*bf16",
+                "K": "*bf16", "V": "*bf16", "BETA": "*fp32", "ALPHA": "*fp32", "A_LOG": "*fp32", "DT_BIAS": "*bf16",
+                "T": "i32", "x_b": "i32", "x_t": "i32", "w_c": "constexpr", "w_k": "i32", "p_b": "i32",
+                "p_c": "constexpr", "p_k": "i32", "g_b": "i32", "g_t": "i32", "eps": "fp32", "scale": "fp32",
+                **{n: "constexpr" for n in ("HK", "HV", "DK", "DV", "KW", "BT", "BD", "NG", "BG", "HAS_PREV",
+                                            "HAS_INDEX", "W_TILE", "GATE_COPY", "DECAY", "CHUNK")}}
+    tokens, warps = causal_conv.CONV_SMALL_CONFIG
+    conv = _compiled(causal_conv._conv_qkv_kernel, conv_sig,
+                     dict(w_c=1, p_c=1, HK=16, HV=16, DK=128, DV=128, KW=4, BT=tokens, BD=128, NG=16, BG=32,
+                          HAS_PREV=True, HAS_INDEX=True, W_TILE=causal_conv.CONV_WEIGHT_TILE, GATE_COPY=False,
+                          DECAY=True, CHUNK=SHAPE["BT"]),
+                     dict(T=184, x_b=184 * 8224, x_t=8224, w_k=6144, p_b=3 * 6144, p_k=6144, g_b=184 * 8224, g_t=8224),
+                     warps)
+    decay_sig = {**_signature({"a": "*bf16", "b": "*bf16", "A_log": "*fp32", "dt_bias": "*bf16", "g": "*fp32",
+                               "beta": "*fp32"}, ("T", "row_stride", "token_stride"), ()), "scale": "fp32",
+                 "H": "constexpr", "BT": "constexpr", "PDL": "constexpr"}
+    alone = _compiled(decay._decay_and_beta_kernel, decay_sig, dict(H=16, BT=SHAPE["BT"], PDL=False),
+                      dict(T=184, row_stride=184 * 16, token_stride=16), decay.DECAY_WARPS)
+    assert warps == decay.DECAY_WARPS
+    in_conv, in_decay = _scan_layouts(conv.asm["ttgir"]), _scan_layouts(alone.asm["ttgir"])
+    assert len(in_conv) == len(in_decay) == 1 and in_conv == in_decay

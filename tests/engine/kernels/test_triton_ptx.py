@@ -102,9 +102,9 @@ def test_conv_kernel_loads_the_projection_and_the_prefix_state_in_16_byte_vector
     # as launched: the tap-major weight's channel stride and the time-major bank's (`PrefixBank`) are 1, and Triton
     # 3.6 makes an int argument equal to 1 a constant (`native_specialize_impl(..., 1, ...)` -> ('constexpr', 1))
     sig = {"X": "*bf16", "W": "*bf16", "PREV": "*bf16", "PREV_INDEX": "*i64", "GATES": "*bf16", "Q": "*bf16",
-           "K": "*bf16", "V": "*bf16", "BETA": "*bf16", "ALPHA": "*bf16", "T": "i32", "x_b": "i32", "x_t": "i32",
-           "w_c": "constexpr", "w_k": "i32", "p_b": "i32", "p_c": "constexpr", "p_k": "i32", "g_b": "i32",
-           "g_t": "i32", "eps": "fp32", **{n: "constexpr" for n in ("HK", "HV", "DK", "DV", "KW", "BT", "BD", "NG",
+           "K": "*bf16", "V": "*bf16", "BETA": "*bf16", "ALPHA": "*bf16", "A_LOG": "*fp32", "DT_BIAS": "*bf16",
+           "T": "i32", "x_b": "i32", "x_t": "i32", "w_c": "constexpr", "w_k": "i32", "p_b": "i32", "p_c": "constexpr",
+           "p_k": "i32", "g_b": "i32", "g_t": "i32", "eps": "fp32", "scale": "fp32", **{n: "constexpr" for n in ("HK", "HV", "DK", "DV", "KW", "BT", "BD", "NG",
                                                                      "BG", "HAS_PREV", "HAS_INDEX")}}
     ints = _ints(["T", "x_b", "x_t", "w_k", "p_b", "p_k", "g_b", "g_t"], T=184, x_b=184 * 8224, x_t=8224, w_k=6144,
                  p_b=3 * 6144, p_k=6144, g_b=184 * 8224, g_t=8224)
