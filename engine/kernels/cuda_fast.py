@@ -97,10 +97,12 @@ def decayed_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
     return chunk_fwd_o(q=q, k=k, v=v_new, h=h, g=g, scale=scale, chunk_size=CHUNK)
 
 
-CONV_DECAY = True
+CONV_DECAY = False
 """Whether `conv_decay` makes the delta rule's decay and beta in the conv's launch where that launch is its small one
-(batch 1: `engine.kernels.causal_conv.conv_qkv_decay`), one launch a layer fewer, the same bits; False: the conv, then
-the decay's kernel (read at each call, for `bench/probes/variant_ab.py`)."""
+(batch 1: `engine.kernels.causal_conv.conv_qkv_decay`), one launch a layer fewer, meant to give the same bits; False:
+the conv (copying b and a), then the decay's kernel, as before it. Off until the GPU has run its tests and timed it
+(no device could be started in the session that wrote it; `bench/README.md`'s queue). Read at each call, for
+`bench/probes/variant_ab.py` (`--variant "conv-decay:engine.kernels.cuda_fast.CONV_DECAY=True"`)."""
 
 
 def conv_decay(x, weight, prev, key_dim, head_k_dim, head_v_dim, gates, prev_index, A_log, dt_bias):
