@@ -1,5 +1,5 @@
 """A suffix pass's delta-rule inputs in fewer launches than fla's forward makes them
-(`engine.kernels.cuda_fast.delta_rule_indexed` calls these when `engine.kernels.cuda_fast.FUSED_INPUTS` is on):
+(`engine.kernels.cuda_fast.decayed_delta_rule` calls these when `engine.kernels.cuda_fast.FUSED_INPUTS` is on):
 
 - `solve_into`: fla 0.6.0's fused K K^T + triangular solve (MIT licence, (c) 2023-2026 Songlin Yang, Yu Zhang,
   Zhiyuan Li and contributors) with its four forward substitutions run as one loop, so that their steps overlap;
