@@ -44,11 +44,14 @@ def test_the_launches_here_are_cuda_fasts():
     assert {name: getattr(cuda_fast, name) for name in LAUNCHES} == LAUNCHES
 
 
+def _decay_signature() -> dict[str, str]:
+    return {**_signature({"a": "*bf16", "b": "*bf16", "A_log": "*fp32", "dt_bias": "*bf16", "g": "*fp32",
+                          "beta": "*fp32"}, ("T", "row_stride", "token_stride"), ()), "scale": "fp32",
+            "H": "constexpr", "BT": "constexpr", "PDL": "constexpr"}
+
+
 def test_decay_and_beta_compiles():
-    sig = {**_signature({"a": "*bf16", "b": "*bf16", "A_log": "*fp32", "dt_bias": "*bf16", "g": "*fp32",
-                         "beta": "*fp32"}, ("T", "row_stride", "token_stride"), ()), "scale": "fp32",
-           "H": "constexpr", "BT": "constexpr", "PDL": "constexpr"}
-    assert _cubin(decay._decay_and_beta_kernel, sig, dict(H=SHAPE["HV"], BT=SHAPE["BT"], PDL=False),
+    assert _cubin(decay._decay_and_beta_kernel, _decay_signature(), dict(H=SHAPE["HV"], BT=SHAPE["BT"], PDL=False),
                   decay.DECAY_WARPS)
 
 
@@ -88,7 +91,8 @@ def _scan_layouts(ttgir: str) -> list[str]:
 def test_the_conv_launchs_decay_scans_its_chunks_in_the_decay_kernels_layout():
     """The decay's scan over a chunk sums in a tree that follows the layout of the values scanned. The conv's small
     launch (`causal_conv.conv_qkv_decay`, batch 1) runs `decay.decay_chunk` beside the conv; the decay's own kernel
-    (larger batches) runs it alone: compiled, both must scan in one layout, or batch 1's decay would not be batch 8's."""
+    (larger batches) runs it alone: compiled, both must scan in one layout, or batch 1's decay would not be batch
+    8's."""
     from engine.kernels import causal_conv
 
     conv_sig = {"X": "*bf16", "W": "*bf16", "PREV": "*bf16", "PREV_INDEX": "*i64", "GATES": "*bf16", "Q": "*bf16",
@@ -104,10 +108,7 @@ def test_the_conv_launchs_decay_scans_its_chunks_in_the_decay_kernels_layout():
                           DECAY=True, CHUNK=SHAPE["BT"]),
                      dict(T=184, x_b=184 * 8224, x_t=8224, w_k=6144, p_b=3 * 6144, p_k=6144, g_b=184 * 8224, g_t=8224),
                      warps)
-    decay_sig = {**_signature({"a": "*bf16", "b": "*bf16", "A_log": "*fp32", "dt_bias": "*bf16", "g": "*fp32",
-                               "beta": "*fp32"}, ("T", "row_stride", "token_stride"), ()), "scale": "fp32",
-                 "H": "constexpr", "BT": "constexpr", "PDL": "constexpr"}
-    alone = _compiled(decay._decay_and_beta_kernel, decay_sig, dict(H=16, BT=SHAPE["BT"], PDL=False),
+    alone = _compiled(decay._decay_and_beta_kernel, _decay_signature(), dict(H=16, BT=SHAPE["BT"], PDL=False),
                       dict(T=184, row_stride=184 * 16, token_stride=16), decay.DECAY_WARPS)
     assert warps == decay.DECAY_WARPS
     in_conv, in_decay = _scan_layouts(conv.asm["ttgir"]), _scan_layouts(alone.asm["ttgir"])
