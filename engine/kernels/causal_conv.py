@@ -57,15 +57,21 @@ def _conv_qkv_kernel(X, W, PREV, PREV_INDEX, GATES, Q, K, V, BETA, ALPHA, A_LOG,
     # segments 0 .. 2 HK + HV - 1: the conv (`_conv_segment`); with DECAY one more, whose programs make the delta rule's
     # decay and beta from the gates (into ALPHA and BETA): the work of `engine.kernels.decay`'s kernel in this launch
     await_previous_kernel(PDL)
-    if DECAY:
-        if tl.program_id(1) == 2 * HK + HV:
-            _decay_segment(GATES, A_LOG, DT_BIAS, ALPHA, BETA, T, g_b, g_t, scale, NG, CHUNK)
-        else:
-            _conv_segment(X, W, PREV, PREV_INDEX, GATES, Q, K, V, BETA, ALPHA, T, x_b, x_t, w_c, w_k, p_b, p_c, p_k,
-                          g_b, g_t, eps, HK, HV, DK, DV, KW, BT, BD, NG, BG, HAS_PREV, HAS_INDEX, W_TILE, GATE_COPY)
+    if _in_decay_segment(HK, HV, DECAY):
+        _decay_segment(GATES, A_LOG, DT_BIAS, ALPHA, BETA, T, g_b, g_t, scale, NG, CHUNK)
     else:
         _conv_segment(X, W, PREV, PREV_INDEX, GATES, Q, K, V, BETA, ALPHA, T, x_b, x_t, w_c, w_k, p_b, p_c, p_k, g_b,
                       g_t, eps, HK, HV, DK, DV, KW, BT, BD, NG, BG, HAS_PREV, HAS_INDEX, W_TILE, GATE_COPY)
+
+
+@triton.jit
+def _in_decay_segment(HK: tl.constexpr, HV: tl.constexpr, DECAY: tl.constexpr):
+    # whether this program is one of the decay's; without DECAY a compile-time False, so that the launch compiles the
+    # conv alone, as it did before the decay's segment existed
+    if DECAY:
+        return tl.program_id(1) == 2 * HK + HV
+    else:
+        return False
 
 
 @triton.jit
