@@ -245,14 +245,14 @@ def test_gpu_pipeline_says_whether_closes_kept_the_budgets_plan_and_the_gpu_free
 def test_gpu_pipeline_says_how_often_the_planner_gathered_and_for_how_long():
     # (arrived, closed, launched, scored, gathering window at the close), ms: two of three cycles planned a window
     cycles = [(100.0, 102.0, 103.0, 110.0, 0.0), (104.0, 108.5, 110.5, 121.0, 4.5), (112.0, 119.3, 121.4, 130.0, 6.0)]
-    events = _log(*(_line(1.0 + k, "committed", scored=3, dead_letters={}, arrived_monotonic_ms=arrived,
-                          arrival_to_visible_ms=scored - arrived + 3, closed_ms=closed - arrived,
-                          launched_ms=launched - arrived, scored_ms=scored - arrived, gather_ms=window)
-                    for k, (arrived, closed, launched, scored, window) in enumerate(cycles)))
-    pipeline = gpu_pipeline(events, since=T0)
+
+    def events(with_window: bool) -> list[dict]:
+        return _log(*(_line(1.0 + k, "committed", scored=3, dead_letters={}, arrived_monotonic_ms=arrived,
+                            arrival_to_visible_ms=scored - arrived + 3, closed_ms=closed - arrived,
+                            launched_ms=launched - arrived, scored_ms=scored - arrived,
+                            **({"gather_ms": window} if with_window else {}))
+                      for k, (arrived, closed, launched, scored, window) in enumerate(cycles)))
+
+    pipeline = gpu_pipeline(events(True), since=T0)
     assert pipeline["gather_window_ms"] == 4.5 and pipeline["gathering_fraction"] == round(2 / 3, 3)
-    without = _log(*(_line(1.0 + k, "committed", scored=3, dead_letters={}, arrived_monotonic_ms=arrived,
-                           arrival_to_visible_ms=scored - arrived + 3, closed_ms=closed - arrived,
-                           launched_ms=launched - arrived, scored_ms=scored - arrived)
-                     for k, (arrived, closed, launched, scored, _) in enumerate(cycles)))
-    assert "gather_window_ms" not in gpu_pipeline(without, since=T0)
+    assert "gather_window_ms" not in gpu_pipeline(events(False), since=T0)
