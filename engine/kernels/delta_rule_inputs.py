@@ -43,7 +43,7 @@ def _w_u_chunk(k, v, beta, w, u, A, g, T, i_t, i_bh, H: tl.constexpr, HV: tl.con
     bos, i_h, o_t, m_t, b_b, b_A = _w_u_chunk_loads(beta, A, T, i_t, i_bh, HV, BT)
     for i_v in range(tl.cdiv(V, BV)):
         _u_block(v, u, b_A, b_b, bos, i_h, o_t, m_t, i_v, HV, V, BV)
-    b_g = tl.math.exp2(tl.load(g + (bos * HV + i_h) + o_t * HV, mask=m_t, other=0.0).to(tl.float32))
+    b_g = _decay_factors(g, bos, i_h, o_t, m_t, HV)
     for i_k in range(tl.cdiv(K, BK)):
         _w_block(k, w, b_A, b_b, b_g, bos, i_h, o_t, m_t, i_k, H, HV, K, BK)
 
@@ -91,12 +91,18 @@ def _w_block(k, w, b_A, b_b, b_g, bos, i_h, o_t, m_t, i_k, H: tl.constexpr, HV: 
 
 
 @triton.jit
+def _decay_factors(g, bos, i_h, o_t, m_t, HV: tl.constexpr):
+    # 2^g at the chunk's tokens, what w's key blocks scale k by (each caller reads it where fla's kernel does)
+    return tl.math.exp2(tl.load(g + (bos * HV + i_h) + o_t * HV, mask=m_t, other=0.0).to(tl.float32))
+
+
+@triton.jit
 def _w_u_part(k, v, beta, w, u, A, g, T, i_t, i_bh, first, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
               V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, COUNT: tl.constexpr):
     # column blocks first .. first + COUNT - 1 of the chunk's u (its value blocks, first) and w (its key blocks):
     # `_w_u_chunk`'s blocks, so programs sharing a chunk give its bits
     bos, i_h, o_t, m_t, b_b, b_A = _w_u_chunk_loads(beta, A, T, i_t, i_bh, HV, BT)
-    b_g = tl.math.exp2(tl.load(g + (bos * HV + i_h) + o_t * HV, mask=m_t, other=0.0).to(tl.float32))
+    b_g = _decay_factors(g, bos, i_h, o_t, m_t, HV)
     NVB: tl.constexpr = (V + BV - 1) // BV
     for j in tl.static_range(COUNT):
         if first + j < NVB:
